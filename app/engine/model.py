@@ -1,0 +1,319 @@
+"""The target transformer as a lean, pure ``nn.Module`` with a slot KV cache and ragged batched forward.
+
+Owns: the decoder math of Llama-family causal LMs (Llama, Mistral, Qwen2, Qwen3: RMSNorm, rotary
+embeddings, grouped-query attention, SwiGLU MLP, optional q/k norm and qkv bias), the KV cache layout and
+the capture of hidden states at chosen layers. Does not own: loading weights (``loader.py``), tokens,
+sampling or request bookkeeping (``engine.py``). No I/O here.
+
+Why not the transformers model: one decode step of SmolLM2-135M through it costs ~66 ms on 2 CPU cores,
+mostly per-module Python overhead (MEASURED.md); this module runs the same math with fused projections and
+one attention call per layer for the whole ragged batch.
+
+KV cache layout: per layer ``[S, Hkv, Tmax, Dh]`` (S slots, one request per slot). A step attends over a
+*view* of the rows ``[lo, hi)`` spanning its requests' slots, so no request's cache is ever copied.
+Rows of that range that are not in the step get masked dummy queries.
+
+Shape symbols: see ``app/engine/types.py``; also S slots, Tmax cache capacity per slot, H query heads,
+Hkv key/value heads, G = H / Hkv, Dh head dim, Dm hidden size, Lq the longest query run in a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Hyperparameters of a Llama-family decoder (read from a transformers config)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelArgs":
+        """Build from a ``transformers.PretrainedConfig``.
+
+        Raises:
+            ValueError: for an architecture or rope scaling this module does not implement.
+        """
+        archs = tuple(getattr(config, "architectures", None) or ())
+        model_type = config.model_type
+        if model_type not in ("llama", "mistral", "qwen2", "qwen3") and not set(archs) & set(
+            SUPPORTED_ARCHITECTURES
+        ):
+            raise ValueError(
+                f"unsupported target architecture {archs or model_type!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"unsupported rope_type {rope_type!r} (only 'default' rotary embeddings)")
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(config.tie_word_embeddings),
+            qkv_bias=bool(getattr(config, "attention_bias", False)) or model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+        )
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each token of a ragged step goes; built once per step, shared by all layers.
+
+    Request i of the step owns cache slot ``slots[i]``, already holds ``starts[i]`` tokens in it and
+    brings ``lengths[i]`` new ones. Tokens are flattened request-major into ``[N]``.
+    """
+
+    # [N] absolute position of each new token
+    positions: torch.Tensor
+    # [N] cache slot of each new token
+    token_slots: torch.Tensor
+    # [N] row of each token in the padded query block (slot - lo)
+    token_rows: torch.Tensor
+    # [N] offset of each token inside its request's run of new tokens
+    token_offsets: torch.Tensor
+    # [R, 1, G * Lq, Tk] bool, True where attention is allowed
+    mask: torch.Tensor
+    lo: int  # first cache row of the attention view
+    rows: int  # R = hi - lo
+    max_len: int  # Lq
+    key_len: int  # Tk = max(starts + lengths)
+
+    @classmethod
+    def build(
+        cls, *, slots: list[int], starts: list[int], lengths: list[int], groups: int, device: torch.device
+    ) -> "StepLayout":
+        """Compute the layout of a step (see class docstring); ``groups`` is G = H / Hkv."""
+        lo, hi = min(slots), max(slots) + 1
+        rows, max_len = hi - lo, max(lengths)
+        key_len = max(s + n for s, n in zip(starts, lengths))
+        row_of = torch.tensor([s - lo for s in slots], dtype=torch.long)
+        start_t = torch.tensor(starts, dtype=torch.long)
+        len_t = torch.tensor(lengths, dtype=torch.long)
+        token_req = torch.repeat_interleave(torch.arange(len(slots)), len_t)
+        first = torch.cumsum(len_t, 0) - len_t
+        offsets = torch.arange(int(len_t.sum())) - first[token_req]
+        # Per cache row of the view: how many cached tokens precede the queries and how many queries.
+        row_start = torch.zeros(rows, dtype=torch.long)
+        row_len = torch.zeros(rows, dtype=torch.long)
+        row_start[row_of] = start_t
+        row_len[row_of] = len_t
+        q_idx = torch.arange(max_len)
+        k_idx = torch.arange(key_len)
+        # Query i of a row may see keys j <= start + i (causal within the new run, full over the cache).
+        allowed = k_idx[None, None, :] <= (row_start[:, None, None] + q_idx[None, :, None])
+        valid_q = q_idx[None, :] < row_len[:, None]
+        # Padded or dummy queries see only key 0 so softmax stays finite; their output is discarded.
+        allowed = torch.where(valid_q[:, :, None], allowed, k_idx[None, None, :] == 0)
+        mask = allowed[:, None].repeat(1, 1, groups, 1).to(device)
+        return cls(
+            positions=(start_t[token_req] + offsets).to(device),
+            token_slots=torch.tensor(slots, dtype=torch.long)[token_req].to(device),
+            token_rows=row_of[token_req].to(device),
+            token_offsets=offsets.to(device),
+            mask=mask,
+            lo=lo,
+            rows=rows,
+            max_len=max_len,
+            key_len=key_len,
+        )
+
+
+class KVCache(nn.Module):
+    """Slot KV cache: ``k``/``v`` of shape ``[layers, S, Hkv, Tmax, Dh]``, one slot per request."""
+
+    def __init__(self, args: ModelArgs, *, num_slots: int, max_len: int, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        shape = (args.num_layers, num_slots, args.num_kv_heads, max_len, args.head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one cached token costs over all layers (k and v)."""
+        layers, _, hkv, _, dh = self.k.shape
+        return 2 * layers * hkv * dh * self.k.element_size()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 as the reference implementations do."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin tables [max_position_embeddings, Dh] of the default rotary embedding."""
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim))
+    angles = torch.outer(torch.arange(args.max_position_embeddings).float(), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, half-split convention of transformers' Llama. x: [N, H, Dh]; cos/sin: [N, 1, Dh]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer with fused qkv and gate/up projections."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        q_out = args.num_heads * args.head_dim
+        kv_out = args.num_kv_heads * args.head_dim
+        self.qkv = nn.Linear(args.hidden_size, q_out + 2 * kv_out, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_out, args.hidden_size, bias=False)
+        self.gate_up = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.input_norm = nn.Parameter(torch.ones(args.hidden_size))
+        self.post_attn_norm = nn.Parameter(torch.ones(args.hidden_size))
+        if args.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(args.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(args.head_dim))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        layer: int,
+        cache: KVCache,
+        layout: StepLayout,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """x: [N, Dm] -> [N, Dm]; writes this step's keys/values into ``cache`` at their slots."""
+        a = self.args
+        n = x.shape[0]
+        h = rms_norm(x, self.input_norm, a.rms_norm_eps)
+        qkv = self.qkv(h)
+        q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        q = qkv[:, :q_out].view(n, a.num_heads, a.head_dim)
+        k = qkv[:, q_out : q_out + kv_out].view(n, a.num_kv_heads, a.head_dim)
+        v = qkv[:, q_out + kv_out :].view(n, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q = rms_norm(q, self.q_norm, a.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, a.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        cache.k[layer, layout.token_slots, :, layout.positions] = k
+        cache.v[layer, layout.token_slots, :, layout.positions] = v
+        attn = self._attend(q, cache=cache, layer=layer, layout=layout)
+        x = x + self.o_proj(attn.reshape(n, q_out))
+        h = rms_norm(x, self.post_attn_norm, a.rms_norm_eps)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+    def _attend(self, q: torch.Tensor, *, cache: KVCache, layer: int, layout: StepLayout) -> torch.Tensor:
+        """Masked attention of the step's queries over the cache rows [lo, lo + R). q: [N, H, Dh]."""
+        a = self.args
+        groups = a.num_heads // a.num_kv_heads
+        rows, lq = layout.rows, layout.max_len
+        padded = q.new_zeros(rows, lq, a.num_heads, a.head_dim)
+        padded[layout.token_rows, layout.token_offsets] = q
+        # [R, Lq, Hkv, G, Dh] -> [R, Hkv, G * Lq, Dh]: query heads sharing a kv head share one attention call.
+        grouped = padded.view(rows, lq, a.num_kv_heads, groups, a.head_dim).permute(0, 2, 3, 1, 4)
+        grouped = grouped.reshape(rows, a.num_kv_heads, groups * lq, a.head_dim)
+        keys = cache.k[layer, layout.lo : layout.lo + rows, :, : layout.key_len]
+        values = cache.v[layer, layout.lo : layout.lo + rows, :, : layout.key_len]
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=layout.mask)
+        out = out.view(rows, a.num_kv_heads, groups, lq, a.head_dim).permute(0, 3, 1, 2, 4)
+        out = out.reshape(rows, lq, a.num_heads, a.head_dim)
+        return out[layout.token_rows, layout.token_offsets]
+
+
+class TargetModel(nn.Module):
+    """Llama-family decoder over a slot KV cache.
+
+    ``forward`` runs one ragged step; ``feature_layers`` are the decoder layers (0-based) whose output
+    hidden states are returned, concatenated, as the drafter's conditioning features ([N, F],
+    F = len(feature_layers) * Dm), as in EAGLE-3 / DFlash / DSpark.
+    """
+
+    def __init__(self, args: ModelArgs, *, feature_layers: tuple[int, ...]) -> None:
+        super().__init__()
+        bad = [i for i in feature_layers if not 0 <= i < args.num_layers]
+        if bad or not feature_layers:
+            raise ValueError(f"feature_layers must be non-empty, in [0, {args.num_layers}), got {feature_layers}")
+        self.args = args
+        self.feature_layers = tuple(feature_layers)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = nn.Parameter(torch.ones(args.hidden_size))
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def feature_dim(self) -> int:
+        return len(self.feature_layers) * self.args.hidden_size
+
+    def forward(
+        self, tokens: torch.Tensor, *, cache: KVCache, layout: StepLayout, logits_index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ragged step.
+
+        Args:
+            tokens: [N] int64 new tokens, flattened request-major as described by ``layout``.
+            cache: the KV cache; this step's keys/values are written at ``layout``'s positions.
+            layout: per-token slots/positions and the attention mask.
+            logits_index: [M] indices into [N] of the tokens whose next-token logits are wanted.
+
+        Returns:
+            logits: [M, V] float32; features: [N, F] hidden states at ``feature_layers``.
+        """
+        x = self.embed_tokens(tokens)
+        cos = self.rope_cos[layout.positions].to(x.dtype)[:, None, :]
+        sin = self.rope_sin[layout.positions].to(x.dtype)[:, None, :]
+        captured = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, layer=i, cache=cache, layout=layout, cos=cos, sin=sin)
+            if i in self.feature_layers:
+                captured.append(x)
+        h = rms_norm(x[logits_index], self.norm, self.args.rms_norm_eps)
+        return self.lm_head(h).float(), torch.cat(captured, dim=-1)
+
+    def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., Dm] last-layer hidden states (before the final norm) -> [..., V] float32 logits."""
+        return self.lm_head(rms_norm(hidden, self.norm, self.args.rms_norm_eps)).float()

@@ -1,0 +1,96 @@
+"""Target distributions and lossless acceptance of a draft block (greedy and speculative sampling).
+
+Owns: temperature / top-p shaping of the target logits, the greedy accept rule, the rejection-sampling
+accept rule with its residual ("recovered") sample and the bonus sample. Pure functions of tensors and a
+per-request ``torch.Generator``; no model, no request state.
+
+Speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023): draft token x_i ~ q_i is accepted
+with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection a token is drawn from the residual
+norm(max(0, p_i - q_i)); if all l drafts are accepted a bonus token is drawn from p_{l+1}. The committed
+tokens are then distributed exactly as l+1 (or fewer) tokens sampled from p, whatever q is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Outcome of verifying one draft block."""
+
+    num_accepted: int  # leading draft tokens accepted (0..l)
+    tokens: list[int]  # accepted drafts followed by the recovered or bonus token (num_accepted + 1 tokens)
+
+
+def target_probs(logits: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:
+    """Logits [L, V] -> sampling distribution [L, V] float32 at ``temperature`` (> 0), truncated to ``top_p``.
+
+    Top-p keeps the smallest set of highest-probability tokens whose mass reaches ``top_p`` (the token that
+    crosses the threshold is kept) and renormalises.
+    """
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p
+    sorted_p = torch.where(mass_before < top_p, sorted_p, torch.zeros_like(sorted_p))
+    truncated = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return truncated / truncated.sum(-1, keepdim=True)
+
+
+def accept_greedy(draft: torch.Tensor, logits: torch.Tensor) -> Acceptance:
+    """Greedy verification: accept while the draft equals the target argmax.
+
+    Args:
+        draft: [l] int64 draft tokens.
+        logits: [l + 1, V] target logits at the pending token and each draft token.
+    """
+    target = logits.argmax(dim=-1)  # [l + 1]
+    l = draft.shape[0]
+    mismatch = (draft != target[:l]).nonzero()
+    n = int(mismatch[0]) if mismatch.numel() else l
+    return Acceptance(num_accepted=n, tokens=target[: n + 1].tolist())
+
+
+def accept_sampled(
+    draft: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    probs: torch.Tensor,
+    generator: torch.Generator,
+) -> Acceptance:
+    """Lossless rejection sampling of a draft block (module docstring).
+
+    Args:
+        draft: [l] int64 draft tokens.
+        draft_probs: [l, V] the drafter's distributions the drafts were sampled from, or None for a
+            deterministic proposal (a point mass on each draft token: accept with probability p(x), residual
+            is p with x removed).
+        probs: [l + 1, V] target distributions (``target_probs``) at the pending token and each draft.
+        generator: the request's own random generator (on the CPU).
+
+    Returns:
+        The accepted count and the committed tokens (accepted drafts + recovered or bonus token).
+    """
+    l = draft.shape[0]
+    idx = torch.arange(l)
+    p_x = probs[idx, draft]
+    q_x = draft_probs[idx, draft] if draft_probs is not None else torch.ones_like(p_x)
+    u = torch.rand(l, generator=generator)
+    # u < p/q  <=>  u * q < p, which also handles q = 0 (never proposed) without a division.
+    rejected = (u * q_x >= p_x).nonzero()
+    n = int(rejected[0]) if rejected.numel() else l
+    if n < l:
+        residual = probs[n].clone()
+        if draft_probs is None:
+            residual[draft[n]] = 0.0
+        else:
+            residual = (residual - draft_probs[n].to(residual)).clamp_(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q exactly: rejection had probability 0; p is the residual limit
+            residual = probs[n]
+        last = int(torch.multinomial(residual, 1, generator=generator))
+    else:
+        last = int(torch.multinomial(probs[l], 1, generator=generator))
+    return Acceptance(num_accepted=n, tokens=draft[:n].tolist() + [last])

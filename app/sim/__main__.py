@@ -1,0 +1,87 @@
+"""CLI: simulate policies x loads on a profile, print a table and one JSON line, write results and a Pareto PNG.
+
+    python -m app.sim --profile profiles/roofline-llama-3.1-8b-h200.json \\
+        --policies none,mtp1,fixed-3,fixed-5,fixed-7,dspark --concurrency 1,4,16,64,256 --out runs/sim/
+
+Writes ``<out>/<profile stem>.json`` (all results) and ``<out>/<profile stem>-pareto.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from tqdm import tqdm
+
+from app.scheduling.profile import load_profile
+from app.sim.acceptance import AcceptanceModel, load_acceptance_stats
+from app.sim.report import format_table, plot_pareto, speedup_at_matched_throughput
+from app.sim.simulator import SimConfig, simulate
+
+
+def _csv(kind: type) -> callable:
+    return lambda text: [kind(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m app.sim", description=__doc__.split("\n")[0])
+    p.add_argument("--profile", type=Path, required=True, help="throughput profile JSON")
+    p.add_argument("--policies", type=_csv(str), default=["none", "mtp1", "fixed-3", "fixed-5", "fixed-7", "dspark"])
+    p.add_argument("--load", choices=["closed", "poisson"], default="closed", help="closed-loop users or Poisson")
+    p.add_argument("--concurrency", type=_csv(int), default=[1, 4, 16, 64, 256], help="closed loop: users C")
+    p.add_argument("--rates", type=_csv(float), default=[1.0], help="poisson: arrival rates (requests/s)")
+    p.add_argument("--replicas", type=int, default=1, help="target replicas N")
+    p.add_argument("--max-batch", type=int, default=None, help="batch slots per replica (default: profile max)")
+    p.add_argument("--gamma", type=int, default=7, help="draft block size K")
+    p.add_argument("--rounds", type=int, default=1000, help="closed loop: rounds per replica")
+    p.add_argument("--duration", type=float, default=60.0, help="poisson: simulated seconds")
+    p.add_argument("--acceptance-stats", type=Path, default=None, help="evaluator JSON with per_position_acceptance")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("runs/sim"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    profile = load_profile(args.profile)
+    acceptance = load_acceptance_stats(args.acceptance_stats) if args.acceptance_stats else AcceptanceModel()
+    loads = (
+        [{"concurrency": c} for c in args.concurrency] if args.load == "closed" else [{"rate": r} for r in args.rates]
+    )
+    configs = [
+        SimConfig(policy=policy, load=args.load, replicas=args.replicas, max_batch=args.max_batch,
+                  gamma=args.gamma, rounds=args.rounds, duration_s=args.duration, seed=args.seed, **load)
+        for policy in args.policies
+        for load in loads
+    ]
+    results = [
+        simulate(cfg, profile=profile, acceptance=acceptance)
+        for cfg in tqdm(configs, desc="simulations", unit="run")
+    ]
+    print(format_table(results))
+    stem = args.profile.stem
+    png = plot_pareto(
+        results, args.out / f"{stem}-pareto.png",
+        title=f"{stem}: {args.replicas} replica(s), gamma {args.gamma}, {args.load} load",
+    )
+    heaviest = max(results, key=lambda r: (r.concurrency, r.rate))
+    summary = {
+        "profile": str(args.profile),
+        "png": str(png),
+        "dspark_vs_mtp1_user_speed_at_matched_throughput": speedup_at_matched_throughput(results, "dspark", "mtp1"),
+        "throughput_at_highest_load": {
+            r.policy: round(r.throughput_tok_s, 1)
+            for r in results
+            if (r.concurrency, r.rate) == (heaviest.concurrency, heaviest.rate)
+        },
+        "results": [r.__dict__ for r in results],
+    }
+    (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
+    print(json.dumps(summary, allow_nan=True, separators=(",", ":"), default=float))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

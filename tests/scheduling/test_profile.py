@@ -1,0 +1,102 @@
+"""Profile schema: round trip, validation errors, interpolation, range and model checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pydantic
+import pytest
+import torch
+
+from app.scheduling.profile import (
+    ProfileMismatchError,
+    ProfileRangeError,
+    ThroughputProfile,
+    load_profile,
+    write_profile,
+)
+from tests.scheduling.helpers import make_profile, provenance
+
+
+def linear(b: int, n: int) -> float:
+    return 10.0 + 2.0 * b + 0.5 * n
+
+
+def test_round_trip_via_write_profile(tmp_path):
+    profile = make_profile(linear, draft=3.0)
+    path = write_profile(
+        directory=tmp_path, provenance=profile.provenance, batch_sizes=profile.batch_sizes,
+        tokens_per_request=profile.tokens_per_request, verify_ms=profile.verify_ms,
+        draft_ms=profile.draft_ms, draft_gamma=7,
+    )
+    assert path.name == "test-smollm2-135m-instruct-test-cpu.json"
+    assert load_profile(path) == profile
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"verify_ms": [[1.0, 2.0]]}, "verify_ms must be"),
+        ({"draft_ms": [1.0]}, "draft_ms must have"),
+        ({"batch_sizes": [2, 1, 3, 4, 8]}, "strictly increasing"),
+        ({"tokens_per_request": [2, 3, 4, 5, 6, 7, 8, 9]}, "must start at 1"),
+        ({"unknown_key": 1}, "unknown_key"),
+    ],
+)
+def test_bad_profiles_name_the_problem(tmp_path, change, message):
+    data = {**make_profile(linear).model_dump(mode="json"), **change}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(pydantic.ValidationError, match=message):
+        load_profile(path)
+
+
+def test_decreasing_and_non_positive_times_rejected():
+    with pytest.raises(pydantic.ValidationError, match="must not decrease"):
+        make_profile(lambda b, n: 100.0 - n)
+    with pytest.raises(pydantic.ValidationError, match="> 0 ms"):
+        make_profile(lambda b, n: 0.0)
+
+
+def test_interpolation_linear_in_tokens_and_batch():
+    profile = make_profile(linear, batch_sizes=(1, 4), tokens_per_request=(1, 2, 8))
+    # batch 4 grid row: N = 4, 8, 32 -> 20, 22, 34 ms; N = 20 lies between tpr 2 and 8: 22 + 12 * 0.5 = 28.
+    assert profile.verify_time_ms(20, batch=4).item() == pytest.approx(28.0)
+    # batch 2 blends rows 1 and 4 at equal tokens per request: tpr 1.5 -> row1 12.75, row4 21 -> 1/3 weight.
+    expected = (2 / 3) * 12.75 + (1 / 3) * 21.0
+    assert profile.verify_time_ms(3, batch=2).item() == pytest.approx(expected)
+    sps = profile.steps_per_second(torch.tensor([4.0, 8.0]), batch=4, with_draft=False)
+    assert torch.allclose(sps, torch.tensor([50.0, 1000 / 22], dtype=torch.float64))
+
+
+def test_range_errors():
+    profile = make_profile(linear)
+    with pytest.raises(ProfileRangeError, match="batch size 9"):
+        profile.verify_time_ms(9, batch=9)
+    with pytest.raises(ProfileRangeError, match="tokens per request"):
+        profile.verify_time_ms(9 * 2, batch=2)
+    with pytest.raises(ProfileRangeError, match="gamma 8"):
+        profile.ensure_covers(max_batch=8, gamma=8)
+    profile.ensure_covers(max_batch=8, gamma=7)
+
+
+def test_ensure_matches():
+    profile = make_profile(linear)
+    profile.ensure_matches("HuggingFaceTB/SmolLM2-135M-Instruct", dtype="BFloat16")
+    with pytest.raises(ProfileMismatchError, match="model 'SmolLM2-135M-Instruct'.*'Llama-3.1-8B'"):
+        profile.ensure_matches("Llama-3.1-8B")
+    with pytest.raises(ProfileMismatchError, match="dtype"):
+        profile.ensure_matches("SmolLM2-135M-Instruct", dtype="float32")
+
+
+def test_committed_profiles_load():
+    paths = sorted((Path(__file__).resolve().parents[2] / "profiles").glob("*.json"))
+    assert paths
+    for path in paths:
+        assert isinstance(load_profile(path), ThroughputProfile)
+
+
+def test_provenance_forbids_unknown_fields():
+    with pytest.raises(pydantic.ValidationError, match="gpu"):
+        provenance(gpu="x")

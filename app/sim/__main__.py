@@ -78,9 +78,19 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "results": [r.__dict__ for r in results],
     }
-    (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
-    print(json.dumps(summary, allow_nan=True, separators=(",", ":"), default=float))
+    summary = _nan_to_none(summary)
+    (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, separators=(",", ":")))
     return summary
+
+
+def _nan_to_none(value: object) -> object:
+    """NaN (a metric with no data, e.g. no finished request) becomes JSON null."""
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_none(v) for v in value]
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -21,7 +22,7 @@ from app.sim.report import format_table, plot_pareto, speedup_at_matched_through
 from app.sim.simulator import SimConfig, simulate
 
 
-def _csv(kind: type) -> callable:
+def _csv(kind: type) -> Callable[[str], list]:
     return lambda text: [kind(v) for v in text.split(",") if v.strip()]
 
 

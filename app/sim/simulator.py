@@ -35,6 +35,7 @@ from typing import Literal
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from tqdm import tqdm
 
 from app.scheduling.policies import make_policy
 from app.scheduling.profile import ThroughputProfile
@@ -209,8 +210,6 @@ class _Run:
             target = cfg.rounds * cfg.replicas
         else:
             self.push(self.rng.exponential(1.0 / cfg.rate), -1)
-        from tqdm import tqdm
-
         bar = tqdm(total=target if closed else cfg.duration_s, disable=not progress, leave=False, desc=cfg.policy)
         while self.events:
             time, _, who = heapq.heappop(self.events)

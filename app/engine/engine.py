@@ -42,6 +42,9 @@ class EngineConfig(BaseModel):
     max_model_len: int = Field(2048, ge=16, description="Per-request context limit in tokens (KV slot capacity).")
     max_num_seqs: int = Field(32, ge=1, description="Concurrent requests (KV cache slots).")
     max_draft_len: int = Field(8, ge=0, le=64, description="Most draft tokens verified per request per step.")
+    fp32_lm_head: bool = Field(
+        True, description="Compute logits with a float32 copy of the LM head (stable greedy ties in bfloat16)."
+    )
     feature_layers: tuple[int, ...] | None = Field(
         None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."
     )
@@ -78,7 +81,9 @@ class TargetEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedTarget | None = None) -> None:
         self.config = config or EngineConfig()
         c = self.config
-        self.target = loaded or load_target(c.model, dtype=c.dtype, device=c.device, feature_layers=c.feature_layers)
+        self.target = loaded or load_target(
+            c.model, dtype=c.dtype, device=c.device, feature_layers=c.feature_layers, fp32_lm_head=c.fp32_lm_head
+        )
         self.model = self.target.model
         self.tokenizer = self.target.tokenizer
         self.eos_token_ids = frozenset(self.target.eos_token_ids)

@@ -86,6 +86,7 @@ def load_target(
     dtype: str = "auto",
     device: str = "auto",
     feature_layers: tuple[int, ...] | None = None,
+    fp32_lm_head: bool = True,
 ) -> LoadedTarget:
     """Load the target from local files.
 
@@ -109,6 +110,12 @@ def load_target(
     if args.tie_word_embeddings:
         target.lm_head.weight = target.embed_tokens.weight
     target = target.to(device=dev, dtype=dt).eval().requires_grad_(False)
+    if fp32_lm_head and dt != torch.float32:  # an untied float32 copy; see TargetModel.logits_from_final_hidden
+        target.lm_head = torch.nn.Linear(args.hidden_size, args.vocab_size, bias=False, device=dev)
+        target.lm_head.weight = torch.nn.Parameter(
+            state["model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"].to(dev).float(),
+            requires_grad=False,
+        )
     target.rope_cos, target.rope_sin = target.rope_cos.float(), target.rope_sin.float()
     eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)

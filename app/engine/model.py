@@ -311,9 +311,14 @@ class TargetModel(nn.Module):
             x = layer(x, layer=i, cache=cache, layout=layout, cos=cos, sin=sin)
             if i in self.feature_layers:
                 captured.append(x)
-        h = rms_norm(x[logits_index], self.norm, self.args.rms_norm_eps)
-        return self.lm_head(h).float(), torch.cat(captured, dim=-1)
+        return self.logits_from_final_hidden(x[logits_index]), torch.cat(captured, dim=-1)
 
     def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., Dm] last-layer hidden states (before the final norm) -> [..., V] float32 logits."""
-        return self.lm_head(rms_norm(hidden, self.norm, self.args.rms_norm_eps)).float()
+        """[..., Dm] last-layer hidden states (before the final norm) -> [..., V] float32 logits.
+
+        The LM head runs in its own dtype (float32 by default, see ``loader.load_target``): bfloat16 logits
+        sit on a grid of 0.125 at magnitude ~20, where exact top-2 ties are common and greedy decoding would
+        depend on batch shape.
+        """
+        h = rms_norm(hidden, self.norm, self.args.rms_norm_eps)
+        return self.lm_head(h.to(self.lm_head.weight.dtype)).float()

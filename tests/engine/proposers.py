@@ -1,0 +1,65 @@
+"""Test doubles implementing the ``Proposer`` protocol: random drafts and perfect (oracle) drafts."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from app.engine.types import DraftBlock, StepOutput
+
+
+class _Tracking:
+    def __init__(self) -> None:
+        self.committed: dict[str, list[int]] = {}
+
+    def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
+        self.committed[request_id] = list(first.new_token_ids)
+
+    def update(self, outputs: Sequence[StepOutput]) -> None:
+        for out in outputs:
+            self.committed[out.request_id].extend(out.new_token_ids)
+
+    def finish(self, request_id: str) -> None:
+        del self.committed[request_id]
+
+
+class RandomProposer(_Tracking):
+    """Uniformly random draft tokens; request i drafts ``lengths[i % len(lengths)]`` tokens (0 allowed)."""
+
+    def __init__(self, vocab_size: int, lengths: Sequence[int], seed: int = 0) -> None:
+        super().__init__()
+        self.vocab_size, self.lengths = vocab_size, list(lengths)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
+        blocks = []
+        for rid in request_ids:
+            n = self.lengths[int(rid.rsplit("-", 1)[1]) % len(self.lengths)]
+            blocks.append(DraftBlock(rid, torch.randint(self.vocab_size, (n,), generator=self.gen)))
+        return blocks
+
+
+class OracleProposer(_Tracking):
+    """Drafts the next tokens of a known reference continuation (perfect drafts).
+
+    Request i drafts ``lengths[i % len(lengths)]`` tokens (default ``gamma`` for all), padded with
+    ``pad_token`` past the reference's end.
+    """
+
+    def __init__(
+        self, references: dict[str, list[int]], gamma: int, lengths: Sequence[int] | None = None, pad_token: int = 0
+    ) -> None:
+        super().__init__()
+        self.references, self.pad = references, pad_token
+        self.lengths = list(lengths) if lengths else [gamma]
+
+    def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
+        blocks = []
+        for rid in request_ids:
+            n = len(self.committed[rid])
+            k = self.lengths[int(rid.rsplit("-", 1)[1]) % len(self.lengths)]
+            nxt = self.references[rid][n : n + k]
+            nxt += [self.pad] * (k - len(nxt))
+            blocks.append(DraftBlock(rid, torch.tensor(nxt, dtype=torch.long)))
+        return blocks

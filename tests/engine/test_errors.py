@@ -1,0 +1,94 @@
+"""Bad input raises a clear engine error and leaves the engine usable (no slot or cache corruption)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine.decode import generate
+from app.engine.errors import ContextLengthError, InvalidRequestError, UnknownRequestError
+from app.engine.types import DraftBlock, SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"stop": ("",)}, "stop"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_empty_prompt(engine):
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("e", [], SamplingParams())
+    assert not engine.has_request("e")
+
+
+def test_prompt_token_outside_vocab(engine):
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        engine.add_request("v", [1, engine.vocab_size], SamplingParams())
+
+
+def test_prompt_over_context_limit_counts_max_tokens_and_draft_room(engine):
+    free = engine.num_free_slots
+    limit = engine.config.max_model_len
+    fits = limit - engine.config.max_draft_len - 10
+    with pytest.raises(ContextLengthError, match="context limit"):
+        engine.add_request("long", [1] * fits, SamplingParams(max_tokens=11))
+    with pytest.raises(ContextLengthError):
+        engine.add_request("long", [1] * (limit + 1), SamplingParams(max_tokens=1))
+    assert engine.num_free_slots == free
+    engine.add_request("long", [1] * fits, SamplingParams(max_tokens=10))
+    engine.release("long")
+
+
+def test_duplicate_request_id(engine):
+    engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(InvalidRequestError, match="already exists"):
+        engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=4))
+    engine.release("dup")
+
+
+def test_verify_unknown_and_released_requests(engine):
+    with pytest.raises(UnknownRequestError, match="unknown request"):
+        engine.verify([DraftBlock("nope", torch.tensor([1]))])
+    engine.add_request("gone", [1, 2, 3], SamplingParams(max_tokens=4))
+    engine.release("gone")
+    with pytest.raises(UnknownRequestError):
+        engine.verify([DraftBlock("gone", torch.tensor([1]))])
+    with pytest.raises(UnknownRequestError):
+        engine.release("gone")
+
+
+def test_bad_draft_leaves_batch_untouched(engine):
+    """A batch with one bad block raises before any forward: the good request's state is unchanged."""
+    prompt = engine.encode("Once upon a time")
+    first = engine.add_request("good", prompt, SamplingParams(max_tokens=6))
+    engine.add_request("bad", prompt, SamplingParams(max_tokens=6))
+    bad_blocks = [
+        DraftBlock("bad", torch.tensor([engine.vocab_size])),
+        DraftBlock("bad", torch.tensor([-1])),
+        DraftBlock("bad", torch.zeros(engine.config.max_draft_len + 1, dtype=torch.long)),
+        DraftBlock("bad", torch.tensor([1, 2]), probs=torch.ones(2, 7)),
+    ]
+    for bad in bad_blocks:
+        with pytest.raises(InvalidRequestError):
+            engine.verify([DraftBlock("good", torch.tensor([1, 2])), bad])
+    with pytest.raises(InvalidRequestError, match="twice"):
+        engine.verify([DraftBlock("good", torch.tensor([1])), DraftBlock("good", torch.tensor([1]))])
+    # The good request continues exactly as a plain decode of the same prompt.
+    tokens = list(first.new_token_ids)
+    while engine.has_request("good"):
+        (out,) = engine.verify([DraftBlock("good", torch.zeros(0, dtype=torch.long))])
+        tokens += out.new_token_ids
+    engine.release("bad")
+    (ref,), _ = generate(engine, [prompt], SamplingParams(max_tokens=6))
+    assert tokens == ref.token_ids

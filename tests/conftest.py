@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+# The project's shared folder lies beside the repository (CI lays a copy there); DSPARK_SHARED_DIR overrides.
+SHARED = Path(os.environ.get("DSPARK_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
 
 
 def load_prompts(name: str, *, start: int = 0, count: int = 10) -> list[str]:

@@ -1,0 +1,140 @@
+"""Training data for the drafter: the target answers training prompts itself (self-distillation).
+
+Owns: choosing training prompts (``app/eval/datasets.py`` training sets only), plain greedy decoding through
+the engine, and writing each sequence's token ids and per-token target features to safetensors shards. The
+features come for free from decoding: the prefill returns the prompt's rows, each verify step the rows of the
+tokens that entered the cache. Row j of a sequence is the target's hidden state at token j (it predicted token
+j+1); the final token never enters the cache, so its row is zero and never used.
+
+Shard layout (``shard-XXXX.safetensors``; S sequences, L_s tokens each, sum over the shard = Ltot):
+    tokens      [Ltot] int32   prompt + response ids, sequences concatenated
+    features    [Ltot, F]      target features (the engine's dtype), row j of a sequence as above
+    offsets     [S + 1] int64  sequence boundaries into ``tokens``
+    prompt_lens [S] int64      prompt length P of each sequence (the first anchor is token P)
+
+Usage:
+    python -m app.drafters.train.datagen --out runs/dspark-data --per-set gsm8k-train=160 math500=80 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from app.engine.decode import generate
+from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.types import DraftBlock, SamplingParams, StepOutput
+from app.eval.datasets import DEFAULT_DATASETS_DIR, TRAIN_SETS, load_prompts
+
+
+class FeatureRecorder:
+    """A proposer that drafts nothing and records every request's target features (plain decoding)."""
+
+    def __init__(self) -> None:
+        self.features: dict[str, list[torch.Tensor]] = {}
+
+    def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
+        self.features[request_id] = [first.features.cpu()]
+
+    def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
+        return [DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in request_ids]
+
+    def update(self, outputs: Sequence[StepOutput]) -> None:
+        for out in outputs:
+            self.features[out.request_id].append(out.features.cpu())
+
+    def finish(self, request_id: str) -> None:
+        pass
+
+
+def pick_prompts(per_set: dict[str, int], *, seed: int, datasets_dir: Path) -> list[tuple[str, str]]:
+    """``(set name, prompt)`` pairs: a seeded random sample of ``per_set[name]`` prompts from each training set.
+
+    Raises:
+        ValueError: an unknown set name or a count above the set's size.
+    """
+    rng = random.Random(seed)
+    picked = []
+    for name, count in per_set.items():
+        if name not in TRAIN_SETS:
+            raise ValueError(f"unknown training set {name!r}; choose from {sorted(TRAIN_SETS)}")
+        prompts = load_prompts(TRAIN_SETS[name], datasets_dir)
+        if count > len(prompts):
+            raise ValueError(f"{name} has {len(prompts)} prompts, {count} requested")
+        picked += [(name, p) for p in rng.sample(prompts, count)]
+    rng.shuffle(picked)
+    return picked
+
+
+def generate_shard(
+    engine: TargetEngine, prompts: list[list[int]], *, max_tokens: int, max_batch: int, id_prefix: str
+) -> dict[str, torch.Tensor]:
+    """Greedy answers to ``prompts`` with their features, as one shard's tensors (module docstring)."""
+    recorder = FeatureRecorder()
+    results, _ = generate(
+        engine, prompts, SamplingParams(max_tokens=max_tokens), proposer=recorder, max_batch=max_batch,
+        id_prefix=id_prefix,
+    )
+    tokens, feats, lens = [], [], []
+    for prompt, res in zip(prompts, results):
+        seq = list(prompt) + res.token_ids
+        rows = torch.cat(recorder.features[res.request_id])
+        assert rows.shape[0] == len(seq) - 1, (rows.shape, len(seq))
+        tokens.append(torch.tensor(seq, dtype=torch.int32))
+        feats.append(torch.cat([rows, rows.new_zeros(1, rows.shape[1])]))
+        lens.append(len(seq))
+    offsets = torch.zeros(len(lens) + 1, dtype=torch.long)
+    offsets[1:] = torch.tensor(lens).cumsum(0)
+    return {
+        "tokens": torch.cat(tokens),
+        "features": torch.cat(feats).contiguous(),
+        "offsets": offsets,
+        "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.long),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="output folder for shards and meta.json")
+    ap.add_argument("--per-set", nargs="+", default=["gsm8k-train=160", "math500=80", "mbpp=100", "chat=200"],
+                    help="NAME=COUNT prompts drawn from each training set")
+    ap.add_argument("--max-tokens", type=int, default=256, help="response length limit")
+    ap.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
+    ap.add_argument("--max-batch", type=int, default=32, help="concurrent requests while decoding")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2-135m", help="target model reference (EngineConfig.model)")
+    ap.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
+    args = ap.parse_args(argv)
+    per_set = {k: int(v) for k, v in (item.split("=", 1) for item in args.per_set)}
+    picked = pick_prompts(per_set, seed=args.seed, datasets_dir=args.datasets_dir)
+    engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch, max_model_len=1536))
+    args.out.mkdir(parents=True, exist_ok=True)
+    ids = [engine.encode_chat([{"role": "user", "content": p}]) for _, p in picked]
+    ids = [x for x in ids if len(x) + args.max_tokens + engine.config.max_draft_len <= engine.config.max_model_len]
+    bar = tqdm(total=len(ids), desc="datagen", unit="prompt")
+    new_tokens, start = 0, time.perf_counter()
+    for i in range(0, len(ids), args.shard_size):
+        chunk = ids[i : i + args.shard_size]
+        shard = generate_shard(engine, chunk, max_tokens=args.max_tokens, max_batch=args.max_batch, id_prefix=f"s{i}")
+        save_file(shard, str(args.out / f"shard-{i // args.shard_size:04d}.safetensors"))
+        new_tokens += int(shard["offsets"][-1]) - int(shard["prompt_lens"].sum())
+        bar.update(len(chunk))
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+    bar.close()
+    meta = {"model": args.model, "per_set": per_set, "max_tokens": args.max_tokens, "seed": args.seed,
+            "prompts": len(ids), "new_tokens": new_tokens, "feature_layers": list(engine.model.feature_layers),
+            "seconds": round(time.perf_counter() - start, 1)}
+    (args.out / "meta.json").write_text(json.dumps(meta, indent=2))
+    print(json.dumps(meta))
+
+
+if __name__ == "__main__":
+    main()

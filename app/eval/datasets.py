@@ -1,0 +1,53 @@
+"""Prompt sets of this project and their train / evaluation split.
+
+Owns: reading the shared prompt files (``{"turns": [...]}`` one a line) and the split rule of
+``shared/datasets/README.md``: gsm8k lines 1-700, math500, mbpp and the chat prompts shipped with the drafter
+are for training; mt-bench (first turns), humaneval and gsm8k lines 701+ are for evaluation. No prompt used to
+train a drafter is used to report an acceptance length.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_DATASETS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
+CHAT_PROMPTS = Path(__file__).resolve().parents[1] / "drafters" / "train" / "chat_prompts.jsonl"
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """A named slice of a prompt file: 1-based inclusive ``first``..``last`` lines (``last`` None: to the end)."""
+
+    name: str
+    file: str
+    first: int = 1
+    last: int | None = None
+
+
+TRAIN_SETS = {
+    "gsm8k-train": PromptSet("gsm8k-train", "gsm8k.jsonl", 1, 700),
+    "math500": PromptSet("math500", "math500.jsonl"),
+    "mbpp": PromptSet("mbpp", "mbpp.jsonl"),
+    "chat": PromptSet("chat", str(CHAT_PROMPTS)),
+}
+EVAL_SETS = {
+    "mt-bench": PromptSet("mt-bench", "mt-bench.jsonl"),
+    "humaneval": PromptSet("humaneval", "humaneval.jsonl"),
+    "gsm8k-eval": PromptSet("gsm8k-eval", "gsm8k.jsonl", 701),
+}
+
+
+def load_prompts(prompt_set: PromptSet, datasets_dir: Path = DEFAULT_DATASETS_DIR) -> list[str]:
+    """First user turns of ``prompt_set``'s lines.
+
+    Raises:
+        FileNotFoundError: the prompt file is missing.
+    """
+    path = Path(prompt_set.file)
+    if not path.is_absolute():
+        path = datasets_dir / path
+    lines = path.read_text().splitlines()
+    last = len(lines) if prompt_set.last is None else prompt_set.last
+    return [json.loads(line)["turns"][0] for line in lines[prompt_set.first - 1 : last] if line.strip()]

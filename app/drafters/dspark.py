@@ -1,0 +1,220 @@
+"""The DSpark drafter as a pure ``nn.Module``: parallel backbone with KV injection + sequential head + confidence.
+
+Owns the math only (no I/O, no request state, no sampling): projecting target features into injected keys and
+values, the parallel backbone over a block, and one step of the sequential head. ``proposer.py`` drives it at
+inference, ``train/trainer.py`` in training; both go through the same functions.
+
+Architecture (DSpark, arXiv 2607.05147, on the DFlash backbone):
+    * Context: target features of the tokens already in the target's cache ([T, F], F = 5 x 576) are
+      RMS-normalised per target layer, projected by ``fc`` (F -> Dm) and RMSNorm-ed into ``ctx``; every backbone
+      layer turns ``ctx`` into extra keys/values with its own k/v projections (KV injection).
+    * Block: the anchor (the last committed token, the engine's pending token, at absolute position T) and
+      K-1 learned mask embeddings at positions T+1 .. T+K-1; bidirectional attention inside the block plus
+      attention to the whole context. Block position i's output h_i gives the base logits U_{i+1} of draft
+      token i+1 through the target's frozen, tied LM head: one forward gives K base logits.
+    * Sequential head, left to right: logits_k = U_k + B_k with B_k = W2 W1[x_{k-1}] ("markov", low rank r),
+      B_k = W2 s_k with s_k = GRU([h_k; W1[x_{k-1}]], s_{k-1}) ("rnn"), or B_k = 0 ("none", purely parallel).
+      x_0 is the anchor; in training x_{k-1} is the target's token (teacher forcing), at inference the draft.
+    * Confidence: c_k = sigmoid(w . [h_k; W1[x_{k-1}]] + b) ("rnn": [h_k; s_k]; "none": [h_k]), the
+      probability that draft k is accepted given drafts 1..k-1 were.
+
+The token embedding and LM head are the target's (passed in, frozen, never saved with the drafter).
+
+Shape symbols: B batch, T context length, K block size (gamma), Q queries per sequence (M blocks x K),
+V vocab, F feature width, Dm hidden, H heads, Hkv kv heads, Dh head dim, r rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.drafters.config import DrafterConfig
+from app.engine.model import apply_rope, rms_norm
+
+
+@dataclass(frozen=True)
+class ContextKV:
+    """Injected keys/values of a context, one pair per backbone layer."""
+
+    # per layer [B, Hkv, T, Dh] keys (rotary applied at the context positions)
+    keys: tuple[torch.Tensor, ...]
+    # per layer [B, Hkv, T, Dh] values
+    values: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class HeadStep:
+    """One step of the sequential head for a batch of rows."""
+
+    # [B, V] float32 logits of draft k
+    logits: torch.Tensor
+    # [B] float32 confidence logit of draft k (before sigmoid and calibration)
+    conf_logit: torch.Tensor
+    # [B, r] recurrent state after step k ("rnn"), else None
+    state: torch.Tensor | None
+
+
+class BackboneLayer(nn.Module):
+    """A pre-norm decoder layer whose attention also sees injected context keys/values."""
+
+    def __init__(self, c: DrafterConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.q_out, self.kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv = nn.Linear(c.hidden_size, self.q_out + 2 * self.kv_out, bias=False)
+        self.o_proj = nn.Linear(self.q_out, c.hidden_size, bias=False)
+        self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))
+
+    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ctx [B, T, Dm] (already normed), cos/sin [B, 1, T, Dh] -> keys, values [B, Hkv, T, Dh]."""
+        b, t, _ = ctx.shape
+        kv = F.linear(ctx, self.qkv.weight[self.q_out :])
+        k = kv[..., : self.kv_out].view(b, t, self.c.num_kv_heads, self.c.head_dim).transpose(1, 2)
+        v = kv[..., self.kv_out :].view(b, t, self.c.num_kv_heads, self.c.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [B, Q, Dm]; ctx_k/v [B, Hkv, T, Dh]; cos/sin [B, 1, Q, Dh]; mask [B, 1, Q, T + Q] bool -> [B, Q, Dm]."""
+        c = self.c
+        b, q_len, _ = x.shape
+        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        qkv = self.qkv(h)
+        q = qkv[..., : self.q_out].view(b, q_len, c.num_heads, c.head_dim).transpose(1, 2)
+        k = qkv[..., self.q_out : self.q_out + self.kv_out].view(b, q_len, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = qkv[..., self.q_out + self.kv_out :].view(b, q_len, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys = torch.cat([ctx_k.to(k.dtype), k], dim=2)
+        values = torch.cat([ctx_v.to(v.dtype), v], dim=2)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(b, q_len, self.q_out))
+        h = rms_norm(x, self.post_attn_norm, c.rms_norm_eps)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class DSparkDrafter(nn.Module):
+    """DSpark drafter (module docstring). ``embed_weight`` [V, Dm] is the target's tied embedding / LM head."""
+
+    def __init__(self, config: DrafterConfig, embed_weight: torch.Tensor) -> None:
+        super().__init__()
+        c = self.config = config
+        if tuple(embed_weight.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(f"embedding {tuple(embed_weight.shape)} does not match V={c.vocab_size}, Dm={c.hidden_size}")
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.fc = nn.Linear(c.feature_dim, c.hidden_size, bias=False)
+        self.ctx_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.mask_embed = nn.Parameter(torch.randn(c.hidden_size) * 0.02)
+        self.layers = nn.ModuleList(BackboneLayer(c) for _ in range(c.num_layers))
+        self.norm = nn.Parameter(torch.ones(c.hidden_size))
+        conf_in = c.hidden_size
+        if c.head != "none":
+            self.w1 = nn.Embedding(c.vocab_size, c.rank)
+            nn.init.normal_(self.w1.weight, std=0.02)
+            self.w2 = nn.Linear(c.rank, c.vocab_size, bias=False)
+            nn.init.zeros_(self.w2.weight)  # starts as the purely parallel drafter
+            conf_in += c.rank
+        if c.head == "rnn":
+            self.cell = nn.GRUCell(c.hidden_size + c.rank, c.rank)
+        self.conf = nn.Linear(conf_in, 1)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
+        angles = torch.outer(torch.arange(c.max_positions).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    # ---------------------------------------------------------------- context
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """features [B, T, F] (target dtype) -> ctx [B, T, Dm]: per-layer RMS, ``fc``, RMSNorm."""
+        c = self.config
+        x = features.to(self.fc.weight.dtype).unflatten(-1, (len(c.feature_layers), c.target_hidden_size))
+        x = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
+        return rms_norm(self.fc(x.flatten(-2)), self.ctx_norm, c.rms_norm_eps)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> ContextKV:
+        """features [B, T, F], positions [B, T] -> the injected keys/values of every layer."""
+        ctx = self.project_context(features)
+        cos, sin = self._rope(positions, ctx.dtype)
+        pairs = [layer.context_kv(ctx, cos, sin) for layer in self.layers]
+        return ContextKV(keys=tuple(k for k, _ in pairs), values=tuple(v for _, v in pairs))
+
+    # ---------------------------------------------------------------- parallel backbone
+
+    def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
+        """anchors [B, M] -> block inputs [B, M * K, Dm]: each anchor's embedding followed by K-1 mask embeddings."""
+        b, m = anchors.shape
+        k = self.config.block_size
+        anchor_emb = F.embedding(anchors, self.embed_weight).to(self.mask_embed.dtype)  # [B, M, Dm]
+        masks = self.mask_embed.expand(b, m, k - 1, -1)
+        return torch.cat([anchor_emb[:, :, None], masks], dim=2).flatten(1, 2)
+
+    def backbone(
+        self, x: torch.Tensor, *, positions: torch.Tensor, ctx: ContextKV, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Block inputs x [B, Q, Dm] at positions [B, Q], mask [B, Q, T + Q] bool -> normed hidden [B, Q, Dm]."""
+        cos, sin = self._rope(positions, x.dtype)
+        attn_mask = mask[:, None]
+        for layer, k, v in zip(self.layers, ctx.keys, ctx.values):
+            x = layer(x, ctx_k=k, ctx_v=v, cos=cos, sin=sin, mask=attn_mask)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """normed hidden [..., Dm] -> U [..., V] float32 through the frozen tied LM head."""
+        return F.linear(hidden.to(self.embed_weight.dtype), self.embed_weight).float()
+
+    # ---------------------------------------------------------------- sequential head
+
+    def head_step(
+        self, base: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None
+    ) -> HeadStep:
+        """Draft k's logits and confidence logit: base [B, V], hidden [B, Dm], prev x_{k-1} [B], state [B, r]|None."""
+        c = self.config
+        if c.head == "none":
+            return HeadStep(logits=base, conf_logit=self.conf(hidden).squeeze(-1).float(), state=None)
+        e = self.w1(prev).to(hidden.dtype)  # [B, r]
+        if c.head == "markov":
+            return HeadStep(logits=base + self.w2(e).float(),
+                            conf_logit=self.conf(torch.cat([hidden, e], -1)).squeeze(-1).float(), state=None)
+        if state is None:
+            state = hidden.new_zeros(hidden.shape[0], c.rank)
+        state = self.cell(torch.cat([hidden, e], -1), state)
+        return HeadStep(logits=base + self.w2(state).float(),
+                        conf_logit=self.conf(torch.cat([hidden, state], -1)).squeeze(-1).float(), state=state)
+
+    def teacher_forced(
+        self, base: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All K steps with known previous tokens: base [N, K, V], hidden [N, K, Dm], prev [N, K] ->
+        logits [N, K, V] float32 and confidence logits [N, K]."""
+        state, logits, conf = None, [], []
+        for k in range(base.shape[1]):
+            step = self.head_step(base[:, k], hidden[:, k], prev[:, k], state)
+            state = step.state
+            logits.append(step.logits)
+            conf.append(step.conf_logit)
+        return torch.stack(logits, 1), torch.stack(conf, 1)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, L] -> cos, sin [B, 1, L, Dh]."""
+        return self.rope_cos[positions].to(dtype)[:, None], self.rope_sin[positions].to(dtype)[:, None]
+
+    def num_trainable_params(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)

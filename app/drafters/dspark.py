@@ -201,7 +201,14 @@ class DSparkDrafter(nn.Module):
         self, base: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """All K steps with known previous tokens: base [N, K, V], hidden [N, K, Dm], prev [N, K] ->
-        logits [N, K, V] float32 and confidence logits [N, K]."""
+        logits [N, K, V] float32 and confidence logits [N, K]. Same math as K calls of ``head_step``; the
+        stateless heads run all positions at once."""
+        c = self.config
+        if c.head == "none":
+            return base, self.conf(hidden).squeeze(-1).float()
+        if c.head == "markov":
+            e = self.w1(prev).to(hidden.dtype)  # [N, K, r]
+            return base + self.w2(e).float(), self.conf(torch.cat([hidden, e], -1)).squeeze(-1).float()
         state, logits, conf = None, [], []
         for k in range(base.shape[1]):
             step = self.head_step(base[:, k], hidden[:, k], prev[:, k], state)

@@ -119,3 +119,19 @@ def test_sampled_proposals_carry_distributions():
     assert torch.allclose(block.probs.sum(-1), torch.ones(K), atol=1e-4)
     assert (block.probs[torch.arange(K), block.tokens] > 0).all()
     assert p.last_proposal.survival.shape == (1, K)
+
+
+@torch.no_grad()
+def test_teacher_forced_equals_stepwise_head():
+    for head in ("markov", "rnn", "none"):
+        d = tiny(head)
+        hidden, _ = block_forward(d)
+        base = d.base_logits(hidden)
+        prev = torch.randint(V, (2, K))
+        logits, conf = d.teacher_forced(base, hidden, prev)
+        state = None
+        for k in range(K):
+            step = d.head_step(base[:, k], hidden[:, k], prev[:, k], state)
+            state = step.state
+            assert torch.allclose(step.logits, logits[:, k], atol=1e-5)
+            assert torch.allclose(step.conf_logit, conf[:, k], atol=1e-5)

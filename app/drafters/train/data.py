@@ -1,0 +1,149 @@
+"""Training batches for the drafter from datagen shards (``datagen.py`` documents the shard layout).
+
+Owns: loading shards into memory, the held-out split, and building a batch of blocks with the exact alignment of
+inference: for an anchor at token a (a >= P, a response token), the context is feature rows 0..a-1 (the tokens
+in the target's cache when a is pending), the block inputs are [x_a, mask x (K-1)] at positions a..a+K-1, the
+labels are tokens a+1..a+K and the target distribution of label a+k is the target's logits at row a+k-1.
+
+Shape symbols: B sequences, M anchors per sequence, K block size, T longest sequence, F feature width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class Sequence_:
+    """One prompt + response."""
+
+    # [L] int64 token ids
+    tokens: torch.Tensor
+    # [L, F] target features (row L-1 unused)
+    features: torch.Tensor
+    prompt_len: int
+    # [L, Kt] int64 the target's top-Kt tokens at each row (distribution of the next token), see ``with_target_topk``
+    topk_ids: torch.Tensor | None = None
+    # [L, Kt] float32 their target probabilities
+    topk_probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Batch:
+    """B sequences x M anchors, padded to T context rows."""
+
+    # [B, T, F] context features (zero padded)
+    features: torch.Tensor
+    # [B, T] positions 0..T-1
+    ctx_positions: torch.Tensor
+    # [B, M] anchor tokens x_a
+    anchors: torch.Tensor
+    # [B, M * K] absolute positions of the block inputs
+    positions: torch.Tensor
+    # [B, M * K, T + M * K] bool attention mask (context rows < a, own block)
+    mask: torch.Tensor
+    # [B, M, K] labels x_{a+k}
+    labels: torch.Tensor
+    # [B, M, K] teacher-forced previous tokens x_{a+k-1}
+    prev: torch.Tensor
+    # [B, M, K] feature rows a+k-1 whose target logits give label k's target distribution
+    target_rows: torch.Tensor
+    # [B, M, K] bool, label exists (a + k <= L - 1)
+    valid: torch.Tensor
+    # [B, M, K, Kt] target top-Kt token ids of label k's distribution (None without ``with_target_topk``)
+    topk_ids: torch.Tensor | None = None
+    # [B, M, K, Kt] their target probabilities
+    topk_probs: torch.Tensor | None = None
+
+
+def load_shards(folder: Path | str) -> list[Sequence_]:
+    """All sequences of ``folder/shard-*.safetensors``, in shard order.
+
+    Raises:
+        FileNotFoundError: no shard in the folder.
+    """
+    paths = sorted(Path(folder).glob("shard-*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"no shard-*.safetensors in {folder}")
+    seqs = []
+    for path in paths:
+        shard = load_file(str(path))
+        off = shard["offsets"].tolist()
+        for i, p in enumerate(shard["prompt_lens"].tolist()):
+            lo, hi = off[i], off[i + 1]
+            if hi - lo - p >= 2:  # at least one anchor with a label
+                seqs.append(Sequence_(shard["tokens"][lo:hi].long(), shard["features"][lo:hi], p))
+    return seqs
+
+
+@torch.no_grad()
+def with_target_topk(
+    seqs: list[Sequence_], logits_fn: Callable[[torch.Tensor], torch.Tensor], *, k: int, hidden_size: int,
+    chunk_rows: int = 2048, progress: bool = True,
+) -> list[Sequence_]:
+    """Attach each row's target top-``k`` next-token ids and probabilities, computed once from the stored final
+    layer slice (``logits_fn`` = the target's ``logits_from_final_hidden``), so that training steps never run the
+    target's LM head over the vocabulary."""
+    out = []
+    for s in tqdm(seqs, desc="target top-k", disable=not progress):
+        ids, probs = [], []
+        for lo in range(0, len(s.tokens), chunk_rows):
+            p = torch.softmax(logits_fn(s.features[lo : lo + chunk_rows, -hidden_size:]), dim=-1)
+            top = p.topk(k, dim=-1)
+            ids.append(top.indices)
+            probs.append(top.values)
+        out.append(Sequence_(s.tokens, s.features, s.prompt_len, torch.cat(ids), torch.cat(probs)))
+    return out
+
+
+def make_batch(seqs: list[Sequence_], *, block_size: int, anchors_per_seq: int, generator: torch.Generator) -> Batch:
+    """Random anchors in each sequence's response (module docstring)."""
+    k, m, b = block_size, anchors_per_seq, len(seqs)
+    t = max(len(s.tokens) for s in seqs)
+    features = seqs[0].features.new_zeros(b, t, seqs[0].features.shape[1])
+    anchors_idx = torch.empty(b, m, dtype=torch.long)
+    tokens = torch.zeros(b, t + k, dtype=torch.long)
+    lengths = torch.tensor([len(s.tokens) for s in seqs])
+    for i, s in enumerate(seqs):
+        n = len(s.tokens)
+        features[i, :n] = s.features
+        tokens[i, :n] = s.tokens
+        anchors_idx[i] = torch.randint(s.prompt_len, n - 1, (m,), generator=generator)
+    offs = torch.arange(k)
+    rows = anchors_idx[:, :, None] + offs  # [B, M, K] a + k - 1 for k = 1..K
+    labels = torch.gather(tokens, 1, (rows + 1).flatten(1)).view(b, m, k)
+    prev = torch.gather(tokens, 1, rows.flatten(1)).view(b, m, k)
+    valid = (rows + 1) <= (lengths[:, None, None] - 1)
+    q_block = torch.arange(m)[:, None].expand(m, k).flatten()  # [Q] block of each query
+    ctx_ok = torch.arange(t)[None, None, :] < anchors_idx.repeat_interleave(k, dim=1)[:, :, None]  # [B, Q, T]
+    own = (q_block[:, None] == q_block[None, :]).expand(b, -1, -1)  # [B, Q, Q]
+    topk_ids = topk_probs = None
+    if seqs[0].topk_ids is not None:
+        kt = seqs[0].topk_ids.shape[1]
+        topk_ids = torch.zeros(b, t, kt, dtype=torch.long)
+        topk_probs = torch.zeros(b, t, kt)
+        for i, s in enumerate(seqs):
+            topk_ids[i, : len(s.tokens)] = s.topk_ids
+            topk_probs[i, : len(s.tokens)] = s.topk_probs
+        idx = rows.clamp(max=t - 1)
+        topk_ids = topk_ids[torch.arange(b)[:, None, None], idx]
+        topk_probs = topk_probs[torch.arange(b)[:, None, None], idx]
+    return Batch(
+        topk_ids=topk_ids,
+        topk_probs=topk_probs,
+        features=features,
+        ctx_positions=torch.arange(t)[None].expand(b, -1),
+        anchors=torch.gather(tokens, 1, anchors_idx),
+        positions=rows.flatten(1),
+        mask=torch.cat([ctx_ok, own], dim=2),
+        labels=labels,
+        prev=prev,
+        target_rows=rows.clamp(max=t - 1),
+        valid=valid,
+    )

@@ -1,0 +1,180 @@
+"""Train a DSpark drafter on datagen shards (self-distillation from the target's own answers).
+
+Owns: the loss (0.1 x cross-entropy to the target's token + 0.9 x total-variation distance to the target's
+distribution + 1.0 x BCE of the confidence logit against the soft label 1 - TV, positions weighted by
+exp(-(k-1)/gamma_decay); TV against the target's top-k, see ``dspark_loss``), the optimisation loop with a
+progress bar, the held-out split and the final checkpoint (calibrated afterwards by ``calibrate.py``). Device picked automatically (cuda if available).
+
+Usage:
+    python -m app.drafters.train.trainer --data runs/dspark-data --out runs/dspark-ckpt --steps 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from app.drafters.checkpoint import save_checkpoint
+from app.drafters.config import DrafterConfig
+from app.drafters.dspark import DSparkDrafter
+from app.drafters.train.data import Batch, Sequence_, load_shards, make_batch, with_target_topk
+from app.engine.loader import load_target, resolve_device
+
+LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
+
+
+@dataclass(frozen=True)
+class BlockOutputs:
+    """Teacher-forced drafter outputs of a batch, flattened to N = B * M blocks."""
+
+    # [N, K, V] float32 draft logits
+    logits: torch.Tensor
+    # [N, K] float32 confidence logits
+    conf_logits: torch.Tensor
+
+
+def forward_batch(drafter: DSparkDrafter, batch: Batch, device: torch.device) -> BlockOutputs:
+    """The drafter's teacher-forced logits and confidence logits for every block of ``batch``."""
+    k = drafter.config.block_size
+    b, m = batch.anchors.shape
+    ctx = drafter.context_kv(batch.features.to(device), batch.ctx_positions.to(device))
+    hidden = drafter.backbone(drafter.block_inputs(batch.anchors.to(device)), positions=batch.positions.to(device),
+                              ctx=ctx, mask=batch.mask.to(device))  # [B, M * K, Dm]
+    hidden = hidden.view(b * m, k, -1)
+    logits, conf_logits = drafter.teacher_forced(drafter.base_logits(hidden), hidden,
+                                                 batch.prev.to(device).view(b * m, k))
+    return BlockOutputs(logits=logits, conf_logits=conf_logits)
+
+
+def dspark_loss(
+    out: BlockOutputs, batch: Batch, *, gamma_decay: float, device: torch.device
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The DSpark loss (module docstring) and its parts (weighted means over valid positions).
+
+    TV uses the target's top-Kt tokens (``data.with_target_topk``) plus one lumped tail bucket:
+    0.5 * (sum_{i in top} |p_i - q_i| + |p_tail - q_tail|), a lower bound of the full TV that is exact when the
+    target's tail is small; it keeps each step to a few passes over the vocabulary.
+    """
+    n, k = out.conf_logits.shape
+    labels = batch.labels.to(device).view(n, k)
+    valid = batch.valid.to(device).view(n, k)
+    top_ids = batch.topk_ids.to(device).view(n, k, -1)
+    q = batch.topk_probs.to(device).view(n, k, -1)
+    lse = torch.logsumexp(out.logits, dim=-1)  # [N, K]
+    ce = lse - out.logits.gather(-1, labels[..., None]).squeeze(-1)
+    p = torch.exp(out.logits.gather(-1, top_ids) - lse[..., None])  # [N, K, Kt]
+    tv = 0.5 * ((p - q).abs().sum(-1) + (q.sum(-1) - p.sum(-1)).abs())
+    bce = F.binary_cross_entropy_with_logits(out.conf_logits, (1.0 - tv).detach(), reduction="none")
+    w = torch.exp(-torch.arange(k, device=ce.device, dtype=torch.float32) / gamma_decay)[None] * valid
+    norm = w.sum().clamp(min=1e-9)
+    parts = {"ce": (w * ce).sum() / norm, "tv": (w * tv).sum() / norm, "bce": (w * bce).sum() / norm}
+    loss = sum(LOSS_WEIGHTS[name] * value for name, value in parts.items())
+    with torch.no_grad():
+        hit = (out.logits.gather(-1, labels[..., None]).squeeze(-1) >= out.logits.max(-1).values) & valid
+        stats = {name: float(v) for name, v in parts.items()}
+        stats["acc1"] = float(hit[:, 0].float().sum() / valid[:, 0].sum().clamp(min=1))
+        stats["tau"] = float(1 + torch.cumprod(hit.float(), dim=1).sum(1).mean())
+    return loss, stats
+
+
+def split_heldout(seqs: list[Sequence_], fraction: float) -> tuple[list[Sequence_], list[Sequence_]]:
+    """Deterministic split: every ``round(1 / fraction)``-th sequence is held out (for calibration)."""
+    every = max(2, round(1 / fraction))
+    return [s for i, s in enumerate(seqs) if i % every], [s for i, s in enumerate(seqs) if i % every == 0]
+
+
+def train(
+    drafter: DSparkDrafter,
+    seqs: list[Sequence_],
+    *,
+    steps: int,
+    batch_seqs: int,
+    anchors_per_seq: int,
+    lr: float,
+    gamma_decay: float,
+    seed: int,
+    device: torch.device,
+    progress: bool = True,
+) -> list[dict[str, float]]:
+    """AdamW with linear warm-up and cosine decay; returns per-step stats. ``seqs`` carry the target top-k."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = max(1, min(50, steps // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    history = []
+    bar = tqdm(range(steps), desc="train", disable=not progress)
+    drafter.train()
+    for _ in bar:
+        pick = torch.randint(len(seqs), (batch_seqs,), generator=gen).tolist()
+        batch = make_batch([seqs[i] for i in pick], block_size=drafter.config.block_size,
+                           anchors_per_seq=anchors_per_seq, generator=gen)
+        with torch.autocast(device.type, dtype=torch.bfloat16):  # matmuls in bf16, the loss in float32
+            out = forward_batch(drafter, batch, device)
+        loss, stats = dspark_loss(out, batch, gamma_decay=gamma_decay, device=device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        stats["loss"] = float(loss)
+        history.append(stats)
+        bar.set_postfix(loss=f"{stats['loss']:.3f}", tv=f"{stats['tv']:.3f}", acc1=f"{stats['acc1']:.2f}",
+                        tau=f"{stats['tau']:.2f}")
+    drafter.eval()
+    return history
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, required=True, help="datagen output folder")
+    ap.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch-seqs", type=int, default=4, help="sequences per step")
+    ap.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--gamma-decay", type=float, default=5.0, help="position weight exp(-(k-1)/gamma_decay)")
+    ap.add_argument("--target-topk", type=int, default=32, help="target tokens kept per position for the TV loss")
+    ap.add_argument("--heldout", type=float, default=0.05, help="fraction of sequences held out for calibration")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2-135m", help="target model reference")
+    ap.add_argument("--config", default="{}", help="JSON overrides of DrafterConfig fields, e.g. '{\"head\": \"rnn\"}'")
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    device = resolve_device("auto")
+    target = load_target(args.model, device=str(device)).model
+    a = target.args
+    config = DrafterConfig.model_validate({
+        "target": args.model, "hidden_size": a.hidden_size, "num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads,
+        "head_dim": a.head_dim, "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size,
+        "feature_layers": target.feature_layers, "target_hidden_size": a.hidden_size, "rms_norm_eps": a.rms_norm_eps,
+        "rope_theta": a.rope_theta, "max_positions": a.max_position_embeddings, **json.loads(args.config)})
+    drafter = DSparkDrafter(config, target.embed_tokens.weight).to(device)
+    seqs, heldout = split_heldout(load_shards(args.data), args.heldout)
+    seqs = with_target_topk(seqs, target.logits_from_final_hidden, k=args.target_topk, hidden_size=a.hidden_size)
+    print(f"drafter {drafter.num_trainable_params() / 1e6:.1f}M params; {len(seqs)} train / {len(heldout)} held-out "
+          f"sequences; device {device}")
+    start = time.perf_counter()
+    history = train(drafter, seqs, steps=args.steps, batch_seqs=args.batch_seqs, anchors_per_seq=args.anchors,
+                    lr=args.lr, gamma_decay=args.gamma_decay, seed=args.seed, device=device)
+    tail = history[-max(1, len(history) // 10):]
+    summary = {k: round(sum(h[k] for h in tail) / len(tail), 4) for k in tail[0]}
+    meta = {"train": {**vars(args), "data": str(args.data), "out": str(args.out), "train_seqs": len(seqs),
+                      "heldout_seqs": len(heldout), "seconds": round(time.perf_counter() - start, 1),
+                      "final": summary}}
+    save_checkpoint(args.out, drafter, metadata=meta)
+    print(json.dumps(meta["train"], default=str))
+
+
+if __name__ == "__main__":
+    main()

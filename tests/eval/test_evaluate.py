@@ -1,0 +1,28 @@
+"""Evaluator statistics on hand-made rounds (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from app.drafters.calibration import auc, ece
+from app.eval.evaluate import RoundRecord, markdown, summarize
+
+
+def test_per_position_acceptance_counts_only_reached_positions():
+    c = torch.full((3,), 0.9)
+    records = [RoundRecord(c, c, 3, 3), RoundRecord(c, c, 3, 1), RoundRecord(c, c, 3, 0), RoundRecord(c, c, 2, 2)]
+    s = summarize(records, gamma=3)
+    # position 1: 4 reached, 3 accepted; position 2: 3 reached (acc >= 1), 2 accepted; position 3: 1 reached, 1
+    assert s["accept_rate_per_position"] == [0.75, round(2 / 3, 4), 1.0]
+    row = {"set": "x", "temperature": 0.0, "prompts": 4, "tau": 2.5, "draft_ms_per_round": 1.0,
+           "verify_ms_per_round": 10.0, "draft_share": 0.09, **s}
+    assert "| x | 0 | 4 | 2.50 |" in markdown([row], gamma=3)
+
+
+def test_ece_and_auc_reference_values():
+    assert ece(torch.tensor([0.9, 0.9]), torch.tensor([1.0, 0.0])) == pytest.approx(0.4)
+    assert auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])) == 0.75
+    assert math.isnan(auc(torch.tensor([0.2, 0.3]), torch.tensor([1, 1])))

@@ -1,0 +1,61 @@
+"""``build_app(args)``: the Serve application builder named by ``deployments/*.yaml`` (``import_path``).
+
+Validates ``args`` into ``AppConfig`` (an unknown or bad key fails here, naming the field), checks the files it
+points at, then binds the undecorated deployment classes with ``serve.deployment(cls, **options)``:
+
+    Ingress (FastAPI) -> Target replicas  -> Drafter replicas (one call per round, sticky per target replica)
+                      \\-> Router (one replica: load reports in, target choice and snapshot out)
+
+Target and Drafter replicas each ask for their own resource group (``target`` / ``drafter_replicas``
+placement: CPUs, GPUs, custom resources), so a cluster config can pin them to different nodes.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from app.serving.config import AppConfig
+from app.serving.drafter import DrafterReplica
+from app.serving.ingress import FastAPIIngress
+from app.serving.router import PinnedReplicaRouter, Router
+from app.serving.target import TargetReplica
+
+SERVE_QUEUE_MARGIN = 8  # calls a replica accepts beyond its own admission limit (its own 503 answers them)
+
+
+def build_app(args: dict) -> Application:
+    """Build the application from the YAML ``args`` (see ``AppConfig`` for every field).
+
+    Raises:
+        pydantic.ValidationError: a bad or unknown field (the message names it).
+        FileNotFoundError: the profile or the DSpark checkpoint is missing (the message names the field).
+    """
+    config = AppConfig.model_validate(args)
+    config.check_files()
+    pinned = RequestRouterConfig(request_router_class=PinnedReplicaRouter)
+    router = serve.deployment(
+        Router, name="Router", num_replicas=1,
+        ray_actor_options={"num_cpus": config.router_num_cpus, "resources": dict(config.router_resources)},
+    ).bind(config)
+    drafter = None
+    if config.speculates:
+        drafter = serve.deployment(
+            DrafterReplica, name="Drafter", num_replicas=config.drafter_replicas.num_replicas,
+            ray_actor_options=config.drafter_replicas.actor_options(),
+            max_ongoing_requests=2 * config.target.num_replicas + SERVE_QUEUE_MARGIN,
+            request_router_config=pinned,
+        ).bind(config)
+    per_target = config.max_num_seqs + config.max_queued_requests + SERVE_QUEUE_MARGIN
+    target = serve.deployment(
+        TargetReplica, name="Target", num_replicas=config.target.num_replicas,
+        ray_actor_options=config.target.actor_options(),
+        max_ongoing_requests=per_target, max_queued_requests=per_target * config.target.num_replicas,
+        request_router_config=pinned,
+    ).bind(config, drafter, router)
+    return serve.deployment(
+        FastAPIIngress, name="Ingress", num_replicas=config.ingress.num_replicas,
+        ray_actor_options=config.ingress.actor_options(),
+        max_ongoing_requests=4 * per_target * config.target.num_replicas,
+    ).bind(config, target, router)

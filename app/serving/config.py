@@ -1,0 +1,162 @@
+"""Serving settings: one validated pydantic model built from the Serve YAML ``args``.
+
+Owns: every knob of the Ray Serve application (target model and engine, drafter, verify policy, profile,
+replica counts and placement, queue limits, API key) and the cross-field checks between them. A bad value or
+an unknown key fails at start with a message naming the field. Relative paths are resolved against the
+repository root, so ``serve run deployments/dspark.yaml`` works from any directory.
+
+Does not own: building the deployments (``builder.py``) or loading anything heavy (models, checkpoints).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from app.scheduling.policies import make_policy
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+API_KEY_ENV = "DSPARK_API_KEY"
+
+
+def resolve_path(path: str) -> str:
+    """An absolute path; a relative one is taken from the repository root."""
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else REPO_ROOT / p)
+
+
+class Placement(BaseModel):
+    """Resources one replica of a deployment asks Ray for (its resource group)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_replicas: int = Field(1, ge=1, description="Replicas of this deployment.")
+    num_cpus: float = Field(0.0, ge=0, description="CPUs per replica (fractional allowed, e.g. 0.5).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (fractional allowed).")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per replica, e.g. {'target_group': 1}: pins the replica to nodes "
+        "started with that resource (`ray start --resources`).",
+    )
+
+    def actor_options(self) -> dict:
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.resources)}
+
+
+class AppConfig(BaseModel):
+    """The whole serving application (the ``args`` of ``deployments/*.yaml``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    # ------------------------------------------------------------------ target
+    model: str = Field("smollm2-135m", description="Target model reference (see app/engine/loader.py).")
+    served_model_name: str = Field(
+        "smollm2-135m", min_length=1, description="Name clients pass as `model`; anything else answers 404."
+    )
+    engine: Literal["real", "mock"] = Field(
+        "real", description="'real': the TargetEngine; 'mock': a deterministic weight-free engine for tests."
+    )
+    dtype: str = Field("auto", description="Target dtype: auto (bfloat16), bfloat16, float16, float32.")
+    device: str = Field("auto", description="Target device: auto, cpu, cuda, cuda:N.")
+    max_model_len: int = Field(2048, ge=32, description="Per-request context limit in tokens (prompt + output).")
+    max_num_seqs: int = Field(16, ge=1, description="Requests decoded concurrently per target replica (KV slots).")
+    max_queued_requests: int = Field(
+        32, ge=0, description="Requests waiting for a KV slot per target replica; beyond it answers 503."
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads in target and drafter replicas (None: torch default)."
+    )
+
+    # ------------------------------------------------------------------ speculation
+    policy: str = Field(
+        "dspark", description="Verify-length policy: none, mtp1, fixed-<k>, threshold-<t>, dspark, dspark-async."
+    )
+    gamma: int = Field(7, ge=1, le=32, description="Draft block size K (tokens drafted per request per round).")
+    drafter: Literal["dspark", "ngram", "mock"] = Field(
+        "dspark", description="Drafter: the DSpark checkpoint, a prompt-lookup n-gram drafter, or the test mock."
+    )
+    drafter_checkpoint: str = Field(
+        "checkpoints/dspark-smollm2-135m",
+        description="DSpark checkpoint directory (model.safetensors + config.json); used when drafter='dspark'.",
+    )
+    ngram_max: int = Field(3, ge=1, le=8, description="Longest suffix n-gram the n-gram drafter matches.")
+    profile: str = Field(
+        "profiles/derived-smollm2-135m-instruct-xeon-2-cores.json",
+        description="Throughput profile JSON of the target (verify-step and draft-step times).",
+    )
+    drafter_timeout_s: float = Field(
+        5.0, gt=0, description="A drafter call slower than this fails over to plain decoding for its requests."
+    )
+
+    # ------------------------------------------------------------------ placement
+    target: Placement = Field(
+        default_factory=lambda: Placement(num_cpus=1.0), description="Target replicas' count and resources."
+    )
+    drafter_replicas: Placement = Field(
+        default_factory=lambda: Placement(num_cpus=0.5), description="Drafter replicas' count and resources."
+    )
+    ingress: Placement = Field(
+        default_factory=lambda: Placement(num_cpus=0.2), description="HTTP ingress replicas' count and resources."
+    )
+    router_num_cpus: float = Field(0.1, ge=0, description="CPUs of the single Router replica.")
+    router_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources of the Router replica."
+    )
+    stats_interval_s: float = Field(0.5, gt=0, description="How often target replicas report load to the Router.")
+
+    # ------------------------------------------------------------------ HTTP
+    api_key: str | None = Field(
+        None, description=f"Bearer key required on /v1 routes (None: read ${API_KEY_ENV}; unset or empty: open)."
+    )
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 503 overload answers.")
+
+    # ------------------------------------------------------------------ test knobs
+    mock_step_ms: float = Field(0.0, ge=0, description="Mock engine: sleep per verify step (ms), for timing tests.")
+    mock_vocab_size: int = Field(512, ge=16, description="Mock engine: vocabulary size.")
+
+    @field_validator("policy")
+    @classmethod
+    def _check_policy(cls, value: str) -> str:
+        make_policy(value)  # raises ValueError naming the policy
+        return value
+
+    @field_validator("drafter_checkpoint", "profile")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        return resolve_path(value)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AppConfig":
+        if self.gamma >= self.max_model_len // 2:
+            raise ValueError(f"gamma {self.gamma} leaves no room in max_model_len {self.max_model_len}")
+        if self.engine == "mock" and self.drafter == "dspark" and self.speculates:
+            raise ValueError("drafter 'dspark' needs engine 'real' (the mock engine has no features); use 'mock'")
+        return self
+
+    @property
+    def speculates(self) -> bool:
+        """Whether rounds call the drafter (policy 'none' never does)."""
+        return make_policy(self.policy).speculates
+
+    @property
+    def resolved_api_key(self) -> str | None:
+        """The API key in force: the config's, else ``$DSPARK_API_KEY``; empty means none."""
+        key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV)
+        return key or None
+
+    def check_files(self) -> None:
+        """Fail fast, naming the field, when a file the config points at is missing.
+
+        Raises:
+            FileNotFoundError: ``profile`` or (for drafter 'dspark') ``drafter_checkpoint`` does not exist.
+        """
+        if not Path(self.profile).is_file():
+            raise FileNotFoundError(f"profile: no such file {self.profile}")
+        if self.speculates and self.drafter == "dspark" and not (Path(self.drafter_checkpoint) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"drafter_checkpoint: no DSpark checkpoint at {self.drafter_checkpoint} (expected config.json and "
+                "model.safetensors); train one (app/drafters/train) or set drafter: ngram"
+            )

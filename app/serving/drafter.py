@@ -1,0 +1,95 @@
+"""The Drafter deployment: holds a proposer and its per-request state; drafts a target replica's batch per call.
+
+Any ``Proposer`` (``app/engine/decode.py``: ``start``, ``propose``, ``update``, ``finish``) plugs in, provided
+it leaves the round's confidences ``[B, K]`` in ``last_proposal.confidences`` (DSpark, n-gram and the mock
+do). One ``draft`` call per round carries the target batch's new requests, last round's outputs (only the
+newly committed tokens' features), finished requests and the ids to draft, in that order, exactly as the
+offline loop drives the hooks. A target replica always reaches the same drafter replica
+(``PinnedReplicaRouter``), so a request's state lives on one drafter replica for its life.
+
+Does not own: deciding how much of a draft is verified (the target replica's scheduler).
+
+Shape symbols: B requests in a call, K block size (gamma).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from app.engine.decode import Proposer
+from app.engine.types import SamplingParams
+from app.serving.config import AppConfig
+from app.serving.protocol import DraftCall, DraftRound
+
+
+@runtime_checkable
+class TakesParams(Protocol):
+    """A proposer that drafts each request at its own temperature (DSpark)."""
+
+    def set_params(self, request_id: str, params: SamplingParams) -> None: ...
+
+
+def make_proposer(config: AppConfig) -> Proposer:
+    """Build the configured drafter.
+
+    Raises:
+        FileNotFoundError: drafter 'dspark' without a checkpoint at ``drafter_checkpoint``.
+    """
+    if config.drafter == "ngram":
+        from app.serving.ngram import NgramProposer
+
+        return NgramProposer(gamma=config.gamma, max_ngram=config.ngram_max)
+    if config.drafter == "mock":
+        from app.serving.mock import MockProposer
+
+        return MockProposer(vocab_size=config.mock_vocab_size, gamma=config.gamma)
+    return load_dspark_proposer(config)
+
+
+def load_dspark_proposer(config: AppConfig) -> Proposer:
+    """The DSpark drafter from its checkpoint, on the target's embedding / LM head loaded read-only here."""
+    from app.drafters.checkpoint import load_checkpoint
+    from app.drafters.proposer import DSparkProposer
+    from app.engine.loader import load_target
+
+    config.check_files()
+    target = load_target(config.model, dtype=config.dtype, device=config.device, fp32_lm_head=False)
+    embed = target.model.embed_tokens.weight.detach()
+    drafter, calibration, _ = load_checkpoint(config.drafter_checkpoint, embed)
+    return DSparkProposer(drafter, calibration=calibration, gamma=config.gamma)
+
+
+class DrafterReplica:
+    """The Drafter deployment class (bound undecorated by ``builder.py``)."""
+
+    def __init__(self, config: AppConfig) -> None:
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config = config
+        self.proposer = make_proposer(config)
+        self._live: set[str] = set()
+
+    def draft(self, call: DraftCall, replica_key: str | None = None) -> DraftRound:
+        """Apply one round's hooks and draft ``call.propose`` (``replica_key`` only steers routing)."""
+        known = [out for out in call.updates if out.request_id in self._live]
+        self.proposer.update(known)
+        for rid in call.finished:
+            if rid in self._live:
+                self._live.discard(rid)
+                self.proposer.finish(rid)
+        for s in call.starts:
+            if isinstance(self.proposer, TakesParams):
+                self.proposer.set_params(s.request_id, s.params)
+            self.proposer.start(s.request_id, s.prompt_ids, s.first)
+            self._live.add(s.request_id)
+        missing = [rid for rid in call.propose if rid not in self._live]
+        ids = [rid for rid in call.propose if rid in self._live]
+        blocks = self.proposer.propose(ids) if ids else []
+        confidences = self.proposer.last_proposal.confidences if ids else torch.zeros(0, self.config.gamma)
+        return DraftRound(blocks=blocks, confidences=confidences.float(), missing=missing)
+
+    def num_states(self) -> int:
+        """Requests this replica holds drafter state for (leak checks)."""
+        return len(self._live)

@@ -1,0 +1,185 @@
+"""A deterministic, weight-free engine and drafter so the Serve layer is tested on CPU in seconds.
+
+``MockEngine`` has the ``TargetEngine`` surface the target replica uses (``add_request``, ``verify``,
+``release``, ``encode_chat``, ``encode``, slots, the same errors). Its "model" continues any token ``t`` with
+``next_token(t) = (7 t + 3) mod V``, and token ``t`` reads as ``" w<t>"``. Greedy acceptance is exact: a draft
+token is accepted while it equals the rule. ``MockProposer`` drafts the rule but deliberately errs at one
+position of each block, so rounds accept part of a block and the acceptance bookkeeping is exercised.
+
+Shape symbols: B batch, K block size, C committed tokens, F = 4 (mock feature width).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
+from app.engine.types import DraftBlock, FinishReason, SamplingParams, StepOutput
+from app.serving.protocol import DraftRound
+
+MOCK_FEATURE_DIM = 4
+MOCK_MISS_CONFIDENCE = 0.1  # mock drafter's confidence at and after its planted error
+MOCK_HIT_CONFIDENCE = 0.9  # ... and before it
+
+
+def next_token(token: int, vocab_size: int) -> int:
+    return (7 * token + 3) % vocab_size
+
+
+def token_text(token: int) -> str:
+    return f" w{token}"
+
+
+@dataclass(frozen=True)
+class MockEngineConfig:
+    max_model_len: int = 256
+    max_num_seqs: int = 4
+    max_draft_len: int = 4
+    vocab_size: int = 512
+    step_ms: float = 0.0  # sleep per verify step
+
+
+@dataclass
+class _MockRequest:
+    params: SamplingParams
+    prompt_len: int
+    last: int
+    generated: int = 0
+    text: str = ""
+
+
+class MockEngine:
+    """Deterministic stand-in for ``TargetEngine`` (module docstring). Not thread-safe, like the real one."""
+
+    def __init__(self, config: MockEngineConfig) -> None:
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.feature_dim = MOCK_FEATURE_DIM
+        self._requests: dict[str, _MockRequest] = {}
+
+    @property
+    def num_active(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.config.max_num_seqs - len(self._requests)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode("".join(m["content"] for m in messages)) + [1]
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % self.vocab_size for c in text]
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> StepOutput:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request {request_id!r} already exists")
+        if len(prompt_ids) == 0:
+            raise InvalidRequestError("prompt is empty")
+        need = len(prompt_ids) + params.max_tokens + self.config.max_draft_len
+        if need > self.config.max_model_len:
+            raise ContextLengthError(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} + draft room "
+                f"{self.config.max_draft_len} = {need} exceeds the context limit of {self.config.max_model_len} tokens"
+            )
+        if self.num_free_slots == 0:
+            raise CapacityError(f"all {self.config.max_num_seqs} KV cache slots are in use")
+        req = _MockRequest(params=params, prompt_len=len(prompt_ids), last=int(prompt_ids[-1]))
+        self._requests[request_id] = req
+        return self._commit(request_id, req, [next_token(req.last, self.vocab_size)], 0, 0, len(prompt_ids))
+
+    def release(self, request_id: str) -> None:
+        if self._requests.pop(request_id, None) is None:
+            raise UnknownRequestError(f"unknown request {request_id!r} (never added, finished or released)")
+
+    def verify(self, blocks: Sequence[DraftBlock]) -> list[StepOutput]:
+        for b in blocks:
+            if b.request_id not in self._requests:
+                raise UnknownRequestError(f"unknown request {b.request_id!r} (never added, finished or released)")
+            if b.length > self.config.max_draft_len:
+                raise InvalidRequestError(f"draft of {b.length} tokens exceeds max_draft_len")
+        if self.config.step_ms:
+            time.sleep(self.config.step_ms / 1000)
+        outputs = []
+        for b in blocks:
+            req = self._requests[b.request_id]
+            draft = b.tokens[: b.length].tolist()[: max(req.params.max_tokens - req.generated - 1, 0)]
+            tokens, expected = [], next_token(req.last, self.vocab_size)
+            for d in draft:
+                if d != expected:
+                    break
+                tokens.append(d)
+                expected = next_token(d, self.vocab_size)
+            accepted = len(tokens)
+            tokens.append(expected)
+            outputs.append(self._commit(b.request_id, req, tokens, len(draft), accepted, accepted + 1))
+        return outputs
+
+    def _commit(
+        self, request_id: str, req: _MockRequest, tokens: list[int], num_draft: int, num_accepted: int, rows: int
+    ) -> StepOutput:
+        kept, delta, reason = [], "", None
+        for tok in tokens:
+            kept.append(tok)
+            req.generated += 1
+            req.last = tok
+            piece = token_text(tok)
+            full = req.text + delta + piece
+            hit = min((full.find(s) for s in req.params.stop if s in full), default=-1)
+            if hit >= 0:
+                delta = full[len(req.text):hit] if hit >= len(req.text) else ""
+                reason = FinishReason.STOP
+                break
+            delta += piece
+            if req.generated >= req.params.max_tokens:
+                reason = FinishReason.LENGTH
+                break
+        req.text += delta
+        if reason is not None:
+            del self._requests[request_id]
+        return StepOutput(
+            request_id=request_id, new_token_ids=kept, num_draft=num_draft,
+            num_accepted=min(num_accepted, len(kept)), finished=reason is not None, finish_reason=reason,
+            text=delta, features=torch.zeros(rows, MOCK_FEATURE_DIM),
+        )
+
+
+@dataclass
+class MockProposer:
+    """Drafts the mock rule with one planted error per block (at position ``miss_at``); see module docstring."""
+
+    vocab_size: int
+    gamma: int
+    miss_at: int = 3
+    last_proposal: DraftRound | None = field(default=None, init=False)
+    _anchor: dict[str, int] = field(default_factory=dict, init=False)
+
+    def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
+        self._anchor[request_id] = first.new_token_ids[-1]
+
+    def update(self, outputs: Sequence[StepOutput]) -> None:
+        for out in outputs:
+            if out.request_id in self._anchor and not out.finished:
+                self._anchor[out.request_id] = out.new_token_ids[-1]
+
+    def finish(self, request_id: str) -> None:
+        self._anchor.pop(request_id, None)
+
+    def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
+        blocks, conf = [], torch.full((len(request_ids), self.gamma), MOCK_HIT_CONFIDENCE)
+        for i, rid in enumerate(request_ids):
+            tok, draft = self._anchor[rid], []
+            for k in range(self.gamma):
+                tok = next_token(tok, self.vocab_size)
+                draft.append((tok + 1) % self.vocab_size if k == self.miss_at else tok)
+            conf[i, self.miss_at:] = MOCK_MISS_CONFIDENCE
+            blocks.append(DraftBlock(rid, torch.tensor(draft, dtype=torch.long)))
+        self.last_proposal = DraftRound(blocks=blocks, confidences=conf)
+        return blocks

@@ -1,0 +1,115 @@
+"""Typed messages between the serving deployments (ingress -> target -> drafter), all plain picklable dataclasses.
+
+Owns the wire format inside the application; the OpenAI HTTP schemas live in ``openai_api.py``. Errors travel
+as values (``ErrorItem`` with an HTTP status), never as exceptions across replicas, so the ingress can answer
+with a structured 4xx / 503 before it sends any byte of a response.
+
+Shape symbols: B requests in a drafter call, K block size (gamma), C committed tokens of one request in one step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from app.engine.types import DraftBlock, SamplingParams, StepOutput
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation for a target replica: chat messages or a raw prompt, and its sampling settings."""
+
+    request_id: str
+    params: SamplingParams
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Speculative statistics of one request (opt-in response field)."""
+
+    rounds: int = 0  # verify steps
+    draft_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # draft tokens accepted
+    fallback: bool = False  # the drafter failed and the request finished with plain decoding
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: committed tokens per round (accepted drafts + the bonus/recovered token)."""
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "fallback": self.fallback,
+        }
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """Committed output of one request in one step (prefill or round)."""
+
+    text: str  # detokenised delta, safe to stream
+    token_ids: list[int]  # tokens committed in this step
+    prompt_tokens: int
+    finish_reason: str | None = None  # 'stop' | 'length' on the last chunk
+    spec: SpecStats | None = None  # on the last chunk
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ErrorItem:
+    """A failure the ingress turns into an OpenAI-style JSON error with this HTTP status."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass(frozen=True)
+class DraftStart:
+    """A new request for the drafter: its prompt, prefill output (first token, prompt features) and params."""
+
+    request_id: str
+    prompt_ids: list[int]
+    first: StepOutput
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """Everything a target replica tells its drafter in one round (one call per round per target batch)."""
+
+    starts: list[DraftStart] = field(default_factory=list)
+    updates: list[StepOutput] = field(default_factory=list)  # last round's outputs (only the new features)
+    finished: list[str] = field(default_factory=list)  # requests to forget (done, cancelled, failed over)
+    propose: list[str] = field(default_factory=list)  # requests to draft this round, in batch order
+
+
+@dataclass(frozen=True)
+class DraftRound:
+    """The drafter's answer: blocks and confidences for ``DraftCall.propose`` (minus ``missing``)."""
+
+    blocks: list[DraftBlock]
+    # [B, K] float32 calibrated per-position confidences, rows aligned with ``blocks``
+    confidences: torch.Tensor
+    missing: list[str] = field(default_factory=list)  # requests this replica holds no state for
+
+
+def strip_for_drafter(out: StepOutput) -> StepOutput:
+    """The fields a drafter needs from a step output (drops text; keeps ids, counts and new features)."""
+    return StepOutput(
+        request_id=out.request_id, new_token_ids=out.new_token_ids, num_draft=out.num_draft,
+        num_accepted=out.num_accepted, finished=out.finished, finish_reason=out.finish_reason,
+        features=out.features,
+    )

@@ -1,0 +1,131 @@
+"""Cluster-level routing: the Router deployment (one replica) and the pinned-replica request router.
+
+``Router`` collects load reports that target replicas push every ``stats_interval_s`` (active requests, queue
+length, step time, tokens per step, recent acceptance), computes each replica's load-aware verification
+capacity from the throughput profile, picks the target replica for a new request (one call per request,
+never per token) and exposes a snapshot for metrics and autoscaling.
+
+Load-aware capacity (DSpark Sec. 3.3, the asynchronous variant, evaluated per replica): with B active requests
+and recent per-draft acceptance rate alpha, the expected committed tokens for verify length l are
+``tau(l) = B (1 + alpha + ... + alpha^l)`` and the step rate ``SPS(B (1 + l))`` comes from the profile; the
+capacity is ``B * l*`` slots with ``l* = argmax_l tau(l) SPS``. It shrinks as the batch grows (verification
+waste costs more when the target is busy) and grows with acceptance.
+
+``PinnedReplicaRouter`` is a Ray Serve request router: a call with ``replica_key=<replica unique id>`` goes to
+that replica (the Router's choice of target); any other key is mapped by rendezvous hashing to one replica,
+the same one for as long as the replica set is unchanged (a target replica's drafter: sticky per-request
+state). No key: any replica with room.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from app.scheduling.profile import ThroughputProfile, load_profile
+from app.serving.config import AppConfig
+
+STALE_AFTER_REPORTS = 5  # a replica silent for this many report intervals is dropped from routing
+
+
+@dataclass(frozen=True)
+class TargetLoad:
+    """One target replica's load report."""
+
+    replica_id: str
+    active: int  # requests decoding
+    waiting: int  # requests queued for a KV slot
+    max_num_seqs: int
+    step_ms: float  # EMA of one round (draft + verify)
+    tokens_per_step: float  # EMA of tokens committed per round (whole batch)
+    acceptance: float  # EMA of accepted / verified draft tokens (0 when nothing was verified)
+    drafter_failures: int  # requests failed over to plain decoding since start
+    reported_at: float = 0.0
+
+
+def _rendezvous(key: str, replica: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}|{replica}".encode(), digest_size=8).digest(), "big")
+
+
+class PinnedReplicaRouter(RequestRouter):
+    """Routes by the call's ``replica_key`` keyword (module docstring)."""
+
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
+        key = pending_request.kwargs.get("replica_key") if pending_request is not None else None
+        if not key:
+            return [candidate_replicas]
+        for replica in candidate_replicas:
+            if replica.replica_id.unique_id == key:
+                return [[replica]]
+        ranked = sorted(candidate_replicas, key=lambda r: _rendezvous(key, r.replica_id.unique_id), reverse=True)
+        return [[r] for r in ranked]
+
+
+def verification_capacity(profile: ThroughputProfile, *, batch: int, acceptance: float, gamma: int) -> int:
+    """Slots (draft tokens per round, whole batch) that maximise expected tokens/s (module docstring)."""
+    if batch == 0:
+        return 0
+    b = min(batch, profile.max_batch_size)
+    gamma = min(gamma, profile.max_verify_len)
+    best_l, best = 0, 0.0
+    for l in range(gamma + 1):
+        tau = 1.0 + sum(acceptance**j for j in range(1, l + 1))
+        theta = tau * float(profile.steps_per_second(float(b * (1 + l)), batch=b, with_draft=l > 0))
+        if theta > best:
+            best_l, best = l, theta
+    return batch * best_l
+
+
+class Router:
+    """The Router deployment (module docstring). Holds soft state only: losing it costs balance, not requests."""
+
+    def __init__(self, config: AppConfig) -> None:
+        self.config = config
+        self.profile = load_profile(config.profile)
+        self._loads: dict[str, TargetLoad] = {}
+        self._assigned: dict[str, int] = {}  # requests sent to a replica since its last report
+        self._choices = 0
+
+    def report(self, load: TargetLoad) -> None:
+        self._loads[load.replica_id] = TargetLoad(**{**asdict(load), "reported_at": time.monotonic()})
+        self._assigned[load.replica_id] = 0
+
+    def choose_target(self) -> str | None:
+        """The live target replica with the lowest expected load; None before any replica reported."""
+        live = self._live()
+        if not live:
+            return None
+        self._choices += 1
+
+        def score(load: TargetLoad) -> tuple[float, int]:
+            queued = load.active + load.waiting + self._assigned.get(load.replica_id, 0)
+            return queued / load.max_num_seqs, (hash(load.replica_id) + self._choices) % len(live)
+
+        best = min(live, key=score)
+        self._assigned[best.replica_id] = self._assigned.get(best.replica_id, 0) + 1
+        return best.replica_id
+
+    def snapshot(self) -> dict:
+        """Per-replica load, capacity and totals (for metrics and the autoscaler)."""
+        replicas = {}
+        for load in self._live():
+            capacity = verification_capacity(
+                self.profile, batch=load.active, acceptance=load.acceptance, gamma=self.config.gamma
+            ) if self.config.speculates else 0
+            replicas[load.replica_id] = {**asdict(load), "verify_capacity": capacity}
+        return {
+            "replicas": replicas,
+            "active": sum(r["active"] for r in replicas.values()),
+            "waiting": sum(r["waiting"] for r in replicas.values()),
+            "policy": self.config.policy,
+        }
+
+    def _live(self) -> list[TargetLoad]:
+        cutoff = time.monotonic() - STALE_AFTER_REPORTS * self.config.stats_interval_s
+        return [load for load in self._loads.values() if load.reported_at >= cutoff]

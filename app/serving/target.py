@@ -1,0 +1,326 @@
+"""The Target deployment: one engine, a continuous-batching step loop, one drafter call and one verify per round.
+
+Owns: the replica's waiting queue (bounded: beyond ``max_queued_requests`` a request answers 503), admission
+between rounds (prefill into a free KV slot), the round (drafter call -> verify-length policy over the whole
+batch -> one ragged verify), streaming each request's committed text back, cancellation (a client that goes
+away frees its KV slot and, next round, its drafter state), drafter fail-over (a failed or slow drafter call
+moves the affected requests to plain decoding for the rest of their life, counted in ``drafter_failures``)
+and load reports to the Router, off the per-token path.
+
+The engine is driven from one worker thread (it is not thread-safe), so the replica's event loop stays free
+to accept requests and stream chunks while a round runs. Errors reach the ingress as ``ErrorItem`` values.
+
+Shape symbols: B requests in the round, K block size (gamma).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Protocol, Sequence
+
+import torch
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
+
+from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
+from app.engine.types import DraftBlock, SamplingParams, StepOutput
+from app.scheduling.policies import make_policy
+from app.scheduling.profile import load_profile
+from app.scheduling.scheduler import VerifyScheduler
+from app.serving.config import AppConfig
+from app.serving.protocol import (
+    DraftCall, DraftRound, DraftStart, ErrorItem, GenerateRequest, SpecStats, TextChunk, strip_for_drafter,
+)
+from app.serving.router import TargetLoad
+
+log = logging.getLogger("ray.serve")
+
+STATS_EMA = 0.2  # weight of the newest round in the step-time / tokens / acceptance EMAs
+# A drafter call fails over to plain decoding on these (replica died or was restarted, call timed out or was
+# rejected, or the drafter raised).
+DRAFTER_FAILURES = (RayActorError, RayTaskError, asyncio.TimeoutError, BackPressureError, RequestCancelledError)
+
+
+class Engine(Protocol):
+    """What a target replica needs from an engine (``TargetEngine`` and ``MockEngine`` provide it)."""
+
+    num_free_slots: int
+
+    def has_request(self, request_id: str) -> bool: ...
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def encode(self, text: str) -> list[int]: ...
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> StepOutput: ...
+    def verify(self, blocks: Sequence[DraftBlock]) -> list[StepOutput]: ...
+    def release(self, request_id: str) -> None: ...
+
+
+def make_engine(config: AppConfig) -> Engine:
+    if config.engine == "mock":
+        from app.serving.mock import MockEngine, MockEngineConfig
+
+        return MockEngine(MockEngineConfig(
+            max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, max_draft_len=config.gamma,
+            vocab_size=config.mock_vocab_size, step_ms=config.mock_step_ms,
+        ))
+    from app.engine.engine import EngineConfig, TargetEngine
+
+    return TargetEngine(EngineConfig(
+        model=config.model, dtype=config.dtype, device=config.device, max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs, max_draft_len=config.gamma,
+    ))
+
+
+@dataclass
+class _Stream:
+    """One request on this replica."""
+
+    request: GenerateRequest
+    prompt_ids: list[int]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    generated: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
+    on_drafter: bool = False  # its state lives on the drafter
+    done: bool = False
+
+
+class TargetReplica:
+    """The Target deployment class (bound undecorated by ``builder.py``)."""
+
+    def __init__(self, config: AppConfig, drafter, router) -> None:
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config = config
+        self.engine = make_engine(config)
+        self.drafter = drafter if config.speculates else None
+        self.router = router
+        self.policy = make_policy(config.policy)
+        self.scheduler = VerifyScheduler(
+            self.policy, load_profile(config.profile), max_batch=config.max_num_seqs, gamma=config.gamma
+        ) if config.speculates else None
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._waiting: collections.deque[_Stream] = collections.deque()
+        self._active: dict[str, _Stream] = {}
+        self._cancelled: set[str] = set()
+        self._draft_starts: list[DraftStart] = []
+        self._draft_updates: list[StepOutput] = []
+        self._draft_finished: list[str] = []
+        self._wakeup: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._stats = {"step_ms": 0.0, "tokens_per_step": 0.0, "acceptance": 0.0, "drafter_failures": 0}
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: GenerateRequest, replica_key: str | None = None) -> AsyncIterator:
+        """Stream ``TextChunk``s for ``request`` (or one ``ErrorItem``); ``replica_key`` only steers routing."""
+        self._ensure_running()
+        try:
+            prompt_ids = await self._run(self._encode, request)
+        except InvalidRequestError as err:
+            yield ErrorItem(400, str(err), param="messages" if request.messages is not None else "prompt")
+            return
+        if len(self._waiting) + len(self._active) >= self.config.max_num_seqs + self.config.max_queued_requests:
+            yield ErrorItem(503, f"server overloaded: {len(self._waiting)} requests already queued",
+                            type="server_overloaded", code="overloaded")
+            return
+        stream = _Stream(request=request, prompt_ids=prompt_ids)
+        self._waiting.append(stream)
+        self._wakeup.set()
+        try:
+            while True:
+                item = await stream.queue.get()
+                yield item
+                if isinstance(item, ErrorItem) or item.finish_reason is not None:
+                    return
+        finally:
+            if not stream.done:  # client went away (or the ingress cancelled): free its state next round
+                self._cancelled.add(request.request_id)
+                self._wakeup.set()
+
+    def _encode(self, request: GenerateRequest) -> list[int]:
+        if request.messages is not None:
+            return self.engine.encode_chat(request.messages)
+        return self.engine.encode(request.prompt)
+
+    def debug_state(self) -> dict:
+        """Counts of held request state (leak checks and the autoscaler)."""
+        held = getattr(self.engine, "num_active", None)
+        return {"active": len(self._active), "waiting": len(self._waiting), "engine_active": held,
+                "cancelled_pending": len(self._cancelled), **self._stats}
+
+    def record_autoscaling_stats(self) -> dict:
+        """Custom autoscaling metrics (Ray Serve polls this; used by the autoscaling policy)."""
+        return {"active": float(len(self._active)), "waiting": float(len(self._waiting)),
+                "step_ms": self._stats["step_ms"]}
+
+    # ------------------------------------------------------------------ loop
+
+    def _ensure_running(self) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+            self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._report_loop())]
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _loop(self) -> None:
+        while True:
+            if not (self._waiting or self._active or self._cancelled or self._draft_finished):
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            await self._drop_cancelled()
+            await self._admit()
+            if self._active:
+                await self._round()
+            elif self._draft_finished and self.drafter is not None:
+                await self._call_drafter([])  # tell the drafter to forget cancelled requests
+
+    async def _drop_cancelled(self) -> None:
+        for rid in list(self._cancelled):
+            self._cancelled.discard(rid)
+            stream = self._active.pop(rid, None)
+            if stream is None:
+                self._waiting = collections.deque(s for s in self._waiting if s.request.request_id != rid)
+                continue
+            stream.done = True
+            if self.engine.has_request(rid):
+                await self._run(self.engine.release, rid)
+            if stream.on_drafter:
+                self._draft_finished.append(rid)
+
+    async def _admit(self) -> None:
+        while self._waiting and self.engine.num_free_slots > 0:
+            stream = self._waiting.popleft()
+            req = stream.request
+            try:
+                first = await self._run(self.engine.add_request, req.request_id, stream.prompt_ids, req.params)
+            except CapacityError as err:
+                self._waiting.appendleft(stream)
+                log.warning("admission deferred: %s", err)
+                return
+            except InvalidRequestError as err:
+                stream.done = True
+                code = "context_length_exceeded" if isinstance(err, ContextLengthError) else None
+                stream.queue.put_nowait(ErrorItem(400, str(err), code=code))
+                continue
+            self._emit(stream, first)
+            if stream.done:
+                continue
+            self._active[req.request_id] = stream
+            if self.drafter is not None:
+                self._draft_starts.append(DraftStart(req.request_id, stream.prompt_ids,
+                                                     strip_for_drafter(first), req.params))
+                stream.on_drafter = True
+
+    async def _round(self) -> None:
+        t0 = time.perf_counter()
+        ids = list(self._active)
+        blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
+        if self.drafter is not None:
+            speculative = [rid for rid in ids if self._active[rid].on_drafter]
+            drafted = await self._call_drafter(speculative)
+            if drafted is not None and drafted.blocks:
+                blocks.update(self._schedule(drafted))
+        outputs = await self._run(self.engine.verify, [blocks[rid] for rid in ids])
+        committed, verified, accepted = 0, 0, 0
+        for out in outputs:
+            stream = self._active[out.request_id]
+            stream.spec = replace(stream.spec, rounds=stream.spec.rounds + 1,
+                                  draft_tokens=stream.spec.draft_tokens + out.num_draft,
+                                  accepted_tokens=stream.spec.accepted_tokens + out.num_accepted)
+            committed += len(out.new_token_ids)
+            verified += out.num_draft
+            accepted += out.num_accepted
+            self._emit(stream, out)
+            if stream.done:
+                del self._active[out.request_id]
+                if stream.on_drafter:
+                    self._draft_finished.append(out.request_id)
+            elif stream.on_drafter:
+                self._draft_updates.append(strip_for_drafter(out))
+        self._observe((time.perf_counter() - t0) * 1000, committed, verified, accepted)
+
+    async def _call_drafter(self, propose: list[str]) -> DraftRound | None:
+        """One drafter call with everything pending; on failure the involved requests fall back to plain."""
+        call = DraftCall(starts=self._draft_starts, updates=self._draft_updates,
+                         finished=self._draft_finished, propose=propose)
+        self._draft_starts, self._draft_updates, self._draft_finished = [], [], []
+        response = self.drafter.draft.remote(call, replica_key=f"target:{self.replica_id}")
+        try:
+            result = await asyncio.wait_for(response, timeout=self.config.drafter_timeout_s)
+        except DRAFTER_FAILURES as err:
+            response.cancel()
+            moved = self._fail_over(propose + [s.request_id for s in call.starts], err)
+            if isinstance(err, asyncio.TimeoutError):  # the replica may still hold their state: forget it next call
+                self._draft_finished.extend(call.finished + moved)
+            return None
+        if result.missing:
+            self._fail_over(result.missing, RuntimeError("drafter replica holds no state for them"))
+        return result
+
+    def _fail_over(self, request_ids: list[str], err: BaseException) -> list[str]:
+        """Move active requests to plain decoding; returns the ids moved."""
+        moved = []
+        for rid in dict.fromkeys(request_ids):
+            stream = self._active.get(rid)
+            if stream is not None and stream.on_drafter:
+                stream.on_drafter = False
+                stream.spec = replace(stream.spec, fallback=True)
+                moved.append(rid)
+        self._stats["drafter_failures"] += len(moved)
+        log.warning("drafter call failed (%s: %s); %d requests continue with plain decoding",
+                    type(err).__name__, err, len(moved))
+        return moved
+
+    def _schedule(self, drafted: DraftRound) -> dict[str, DraftBlock]:
+        """Verify lengths for the drafted requests under the policy, over the whole drafted batch."""
+        k = self.config.gamma
+        conf = drafted.confidences[:, :k]
+        if conf.shape[1] < k:
+            conf = torch.nn.functional.pad(conf, (0, k - conf.shape[1]))
+        max_len = torch.tensor([
+            min(b.tokens.shape[0], k, self._active[b.request_id].request.params.max_tokens
+                - self._active[b.request_id].generated - 1)
+            for b in drafted.blocks
+        ], dtype=torch.long).clamp(min=0)
+        lengths = self.scheduler.schedule(confidences=conf.clamp(0, 1), min_len=torch.zeros_like(max_len),
+                                          max_len=max_len)
+        return {b.request_id: DraftBlock(b.request_id, b.tokens, b.probs, int(n))
+                for b, n in zip(drafted.blocks, lengths.tolist())}
+
+    def _emit(self, stream: _Stream, out: StepOutput) -> None:
+        stream.generated += len(out.new_token_ids)
+        stream.done = out.finished
+        stream.queue.put_nowait(TextChunk(
+            text=out.text, token_ids=list(out.new_token_ids), prompt_tokens=len(stream.prompt_ids),
+            finish_reason=out.finish_reason.value if out.finished else None,
+            spec=stream.spec if out.finished else None,
+        ))
+
+    def _observe(self, step_ms: float, committed: int, verified: int, accepted: int) -> None:
+        s, a = self._stats, STATS_EMA
+        s["step_ms"] = a * step_ms + (1 - a) * s["step_ms"] if s["step_ms"] else step_ms
+        s["tokens_per_step"] = a * committed + (1 - a) * s["tokens_per_step"]
+        if verified:
+            s["acceptance"] = a * (accepted / verified) + (1 - a) * s["acceptance"]
+
+    async def _report_loop(self) -> None:
+        """Push this replica's load to the Router every ``stats_interval_s`` (never on the token path)."""
+        while True:
+            load = TargetLoad(
+                replica_id=self.replica_id, active=len(self._active), waiting=len(self._waiting),
+                max_num_seqs=self.config.max_num_seqs, step_ms=self._stats["step_ms"],
+                tokens_per_step=self._stats["tokens_per_step"], acceptance=self._stats["acceptance"],
+                drafter_failures=self._stats["drafter_failures"],
+            )
+            try:
+                await self.router.report.remote(load)
+            except (RayActorError, RayTaskError) as err:
+                log.warning("load report to the Router failed: %s", err)
+            await asyncio.sleep(self.config.stats_interval_s)

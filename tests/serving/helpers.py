@@ -1,0 +1,65 @@
+"""Shared helpers for the serving tests: a local Ray + Serve on a free loopback port, HTTP and SSE utilities."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_serve(**ray_init):
+    """Start a local Ray (CPU only, no dashboard) and Serve on a free loopback port; yield the base URL."""
+    import ray
+    from ray import serve
+
+    ray.init(include_dashboard=False, log_to_driver=False, **ray_init)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    """Parsed ``data:`` events of a streamed response (``[DONE]`` excluded; asserts it came last)."""
+    events, done = [], False
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        assert not done, "event after [DONE]"
+        payload = line[len("data: "):]
+        if payload == "[DONE]":
+            done = True
+            continue
+        events.append(json.loads(payload))
+    assert done, "stream did not end with [DONE]"
+    return events
+
+
+def stream_text(events: list[dict], *, chat: bool = True) -> str:
+    if chat:
+        return "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    return "".join(e["choices"][0]["text"] for e in events if e["choices"])
+
+
+def wait_until(predicate, timeout_s: float = 20.0, interval_s: float = 0.2):
+    """Poll ``predicate`` until it returns a truthy value; return it (AssertionError on timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"condition not met within {timeout_s} s"
+        time.sleep(interval_s)

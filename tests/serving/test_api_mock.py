@@ -1,0 +1,211 @@
+"""The Serve application on the mock engine and mock drafter: API schema, streaming, errors, auth, overload,
+disconnect cleanup and drafter fail-over. One local Ray and one application for the whole module."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from app.serving.builder import build_app
+from app.serving.mock import next_token, token_text
+from tests.serving.helpers import local_serve, sse_events, stream_text, wait_until
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "mock-model"
+VOCAB = 512
+MAX_MODEL_LEN = 256
+ARGS = {
+    "engine": "mock", "drafter": "mock", "policy": "dspark", "gamma": 4, "served_model_name": MODEL,
+    "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "max_queued_requests": 2, "mock_step_ms": 10,
+    "mock_vocab_size": VOCAB, "api_key": KEY, "drafter_timeout_s": 2.0, "stats_interval_s": 0.2,
+    "target": {"num_cpus": 0.1}, "drafter_replicas": {"num_cpus": 0.1}, "ingress": {"num_cpus": 0.1},
+    "router_num_cpus": 0.05,
+}
+APP = "mock"
+
+
+@pytest.fixture(scope="module")
+def url():
+    with local_serve(num_cpus=2) as base:
+        serve.run(build_app(ARGS), name=APP, route_prefix="/")
+        yield base
+
+
+def expected_text(content: str, n: int) -> str:
+    tok, out = (1, [])  # encode_chat ends with token 1
+    for _ in range(n):
+        tok = next_token(tok, VOCAB)
+        out.append(token_text(tok))
+    return "".join(out)
+
+
+def chat(content: str = "hi", **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
+
+
+def test_health_open_and_api_key(url):
+    assert httpx.get(f"{url}/health").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(f"{url}/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=3), headers=headers)
+        assert r.status_code == 401 and "w" not in r.text.replace("authentication_error", "")
+    r = httpx.get(f"{url}/v1/models", headers=AUTH)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
+
+
+def test_chat_non_streaming_schema_usage_and_stats(url):
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=20, spec_stats=True), headers=AUTH,
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == MODEL
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": expected_text("hi", 20)}
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 20, "total_tokens": 23}
+    stats = body["spec_stats"]
+    assert stats["rounds"] >= 1 and stats["accepted_tokens"] > 0 and not stats["fallback"]
+    assert stats["accepted_tokens"] + stats["rounds"] == 19  # every token after the prefill came from a round
+
+
+def test_streaming_equals_non_streamed_and_usage(url):
+    plain = httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=15), headers=AUTH, timeout=30).json()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, timeout=30,
+                      json=chat(max_tokens=15, stream=True, stream_options={"include_usage": True})) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert len([e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]) > 1
+    assert stream_text(events) == plain["choices"][0]["message"]["content"]
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 15 and events[-1]["choices"] == []
+
+
+def test_completions_and_stop_string(url):
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
+                   json={"model": MODEL, "prompt": "ab", "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["object"] == "text_completion"
+    assert r.json()["usage"]["completion_tokens"] == 8
+    full = expected_text("hi", 12)
+    stop = full.split()[5]  # the 6th word
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=12, stop=[stop]), headers=AUTH, timeout=30)
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["message"]["content"] == full[: full.index(stop)]
+
+
+BAD = [
+    ("malformed json", b"{not json", 400),
+    ("missing messages", {"model": MODEL}, 400),
+    ("empty messages", {"model": MODEL, "messages": []}, 400),
+    ("unknown model", {**chat(), "model": "gpt-9"}, 404),
+    ("prompt over context", chat("x" * (MAX_MODEL_LEN + 10), max_tokens=5), 400),
+    ("max_tokens 0", chat(max_tokens=0), 400),
+    ("max_tokens over limit", chat(max_tokens=MAX_MODEL_LEN * 4), 400),
+    ("temperature high", chat(temperature=2.5), 400),
+    ("temperature negative", chat(temperature=-1), 400),
+    ("top_p zero", chat(top_p=0), 400),
+    ("top_p high", chat(top_p=1.5), 400),
+    ("n > 1", chat(n=2), 400),
+    ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("not an object", b"[1, 2]", 400),
+]
+
+
+@pytest.mark.parametrize("name,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_openai_error(url, name, body, status):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{url}/v1/chat/completions", headers={**AUTH, "Content-Type": "application/json"},
+                   timeout=30, **kwargs)
+    assert r.status_code == status, (name, r.text)
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+
+
+def test_overload_answers_503_with_retry_after(url):
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*[
+                client.post(f"{url}/v1/chat/completions", json=chat(max_tokens=120), headers=AUTH)
+                for _ in range(14)
+            ])
+
+    responses = asyncio.run(burst())
+    codes = sorted(r.status_code for r in responses)
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 4, codes
+    rejected = next(r for r in responses if r.status_code == 503)
+    assert rejected.headers["Retry-After"] == "1" and rejected.json()["error"]["code"] == "overloaded"
+
+
+def target_state() -> dict:
+    return serve.get_deployment_handle("Target", APP).debug_state.remote().result()
+
+
+def drafter_states() -> int:
+    return serve.get_deployment_handle("Drafter", APP).num_states.remote().result()
+
+
+def test_disconnects_free_target_and_drafter_state(url):
+    async def disconnect_once(client: httpx.AsyncClient) -> None:
+        async with client.stream("POST", f"{url}/v1/chat/completions", headers=AUTH,
+                                 json=chat(max_tokens=200, stream=True)) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if '"content"' in line:
+                    break  # leave mid-stream
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            for _ in range(25):
+                await asyncio.gather(*[disconnect_once(client) for _ in range(4)])
+
+    asyncio.run(run())
+    wait_until(lambda: (s := target_state())["active"] == 0 and s["engine_active"] == 0 and s["waiting"] == 0)
+    wait_until(lambda: drafter_states() == 0)
+
+
+def _drafter_actor():
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if "Drafter" in a["name"] and a["namespace"] == "serve"]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0]["name"], namespace="serve")
+
+
+def test_drafter_failure_falls_back_to_plain_decoding(url):
+    """Kill the drafter replica mid-request: the request completes, exactly, with plain decoding."""
+    n = 150
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, timeout=60,
+                      json=chat(max_tokens=n, stream=True, spec_stats=True)) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if '"content"' in line:
+                break
+        ray.kill(_drafter_actor(), no_restart=True)
+        rest = [line for line in lines]
+    events = [e for e in sse_events(_Lines([line] + rest))]
+    final = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]
+    assert final["choices"][0]["finish_reason"] == "length" and final["spec_stats"]["fallback"] is True
+    full = expected_text("hi", n)
+    assert full.endswith(stream_text(events))
+    assert target_state()["drafter_failures"] >= 1
+    # The replica is replaced; later requests speculate again and state does not leak.
+    wait_until(lambda: httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=10, spec_stats=True),
+                                  headers=AUTH, timeout=30).json()["spec_stats"]["fallback"] is False,
+               timeout_s=60, interval_s=1.0)
+    wait_until(lambda: drafter_states() == 0)
+
+
+class _Lines:
+    """Adapter so ``sse_events`` can parse already-read lines."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self._lines = lines
+
+    def iter_lines(self):
+        return iter(self._lines)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
 
+import ray
 import torch
 
 from app.engine.decode import Proposer
@@ -90,6 +91,6 @@ class DrafterReplica:
         confidences = self.proposer.last_proposal.confidences if ids else torch.zeros(0, self.config.gamma)
         return DraftRound(blocks=blocks, confidences=confidences.float(), missing=missing)
 
-    def num_states(self) -> int:
-        """Requests this replica holds drafter state for (leak checks)."""
-        return len(self._live)
+    def debug_state(self) -> dict:
+        """Requests this replica holds drafter state for (leak checks) and where it runs (placement checks)."""
+        return {"states": len(self._live), "node_id": ray.get_runtime_context().get_node_id()}

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Protocol, Sequence
 
+import ray
 import torch
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
@@ -152,7 +153,8 @@ class TargetReplica:
         """Counts of held request state (leak checks and the autoscaler)."""
         held = getattr(self.engine, "num_active", None)
         return {"active": len(self._active), "waiting": len(self._waiting), "engine_active": held,
-                "cancelled_pending": len(self._cancelled), **self._stats}
+                "cancelled_pending": len(self._cancelled), "node_id": ray.get_runtime_context().get_node_id(),
+                **self._stats}
 
     def record_autoscaling_stats(self) -> dict:
         """Custom autoscaling metrics (Ray Serve polls this; used by the autoscaling policy)."""

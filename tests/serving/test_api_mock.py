@@ -148,7 +148,7 @@ def target_state() -> dict:
 
 
 def drafter_states() -> int:
-    return serve.get_deployment_handle("Drafter", APP).num_states.remote().result()
+    return serve.get_deployment_handle("Drafter", APP).debug_state.remote().result()["states"]
 
 
 def test_disconnects_free_target_and_drafter_state(url):

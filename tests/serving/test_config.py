@@ -1,0 +1,79 @@
+"""AppConfig validation, the YAML defaults, the n-gram drafter and the Router's pure parts (no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from app.scheduling.profile import load_profile
+from app.serving.config import REPO_ROOT, AppConfig
+from app.serving.ngram import lookup
+from app.serving.router import verification_capacity
+
+
+@pytest.mark.parametrize("args,field", [
+    ({"polcy": "dspark"}, "polcy"),
+    ({"policy": "fastest"}, "policy"),
+    ({"gamma": 0}, "gamma"),
+    ({"target": {"num_cpus": -1}}, "target.num_cpus"),
+    ({"target": {"gpus": 1}}, "target.gpus"),
+    ({"drafter": "eagle"}, "drafter"),
+])
+def test_bad_config_names_the_field(args, field):
+    with pytest.raises(ValidationError) as info:
+        AppConfig.model_validate(args)
+    assert field in str(info.value)
+
+
+def test_missing_files_name_the_field(tmp_path):
+    with pytest.raises(FileNotFoundError, match="drafter_checkpoint"):
+        AppConfig(drafter_checkpoint=str(tmp_path / "nothing")).check_files()
+    with pytest.raises(FileNotFoundError, match="profile"):
+        AppConfig(profile=str(tmp_path / "none.json"), drafter="ngram").check_files()
+    AppConfig(policy="none", drafter_checkpoint=str(tmp_path / "nothing")).check_files()  # no drafter needed
+
+
+def test_relative_paths_resolve_against_the_repo():
+    config = AppConfig()
+    assert config.profile == str(REPO_ROOT / "profiles/derived-smollm2-135m-instruct-xeon-2-cores.json")
+    assert Path(config.drafter_checkpoint).is_absolute()
+
+
+def test_api_key_from_environment(monkeypatch):
+    monkeypatch.setenv("DSPARK_API_KEY", "k1")
+    assert AppConfig().resolved_api_key == "k1"
+    assert AppConfig(api_key="k2").resolved_api_key == "k2"
+    assert AppConfig(api_key="").resolved_api_key is None
+
+
+@pytest.mark.parametrize("name", ["dspark.yaml", "dspark-cluster.yaml"])
+def test_yaml_args_validate(name):
+    doc = yaml.safe_load((REPO_ROOT / "deployments" / name).read_text())
+    (app,) = doc["applications"]
+    assert app["import_path"] == "app.serving.builder:build_app"
+    config = AppConfig.model_validate(app["args"])
+    if name == "dspark.yaml":
+        assert doc["http_options"]["host"] == "127.0.0.1"
+        total = config.target.num_cpus + config.drafter_replicas.num_cpus + config.ingress.num_cpus
+        assert total + config.router_num_cpus <= 2 and config.target.num_gpus == 0
+    else:
+        assert config.target.resources and config.drafter_replicas.resources
+        assert set(config.target.resources) != set(config.drafter_replicas.resources)
+
+
+def test_ngram_lookup():
+    assert lookup([1, 2, 3, 9, 1, 2, 3], max_ngram=3, gamma=4) == ([9, 1, 2, 3], 3)
+    assert lookup([5, 6, 7], max_ngram=3, gamma=4) == ([], 0)
+    assert lookup([4, 8, 4], max_ngram=2, gamma=2) == ([8, 4], 1)
+
+
+def test_verification_capacity_shrinks_with_load_and_grows_with_acceptance():
+    profile = load_profile(AppConfig().profile)
+    assert verification_capacity(profile, batch=0, acceptance=0.9, gamma=7) == 0
+    per_request = [verification_capacity(profile, batch=b, acceptance=0.8, gamma=7) / b for b in (1, 16, 128)]
+    assert per_request == sorted(per_request, reverse=True) and per_request[0] > 0
+    assert verification_capacity(profile, batch=8, acceptance=0.2, gamma=7) <= verification_capacity(
+        profile, batch=8, acceptance=0.9, gamma=7)

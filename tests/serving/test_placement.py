@@ -1,0 +1,44 @@
+"""Placement: on a local multi-node Ray with fake resource groups, target and drafter replicas land on the nodes
+of their own group."""
+
+from __future__ import annotations
+
+import httpx
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+
+from app.serving.builder import build_app
+from tests.serving.helpers import free_port
+
+
+def test_replicas_land_on_their_resource_groups():
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    target_node = cluster.add_node(num_cpus=1, resources={"target_group": 2})
+    drafter_node = cluster.add_node(num_cpus=1, resources={"drafter_group": 2})
+    ray.init(address=cluster.address, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({
+            "engine": "mock", "drafter": "mock", "policy": "fixed-2", "gamma": 3, "served_model_name": "m",
+            "max_model_len": 128, "max_num_seqs": 2,
+            "target": {"num_replicas": 2, "num_cpus": 0.1, "resources": {"target_group": 1}},
+            "drafter_replicas": {"num_replicas": 2, "num_cpus": 0.1, "resources": {"drafter_group": 1}},
+            "ingress": {"num_cpus": 0.1}, "router_num_cpus": 0.05,
+        }), name="placed", route_prefix="/")
+        targets = {serve.get_deployment_handle("Target", "placed").debug_state.remote().result()["node_id"]
+                   for _ in range(8)}
+        drafters = {serve.get_deployment_handle("Drafter", "placed").debug_state.remote().result()["node_id"]
+                    for _ in range(8)}
+        assert targets == {target_node.node_id}
+        assert drafters == {drafter_node.node_id}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=30,
+                       json={"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 6,
+                             "spec_stats": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+        assert r.json()["spec_stats"]["accepted_tokens"] > 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()

@@ -1,0 +1,97 @@
+"""End to end through HTTP with the real default target: greedy output of the served speculative path equals
+plain greedy decoding for 10 concurrent prompts (near-ties allowed), and streaming equals non-streaming.
+
+Uses the DSpark checkpoint when it is present, else the n-gram drafter (the serving path is the same).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+from ray import serve
+
+from app.engine.decode import generate
+from app.engine.types import SamplingParams
+from app.serving.builder import build_app
+from app.serving.config import AppConfig
+from tests.engine.near_tie import NEAR_TIE_EPS, check_same_or_near_tie, teacher_forced_logits
+from tests.serving.helpers import local_serve, sse_events, stream_text
+
+MAX_TOKENS = 32
+CHECKPOINT = Path(AppConfig().drafter_checkpoint)
+DRAFTER = "dspark" if (CHECKPOINT / "config.json").is_file() else "ngram"
+
+
+def same_or_near_tie(engine, prompt: list[int], expected: list[int], got: list[int]) -> str | None:
+    """``check_same_or_near_tie``, also accepting a multi-way tie: at the first difference both tokens' logits
+    lie within NEAR_TIE_EPS of the target's maximum (seen: three tokens within 0.113 on eval prompt 8)."""
+    try:
+        return check_same_or_near_tie(engine, prompt, expected, got)
+    except AssertionError:
+        j = next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b)
+        logits = teacher_forced_logits(engine, prompt + expected[:j])[-1]
+        top = float(logits.max())
+        gaps = top - float(logits[expected[j]]), top - float(logits[got[j]])
+        assert max(gaps) < NEAR_TIE_EPS, f"token {j}: {expected[j]} vs {got[j]}, gaps to the max {gaps}"
+        return f"multi-way near-tie at token {j} (gaps {gaps[0]:.4f}, {gaps[1]:.4f})"
+
+
+@pytest.fixture(scope="module")
+def url():
+    with local_serve(num_cpus=2) as base:
+        serve.run(build_app({
+            "drafter": DRAFTER, "policy": "dspark", "gamma": 7 if DRAFTER == "dspark" else 5, "device": "cpu",
+            "max_model_len": 1024, "max_num_seqs": 10, "torch_threads": 2,
+            "target": {"num_cpus": 0.5}, "drafter_replicas": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.1},
+        }), name="real", route_prefix="/")
+        yield base
+
+
+def chat_body(prompt: str, **extra) -> dict:
+    return {"model": "smollm2-135m", "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": MAX_TOKENS, **extra}
+
+
+@pytest.mark.slow
+def test_served_greedy_equals_plain_greedy_under_batching(url, engine, eval_prompts):
+    prompts = eval_prompts[:10]
+
+    async def send_all() -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            responses = await asyncio.gather(*[
+                client.post(f"{url}/v1/chat/completions", json=chat_body(p, return_token_ids=True, spec_stats=True))
+                for p in prompts
+            ])
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+        return [r.json() for r in responses]
+
+    served = asyncio.run(send_all())
+    prompt_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    plain, _ = generate(engine, prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
+    ties = []
+    for ids, ref, body in zip(prompt_ids, plain, served):
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        assert body["usage"]["completion_tokens"] == len(body["token_ids"])
+        note = same_or_near_tie(engine, ids, ref.token_ids, body["token_ids"])
+        if note is None:
+            assert body["choices"][0]["message"]["content"] == ref.text
+        else:
+            ties.append(note)
+    assert len(ties) <= 3, ties
+    print(f"drafter {DRAFTER}: {len(ties)} near-ties of 10: {ties}")
+    assert sum(b["spec_stats"]["accepted_tokens"] for b in served) > 0, "the drafter never contributed"
+
+
+@pytest.mark.slow
+def test_streaming_concatenation_equals_non_streamed(url, eval_prompts):
+    for prompt in eval_prompts[10:12]:
+        plain = httpx.post(f"{url}/v1/chat/completions", json=chat_body(prompt), timeout=300).json()
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat_body(prompt, stream=True),
+                          timeout=300) as r:
+            events = sse_events(r)
+        assert stream_text(events) == plain["choices"][0]["message"]["content"]
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == \
+            plain["choices"][0]["finish_reason"]

@@ -55,8 +55,8 @@ class DraftProposal:
 class _RequestState:
     temperature: float
     generator: torch.Generator
-    keys: list[torch.Tensor]  # per layer [Hkv, T, Dh]
-    values: list[torch.Tensor]  # per layer [Hkv, T, Dh]
+    # [2 * layers, Hkv, capacity, Dh] injected keys (even rows) and values (odd rows); rows [0, length) are valid
+    kv: torch.Tensor | None = None
     length: int = 0  # T: tokens whose features are in the context
     anchor: int = -1  # the pending token
 
@@ -103,18 +103,18 @@ class DSparkProposer:
         state = _RequestState(
             temperature=temperature,
             generator=torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1),
-            keys=[], values=[],
         )
         self._state[request_id] = state
-        self._extend(state, first.features)
+        self._extend([state], [first.features])
         state.anchor = first.new_token_ids[-1]
 
     def update(self, outputs: Sequence[StepOutput]) -> None:
-        for out in outputs:
-            state = self._state.get(out.request_id)
-            if state is None or out.finished:
-                continue
-            self._extend(state, out.features)
+        """Append every continuing request's new context rows (one batched projection for the whole step)."""
+        live = [(self._state[o.request_id], o) for o in outputs if not o.finished and o.request_id in self._state]
+        if not live:
+            return
+        self._extend([s for s, _ in live], [o.features for _, o in live])
+        for state, out in live:
             state.anchor = out.new_token_ids[-1]
 
     def finish(self, request_id: str) -> None:
@@ -140,22 +140,24 @@ class DSparkProposer:
         hidden = d.backbone(d.block_inputs(anchors), positions=positions, ctx=ctx, mask=mask)
         base = d.base_logits(hidden[:, : self.gamma])  # [B, gamma, V]
         temps = torch.tensor([s.temperature for s in states], device=device)
-        sampled = temps > 0
+        sampled_rows = (temps > 0).nonzero().flatten().tolist()
+        any_sampled = bool(sampled_rows)
         prev, state = anchors[:, 0], None
         tokens, probs, conf = [], [], []
         for i in range(self.gamma):
             step = d.head_step(base[:, i], hidden[:, i], prev, state)
             state = step.state
-            q = torch.softmax(step.logits / temps.clamp(min=1e-6)[:, None], dim=-1)  # [B, V]
             tok = step.logits.argmax(-1)
-            for b in sampled.nonzero().flatten().tolist():
-                tok[b] = torch.multinomial(q[b].cpu(), 1, generator=states[b].generator).to(device)[0]
+            if any_sampled:
+                q = torch.softmax(step.logits / temps.clamp(min=1e-6)[:, None], dim=-1)  # [B, V]
+                for b in sampled_rows:
+                    tok[b] = torch.multinomial(q[b].cpu(), 1, generator=states[b].generator).to(device)[0]
+                probs.append(q)
             tokens.append(tok)
-            probs.append(q)
             conf.append(step.conf_logit)
             prev = tok
         tokens_t = torch.stack(tokens, 1).cpu()
-        probs_t = torch.stack(probs, 1)
+        probs_t = torch.stack(probs, 1) if any_sampled else None
         conf_logits = torch.stack(conf, 1).float().cpu()
         blocks = [
             DraftBlock(rid, tokens_t[b], probs_t[b].float().cpu() if s.temperature > 0 else None)
@@ -171,28 +173,38 @@ class DSparkProposer:
     # ---------------------------------------------------------------- helpers
 
     @torch.inference_mode()
-    def _extend(self, state: _RequestState, features: torch.Tensor) -> None:
-        """Project the new context rows [C, F] into every layer's keys/values and append them."""
+    def _extend(self, states: list[_RequestState], features: list[torch.Tensor]) -> None:
+        """Project new context rows (``features[i]`` [C_i, F] of ``states[i]``) into every layer's keys/values in
+        one drafter call, and append them to each request's buffer."""
         d = self.drafter
         device = d.embed_weight.device
-        feats = features.to(device)[None]
-        positions = torch.arange(state.length, state.length + feats.shape[1], device=device)[None]
+        counts = [f.shape[0] for f in features]
+        feats = torch.cat(features).to(device)[None]  # [1, sum C, F]
+        positions = torch.cat([torch.arange(s.length, s.length + c) for s, c in zip(states, counts)]).to(device)[None]
         kv = d.context_kv(feats, positions)
-        if not state.keys:
-            state.keys = [k[0] for k in kv.keys]
-            state.values = [v[0] for v in kv.values]
-        else:
-            state.keys = [torch.cat([old, new[0]], dim=1) for old, new in zip(state.keys, kv.keys)]
-            state.values = [torch.cat([old, new[0]], dim=1) for old, new in zip(state.values, kv.values)]
-        state.length += feats.shape[1]
+        rows = torch.stack([t[0] for pair in zip(kv.keys, kv.values) for t in pair])  # [2 * layers, Hkv, sum C, Dh]
+        offset = 0
+        for state, c in zip(states, counts):
+            new_len = state.length + c
+            if state.kv is None or state.kv.shape[2] < new_len:
+                grown = rows.new_zeros(rows.shape[0], rows.shape[1], max(2 * new_len, 64), rows.shape[3])
+                if state.kv is not None:
+                    grown[:, :, : state.length] = state.kv[:, :, : state.length]
+                state.kv = grown
+            state.kv[:, :, state.length : new_len] = rows[:, :, offset : offset + c]
+            state.length, offset = new_len, offset + c
 
     def _batch_context(self, states: list[_RequestState]) -> tuple[ContextKV, torch.Tensor]:
         """Right-padded context keys/values [B, Hkv, Tmax, Dh] per layer and the valid mask [B, Tmax]."""
         t_max = max(s.length for s in states)
         device = self.drafter.embed_weight.device
-        valid = torch.arange(t_max, device=device)[None] < torch.tensor([s.length for s in states], device=device)[:, None]
-        keys, values = [], []
-        for layer in range(len(self.drafter.layers)):
-            keys.append(torch.stack([F.pad(s.keys[layer], (0, 0, 0, t_max - s.length)) for s in states]))
-            values.append(torch.stack([F.pad(s.values[layer], (0, 0, 0, t_max - s.length)) for s in states]))
-        return ContextKV(keys=tuple(keys), values=tuple(values)), valid
+        lengths = torch.tensor([s.length for s in states], device=device)
+        valid = torch.arange(t_max, device=device)[None] < lengths[:, None]
+        first = states[0].kv
+        kv = first.new_zeros(len(states), first.shape[0], first.shape[1], t_max, first.shape[3])
+        for i, s in enumerate(states):
+            kv[i, :, :, : s.length] = s.kv[:, :, : s.length]
+        n = len(self.drafter.layers)
+        keys = tuple(kv[:, 2 * i] for i in range(n))
+        values = tuple(kv[:, 2 * i + 1] for i in range(n))
+        return ContextKV(keys=keys, values=values), valid

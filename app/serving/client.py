@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
                       temperature=args.temperature, api_key=args.api_key)
     n = res.get("usage", {}).get("completion_tokens", 0)
     stats = res.get("spec_stats") or {}
-    print(f"\n\n[{n} tokens in {res['wall_s']:.2f} s: {n / res['wall_s']:.1f} tok/s, finish={res.get('finish_reason')}, "
-          f"mean accepted length {stats.get('mean_accepted_length', 0):.2f}]")
+    print(f"\n\n[{n} tokens in {res['wall_s']:.2f} s: {n / res['wall_s']:.1f} tok/s, "
+          f"finish={res.get('finish_reason')}, mean accepted length {stats.get('mean_accepted_length', 0):.2f}]")
 
 
 if __name__ == "__main__":

@@ -155,7 +155,8 @@ class AppConfig(BaseModel):
         """
         if not Path(self.profile).is_file():
             raise FileNotFoundError(f"profile: no such file {self.profile}")
-        if self.speculates and self.drafter == "dspark" and not (Path(self.drafter_checkpoint) / "config.json").is_file():
+        checkpoint = Path(self.drafter_checkpoint) / "config.json"
+        if self.speculates and self.drafter == "dspark" and not checkpoint.is_file():
             raise FileNotFoundError(
                 f"drafter_checkpoint: no DSpark checkpoint at {self.drafter_checkpoint} (expected config.json and "
                 "model.safetensors); train one (app/drafters/train) or set drafter: ngram"

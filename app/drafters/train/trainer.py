@@ -104,8 +104,10 @@ def train(
     seed: int,
     device: torch.device,
     progress: bool = True,
+    max_seconds: float | None = None,
 ) -> list[dict[str, float]]:
-    """AdamW with linear warm-up and cosine decay; returns per-step stats. ``seqs`` carry the target top-k."""
+    """AdamW with linear warm-up and cosine decay over ``steps``; stops early once ``max_seconds`` have passed (a
+    wall-clock budget on a shared machine). Returns per-step stats. ``seqs`` carry the target top-k."""
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -115,7 +117,10 @@ def train(
     history = []
     bar = tqdm(range(steps), desc="train", disable=not progress)
     drafter.train()
+    start = time.perf_counter()
     for _ in bar:
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            break
         pick = torch.randint(len(seqs), (batch_seqs,), generator=gen).tolist()
         batch = make_batch([seqs[i] for i in pick], block_size=drafter.config.block_size,
                            anchors_per_seq=anchors_per_seq, generator=gen)
@@ -142,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch-seqs", type=int, default=4, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop early after this wall-clock budget")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--gamma-decay", type=float, default=5.0, help="position weight exp(-(k-1)/gamma_decay)")
     ap.add_argument("--target-topk", type=int, default=32, help="target tokens kept per position for the TV loss")
@@ -166,11 +172,12 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"sequences; device {device}")
     start = time.perf_counter()
     history = train(drafter, seqs, steps=args.steps, batch_seqs=args.batch_seqs, anchors_per_seq=args.anchors,
-                    lr=args.lr, gamma_decay=args.gamma_decay, seed=args.seed, device=device)
+                    lr=args.lr, gamma_decay=args.gamma_decay, seed=args.seed, device=device,
+                    max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
     tail = history[-max(1, len(history) // 10):]
     summary = {k: round(sum(h[k] for h in tail) / len(tail), 4) for k in tail[0]}
     meta = {"train": {**vars(args), "data": str(args.data), "out": str(args.out), "train_seqs": len(seqs),
-                      "heldout_seqs": len(heldout), "seconds": round(time.perf_counter() - start, 1),
+                      "heldout_seqs": len(heldout), "steps_done": len(history), "seconds": round(time.perf_counter() - start, 1),
                       "final": summary}}
     save_checkpoint(args.out, drafter, metadata=meta)
     print(json.dumps(meta["train"], default=str))

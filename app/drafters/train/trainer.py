@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from app.drafters.checkpoint import save_checkpoint
+from app.drafters.checkpoint import load_checkpoint, save_checkpoint
 from app.drafters.config import DrafterConfig
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.train.data import Batch, Sequence_, load_shards, make_batch, with_target_topk
@@ -154,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--heldout", type=float, default=0.05, help="fraction of sequences held out for calibration")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="target model reference")
+    ap.add_argument("--init", type=Path, default=None, help="start from this checkpoint's weights (continued training)")
     ap.add_argument("--config", default="{}", help="JSON overrides of DrafterConfig fields, e.g. '{\"head\": \"rnn\"}'")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -165,7 +166,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "head_dim": a.head_dim, "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size,
         "feature_layers": target.feature_layers, "target_hidden_size": a.hidden_size, "rms_norm_eps": a.rms_norm_eps,
         "rope_theta": a.rope_theta, "max_positions": a.max_position_embeddings, **json.loads(args.config)})
-    drafter = DSparkDrafter(config, target.embed_tokens.weight).to(device)
+    if args.init is not None:
+        drafter, _, _ = load_checkpoint(args.init, target.embed_tokens.weight, dtype=torch.float32)
+        if drafter.config != config:
+            raise ValueError(f"--init {args.init} has config {drafter.config}, expected {config}")
+        drafter.to(device)
+    else:
+        drafter = DSparkDrafter(config, target.embed_tokens.weight).to(device)
     seqs, heldout = split_heldout(load_shards(args.data), args.heldout)
     seqs = with_target_topk(seqs, target.logits_from_final_hidden, k=args.target_topk, hidden_size=a.hidden_size)
     print(f"drafter {drafter.num_trainable_params() / 1e6:.1f}M params; {len(seqs)} train / {len(heldout)} held-out "
@@ -176,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
     tail = history[-max(1, len(history) // 10):]
     summary = {k: round(sum(h[k] for h in tail) / len(tail), 4) for k in tail[0]}
-    meta = {"train": {**vars(args), "data": str(args.data), "out": str(args.out), "train_seqs": len(seqs),
+    meta = {"train": {**vars(args), "data": str(args.data), "out": str(args.out),
+                      "init": None if args.init is None else str(args.init), "train_seqs": len(seqs),
                       "heldout_seqs": len(heldout), "steps_done": len(history), "seconds": round(time.perf_counter() - start, 1),
                       "final": summary}}
     save_checkpoint(args.out, drafter, metadata=meta)

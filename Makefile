@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench sim sched-bench
+.PHONY: install serve demo test bench sim sched-bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: install
+	$(VENV)/bin/serve run deployments/dspark.yaml
+
+demo: install
 	$(PY) -m app.demo
 
 test: install

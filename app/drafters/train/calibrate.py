@@ -46,7 +46,7 @@ def collect_outcomes(
         labels = batch.labels.view(n, k).to(device)
         parts["conf_logits"].append(out.conf_logits.float().cpu())
         parts["hit"].append((out.logits.argmax(-1) == labels).float().cpu())
-        parts["accept"].append((1.0 - 0.5 * (probs - target_probs).abs().sum(-1)).float().cpu())
+        parts["accept"].append((1.0 - 0.5 * (probs - target_probs).abs().sum(-1)).clamp(0.0, 1.0).float().cpu())
         parts["valid"].append(batch.valid.view(n, k))
     return {k: torch.cat(v) for k, v in parts.items()}
 

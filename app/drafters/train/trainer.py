@@ -132,7 +132,7 @@ def train(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        stats["loss"] = float(loss)
+        stats["loss"] = float(loss.detach())
         history.append(stats)
         bar.set_postfix(loss=f"{stats['loss']:.3f}", tv=f"{stats['tv']:.3f}", acc1=f"{stats['acc1']:.2f}",
                         tau=f"{stats['tau']:.2f}")

@@ -142,6 +142,10 @@ class DSparkProposer:
         temps = torch.tensor([s.temperature for s in states], device=device)
         sampled_rows = (temps > 0).nonzero().flatten().tolist()
         any_sampled = bool(sampled_rows)
+        if any_sampled:  # [S, gamma] one uniform per draft from each sampled request's own generator
+            rows_t = torch.tensor(sampled_rows, device=device)
+            uniform = torch.stack([torch.rand(self.gamma, generator=states[b].generator) for b in sampled_rows])
+            uniform = uniform.to(device)
         prev, state = anchors[:, 0], None
         tokens, probs, conf = [], [], []
         for i in range(self.gamma):
@@ -150,8 +154,10 @@ class DSparkProposer:
             tok = step.logits.argmax(-1)
             if any_sampled:
                 q = torch.softmax(step.logits / temps.clamp(min=1e-6)[:, None], dim=-1)  # [B, V]
-                for b in sampled_rows:
-                    tok[b] = torch.multinomial(q[b].cpu(), 1, generator=states[b].generator).to(device)[0]
+                # inverse CDF: the first token whose cumulative mass exceeds u * total is a draw from q
+                cdf = q[rows_t].cumsum(-1)  # [S, V]
+                pick = torch.searchsorted(cdf, uniform[:, i : i + 1] * cdf[:, -1:], right=True).squeeze(-1)
+                tok[rows_t] = pick.clamp(max=cdf.shape[-1] - 1)
                 probs.append(q)
             tokens.append(tok)
             conf.append(step.conf_logit)

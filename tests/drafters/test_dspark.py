@@ -141,3 +141,15 @@ def test_teacher_forced_equals_stepwise_head():
             state = step.state
             assert torch.allclose(step.logits, logits[:, k], atol=1e-5)
             assert torch.allclose(step.conf_logit, conf[:, k], atol=1e-5)
+
+
+def test_sampled_drafts_follow_their_distribution():
+    d = tiny("none")
+    p = DSparkProposer(d, temperature=1.0, seed=5)
+    _start(p, "a", 5, 0)
+    counts = torch.zeros(V)
+    for _ in range(400):
+        block = p.propose(["a"])[0]
+        counts[block.tokens[0]] += 1
+    q = block.probs[0]  # position 1 does not depend on earlier draws for the parallel head
+    assert 0.5 * (counts / counts.sum() - q).abs().sum() < 0.15

@@ -41,7 +41,7 @@ class EngineConfig(BaseModel):
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     max_model_len: int = Field(2048, ge=16, description="Per-request context limit in tokens (KV slot capacity).")
     max_num_seqs: int = Field(32, ge=1, description="Concurrent requests (KV cache slots).")
-    max_draft_len: int = Field(8, ge=0, le=64, description="Most draft tokens verified per request per step.")
+    max_draft_len: int = Field(8, ge=0, le=256, description="Most draft tokens verified per request per step.")
     fp32_lm_head: bool = Field(
         True, description="Compute logits with a float32 copy of the LM head (stable greedy ties in bfloat16)."
     )

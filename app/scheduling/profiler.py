@@ -89,10 +89,12 @@ def main(argv: list[str] | None = None) -> Path:
     ))
     proposer, gamma = None, max(tokens) - 1
     if args.drafter:
-        from app.drafters.checkpoint import load_proposer
+        from app.drafters.checkpoint import load_checkpoint
+        from app.drafters.proposer import DSparkProposer
 
-        proposer = load_proposer(args.drafter, engine)
-        gamma = proposer.block_size
+        drafter, calibration, _ = load_checkpoint(args.drafter, engine.model.embed_tokens.weight)
+        proposer = DSparkProposer(drafter, calibration=calibration)
+        gamma = proposer.gamma
     verify_ms, draft_ms = [], []
     cells = tqdm(total=len(batch_sizes) * len(tokens), desc="profiling verify steps")
     for b in batch_sizes:

@@ -84,7 +84,7 @@ class AppConfig(BaseModel):
     )
     ngram_max: int = Field(3, ge=1, le=8, description="Longest suffix n-gram the n-gram drafter matches.")
     profile: str = Field(
-        "profiles/derived-smollm2-135m-instruct-xeon-2-cores.json",
+        "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-2-threads.json",
         description="Throughput profile JSON of the target (verify-step and draft-step times).",
     )
     drafter_timeout_s: float = Field(

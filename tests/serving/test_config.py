@@ -38,7 +38,7 @@ def test_missing_files_name_the_field(tmp_path):
 
 def test_relative_paths_resolve_against_the_repo():
     config = AppConfig()
-    assert config.profile == str(REPO_ROOT / "profiles/derived-smollm2-135m-instruct-xeon-2-cores.json")
+    assert config.profile == str(REPO_ROOT / "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-2-threads.json")
     assert Path(config.drafter_checkpoint).is_absolute()
 
 

@@ -155,8 +155,10 @@ def _local_checkpoint(model: str) -> Path:
 
 def _dequantised_gguf(gguf: Path, *, name: str) -> Path:
     """De-quantise ``gguf`` once into ``cache_dir()/name-<hash>`` (config, tokenizer, safetensors)."""
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{_CACHE_FORMAT}".encode()).hexdigest()
+    # Keyed on content (size + first MiB), not path: every virtualenv holding the same GGUF shares one entry.
+    with gguf.open("rb") as f:
+        head = f.read(1 << 20)
+    key = hashlib.sha256(head + f":{gguf.stat().st_size}:{_CACHE_FORMAT}".encode()).hexdigest()
     out = cache_dir() / f"{name}-{key[:12]}"
     if (out / "model.safetensors").is_file():
         return out

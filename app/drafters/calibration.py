@@ -52,7 +52,6 @@ def ece(pred: torch.Tensor, outcome: torch.Tensor, *, bins: int = 15) -> float:
     if pred.numel() == 0:
         return float("nan")
     idx = (pred * bins).long().clamp_(0, bins - 1)
-    count = torch.bincount(idx, minlength=bins).double()
     sum_p = torch.bincount(idx, weights=pred, minlength=bins)
     sum_o = torch.bincount(idx, weights=outcome, minlength=bins)
     return float((sum_p - sum_o).abs().sum() / pred.numel())

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from app.drafters.calibration import Calibration, survival
 from app.drafters.dspark import ContextKV, DSparkDrafter

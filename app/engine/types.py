@@ -99,7 +99,7 @@ class DraftBlock:
         return n if self.verify_len is None else min(self.verify_len, n)
 
     @classmethod
-    def make_dummy(cls, request_id: str, length: int, vocab_size: int = 16) -> "DraftBlock":
+    def make_dummy(cls, request_id: str, length: int) -> "DraftBlock":
         """A block of ``length`` token-0 drafts, for tests and warm-up."""
         return cls(request_id=request_id, tokens=torch.zeros(length, dtype=torch.long))
 

@@ -14,7 +14,7 @@ Shape symbols: B requests in a call, K block size (gamma).
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import ray
 import torch

@@ -6,12 +6,10 @@ Uses the session-scoped ``engine`` fixture of ``tests/conftest.py``.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.proposer import DSparkProposer
 from app.engine.decode import generate
-from app.engine.engine import TargetEngine
 from app.engine.types import SamplingParams
 from app.eval.evaluate import DEFAULT_CHECKPOINT
 

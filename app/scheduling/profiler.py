@@ -18,8 +18,6 @@ import argparse
 import datetime as dt
 import json
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +25,7 @@ import torch
 from tqdm import tqdm
 
 from app.engine.engine import EngineConfig, TargetEngine
-from app.engine.timing import time_verify_step
-from app.engine.types import SamplingParams
+from app.engine.timing import time_draft_step, time_verify_step
 from app.scheduling.profile import Provenance, write_profile
 
 ENGINE_NAME = "dspark-engine"
@@ -46,28 +43,6 @@ def hardware_name(device: torch.device) -> str:
                 model = line.split(":", 1)[1].strip()
                 break
     return f"{model} {torch.get_num_threads()} threads"
-
-
-def time_draft_step(engine: TargetEngine, proposer, *, batch: int, context: int, repeats: int = 5) -> float:
-    """Median wall time (ms) of one ``proposer.propose`` for ``batch`` requests with ``context``-token prompts."""
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(engine.vocab_size, (context,), generator=gen).tolist()
-    ids = [f"draft-timing-{i}" for i in range(batch)]
-    for rid in ids:
-        first = engine.add_request(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-        proposer.start(rid, prompt, first)
-    times = []
-    try:
-        proposer.propose(ids)  # warm-up
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            proposer.propose(ids)
-            times.append((time.perf_counter() - t0) * 1000.0)
-    finally:
-        for rid in ids:
-            proposer.finish(rid)
-            engine.release(rid)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -184,6 +184,42 @@ def top_capacity_lengths(
     return _lengths_from_slots(order[:capacity], min_len=min_len, gamma=survival.shape[1])
 
 
+def best_uniform_length(
+    acceptance: torch.Tensor, *, batch: int, profile: ThroughputProfile, draft_ms: float | None = None
+) -> tuple[int, float]:
+    """The verify length l* that maximises expected tokens/s when each of B requests verifies l drafts.
+
+    Used *before* drafting (whether a round should draft at all, and the Router's capacity): the drafter's
+    step is paid whatever lengths are verified, so speculation must beat plain decoding including it.
+    With a_j = prod_{i <= j} acceptance_i, Theta(l) = B (1 + sum_{j <= l} a_j) / (verify_ms(B (1 + l)) +
+    draft_ms) and Theta(0) = B / verify_ms(B) (no draft step); DSpark Sec. 3 (Theta = tau * SPS) restricted
+    to equal lengths, which the per-slot Theta-greedy can only improve on when confidences differ.
+
+    Args:
+        acceptance: [K] float, per-position conditional acceptance P(draft j accepted | drafts < j accepted).
+        batch: B >= 1 requests (clamped to the profile's largest batch).
+        draft_ms: drafter time per round (ms); None takes the profile's ``draft_time_ms(B)``.
+    Returns:
+        (l*, Theta(l*) / Theta(0)): l* in [0, K] (0: do not draft), the expected speed-up over plain decoding.
+    Raises:
+        ValueError: ``batch`` < 1 or acceptance not a [K] tensor in [0, 1].
+    """
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if acceptance.dim() != 1 or not bool(((acceptance >= 0) & (acceptance <= 1)).all()):
+        raise ValueError(f"acceptance must be a [K] tensor in [0, 1], got {acceptance.tolist()}")
+    b = min(batch, profile.max_batch_size)
+    gamma = min(acceptance.numel(), profile.max_verify_len)
+    survival = torch.cumprod(acceptance[:gamma].double(), dim=0)
+    tau = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + torch.cumsum(survival, dim=0)])  # [K + 1]
+    tokens = b * torch.arange(1, gamma + 2, dtype=torch.float64)
+    ms = profile.verify_time_ms(tokens, batch=b)
+    ms[1:] += profile.draft_time_ms(b) if draft_ms is None else draft_ms
+    theta = tau / ms
+    best = int(torch.argmax(theta))
+    return best, float(theta[best] / theta[0])
+
+
 class VerifyPolicy(Protocol):
     """One interface for every policy: ``policy(inputs, profile) -> l [B] int64``."""
 
@@ -197,6 +233,10 @@ class VerifyPolicy(Protocol):
     def needs_capacity(self) -> bool:
         """Whether ``inputs.capacity`` must be set (stale capacity from an earlier round)."""
 
+    @property
+    def adaptive(self) -> bool:
+        """Whether the policy adapts to cost (dspark family): only these rounds may skip drafting (draft gate)."""
+
     def __call__(self, inputs: ScheduleInput, profile: ThroughputProfile) -> torch.Tensor: ...
 
 
@@ -207,6 +247,7 @@ class FixedLength:
     name: str
     k: int
     needs_capacity = False
+    adaptive = False
 
     @property
     def speculates(self) -> bool:
@@ -224,6 +265,7 @@ class Threshold:
     threshold: float
     speculates = True
     needs_capacity = False
+    adaptive = False
 
     def __call__(self, inputs: ScheduleInput, profile: ThroughputProfile) -> torch.Tensor:
         survival = prefix_survival(inputs.confidences)
@@ -237,6 +279,7 @@ class ThetaGreedy:
     name: str = "dspark"
     speculates = True
     needs_capacity = False
+    adaptive = True
 
     def __call__(self, inputs: ScheduleInput, profile: ThroughputProfile) -> torch.Tensor:
         survival = prefix_survival(inputs.confidences)
@@ -250,6 +293,7 @@ class StaleCapacity:
     name: str = "dspark-async"
     speculates = True
     needs_capacity = True
+    adaptive = True
 
     def __call__(self, inputs: ScheduleInput, profile: ThroughputProfile) -> torch.Tensor:
         if inputs.capacity is None:

@@ -12,19 +12,39 @@ capacity is tracked per request (slots beyond ``min_len`` per request in the bat
 EMA and held unless the EMA moves by more than a hysteresis band, then scaled by the current batch size
 (requests join and leave between rounds). The first round has no earlier information and runs ``dspark``
 (itself lossless).
+
+Draft gate. The drafter's step is paid before any length is chosen, so a round whose best verify lengths
+cannot pay for it should not draft at all (on a CPU with a weak drafter, or under heavy load, plain
+decoding is faster). :class:`DraftGate` estimates the per-position acceptance from recent rounds' outcomes
+and drafts only when :func:`~app.scheduling.policies.best_uniform_length` expects a speed-up; while closed
+it still drafts a probe round to keep the estimate fresh, after ``PROBE_EVERY`` rounds, then after twice as
+many each time the probe leaves it closed (up to ``PROBE_MAX``). Its decision depends on earlier
+rounds only, and a round that verifies no drafts is plain decoding: lossless either way.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Sequence
 
 import torch
 
-from app.scheduling.policies import ScheduleInput, VerifyPolicy, prefix_survival, theta_greedy_lengths
+from app.scheduling.policies import (
+    ScheduleInput,
+    VerifyPolicy,
+    best_uniform_length,
+    prefix_survival,
+    theta_greedy_lengths,
+)
 from app.scheduling.profile import ThroughputProfile
 
 EMA_SMOOTHING = 0.5  # weight of the newest observation in the capacity EMA (1.0: no smoothing)
 HYSTERESIS = 0.25  # slots per request the EMA must move before the capacity in use changes
+GATE_DECAY = 0.9  # per-round decay of the draft gate's acceptance counts (~10 rounds of memory)
+GATE_PRIOR = (0.5, 1.0)  # pseudo-counts (accepted, tried) per position before any observation
+GATE_MIN_GAIN = 1.02  # expected speed-up over plain decoding the gate asks for before drafting
+PROBE_EVERY = 8  # a closed gate drafts again after this many rounds ...
+PROBE_MAX = 64  # ... doubling the wait after each probe that leaves it closed, up to this many rounds
 
 
 def update_capacity(
@@ -47,6 +67,85 @@ def update_capacity(
     return new_ema, held
 
 
+def position_outcomes(
+    num_draft: torch.Tensor, num_accepted: torch.Tensor, gamma: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position acceptance outcomes of verified blocks (pure).
+
+    Draft j of a block was *tried* when j <= l and drafts < j were accepted (j <= accepted + 1), and
+    *accepted* when j <= accepted.
+
+    Args:
+        num_draft: [B] int, drafts verified per block (l); num_accepted: [B] int, drafts accepted.
+    Returns:
+        (accepted, tried): [K] float64 counts per position.
+    """
+    j = torch.arange(1, gamma + 1)
+    tried = (j <= num_draft[:, None]) & (j <= num_accepted[:, None] + 1)
+    accepted = j <= num_accepted[:, None]
+    return accepted.sum(0).double(), tried.sum(0).double()
+
+
+class DraftGate:
+    """Whether the next round should draft at all (module docstring, "Draft gate").
+
+    Args:
+        profile: the replica's throughput profile; gamma: K, the block size.
+        decay, min_gain, probe_every, probe_max: see the module constants.
+    """
+
+    def __init__(
+        self,
+        profile: ThroughputProfile,
+        *,
+        gamma: int,
+        decay: float = GATE_DECAY,
+        min_gain: float = GATE_MIN_GAIN,
+        probe_every: int = PROBE_EVERY,
+        probe_max: int = PROBE_MAX,
+    ) -> None:
+        if not 0.0 < decay <= 1.0 or not 1 <= probe_every <= probe_max:
+            raise ValueError(f"need 0 < decay <= 1 and 1 <= probe_every <= probe_max, got {decay}, "
+                             f"{probe_every}, {probe_max}")
+        self.profile, self.gamma = profile, gamma
+        self.decay, self.min_gain, self.probe_every, self.probe_max = decay, min_gain, probe_every, probe_max
+        self._wait, self._probing = probe_every, False
+        self._accepted = torch.full((gamma,), GATE_PRIOR[0], dtype=torch.float64)
+        self._tried = torch.full((gamma,), GATE_PRIOR[1], dtype=torch.float64)
+        self._closed_rounds = 0
+        self.last_gain = float("nan")
+
+    @property
+    def acceptance(self) -> torch.Tensor:
+        """[K] float64 estimated P(draft j accepted | drafts < j accepted)."""
+        return self._accepted / self._tried
+
+    def should_draft(self, batch: int, *, draft_ms: float | None = None) -> bool:
+        """Decide for a round of ``batch`` requests; ``draft_ms`` the measured drafter time (None: profile's)."""
+        if batch < 1:
+            return False
+        _, self.last_gain = best_uniform_length(self.acceptance, batch=batch, profile=self.profile, draft_ms=draft_ms)
+        if self.last_gain >= self.min_gain:
+            self._closed_rounds, self._wait, self._probing = 0, self.probe_every, False
+            return True
+        if self._probing:  # the last probe round left the gate closed: wait twice as long for the next
+            self._wait, self._probing = min(2 * self._wait, self.probe_max), False
+        self._closed_rounds += 1
+        if self._closed_rounds < self._wait:
+            return False
+        self._closed_rounds, self._probing = 0, True
+        return True
+
+    def observe(self, num_draft: Sequence[int] | torch.Tensor, num_accepted: Sequence[int] | torch.Tensor) -> None:
+        """Fold one drafted round's outcomes (per request: drafts verified, drafts accepted) into the estimate."""
+        accepted, tried = position_outcomes(torch.as_tensor(num_draft).long(), torch.as_tensor(num_accepted).long(),
+                                            self.gamma)
+        prior_a, prior_t = GATE_PRIOR
+        # decay towards the prior, so old rounds fade and the estimate never loses its pseudo-counts
+        self._accepted = prior_a + self.decay * (self._accepted - prior_a) + accepted
+        self._tried = prior_t + self.decay * (self._tried - prior_t) + tried
+
+
 class VerifyScheduler:
     """Decides verify lengths round after round for one target replica.
 
@@ -55,6 +154,7 @@ class VerifyScheduler:
         profile: the replica's throughput profile (checked to cover ``max_batch`` and ``gamma``).
         max_batch, gamma: the largest batch and block size the replica will schedule.
         smoothing, hysteresis: capacity EMA settings (dspark-async only).
+        draft_gate: skip drafting in rounds where it cannot pay (adaptive policies only; :class:`DraftGate`).
     Raises:
         ProfileRangeError: the profile does not cover ``max_batch`` x ``gamma``.
         ValueError: ``smoothing`` not in (0, 1] or ``hysteresis`` < 0.
@@ -69,6 +169,7 @@ class VerifyScheduler:
         gamma: int,
         smoothing: float = EMA_SMOOTHING,
         hysteresis: float = HYSTERESIS,
+        draft_gate: bool = True,
     ) -> None:
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
@@ -81,6 +182,16 @@ class VerifyScheduler:
         self.hysteresis = hysteresis
         self._ema: float | None = None
         self._held: float | None = None
+        self.gate = DraftGate(profile, gamma=gamma) if draft_gate and policy.adaptive else None
+
+    def should_draft(self, batch: int, *, draft_ms: float | None = None) -> bool:
+        """Whether the next round of ``batch`` requests should run the drafter (always, without a gate)."""
+        return True if self.gate is None else self.gate.should_draft(batch, draft_ms=draft_ms)
+
+    def observe(self, num_draft: Sequence[int] | torch.Tensor, num_accepted: Sequence[int] | torch.Tensor) -> None:
+        """Outcomes of a drafted round, per drafted request (feeds the draft gate)."""
+        if self.gate is not None:
+            self.gate.observe(num_draft, num_accepted)
 
     @property
     def capacity_per_request(self) -> float | None:

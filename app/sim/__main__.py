@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0, help="poisson: simulated seconds")
     p.add_argument("--acceptance-stats", type=Path, default=None, help="evaluator JSON with per_position_acceptance")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-draft-gate", action="store_true", help="adaptive policies draft every round")
     p.add_argument("--out", type=Path, default=Path("runs/sim"))
     return p.parse_args(argv)
 
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     configs = [
         SimConfig(policy=policy, load=args.load, replicas=args.replicas, max_batch=args.max_batch,
-                  gamma=args.gamma, rounds=args.rounds, duration_s=args.duration, seed=args.seed, **load)
+                  gamma=args.gamma, rounds=args.rounds, duration_s=args.duration, seed=args.seed,
+                  draft_gate=not args.no_draft_gate, **load)
         for policy in args.policies
         for load in loads
     ]

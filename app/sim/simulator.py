@@ -66,6 +66,9 @@ class SimConfig(BaseModel):
     duration_s: float = Field(default=60.0, gt=0, description="Poisson: simulated seconds.")
     warmup: float = Field(default=0.25, ge=0.0, lt=1.0, description="Fraction of simulated time not measured.")
     seed: int = Field(default=0, description="Seed of the simulation's random generator.")
+    draft_gate: bool = Field(
+        default=True, description="Adaptive policies skip drafting in rounds where it cannot pay (scheduler.DraftGate)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SimConfig:
@@ -125,7 +128,9 @@ class _Run:
         self.policy = make_policy(config.policy)
         slots = config.max_batch or profile.max_batch_size
         self.replicas = [
-            _Replica(slots, VerifyScheduler(self.policy, profile, max_batch=slots, gamma=config.gamma))
+            _Replica(slots, VerifyScheduler(
+                self.policy, profile, max_batch=slots, gamma=config.gamma, draft_gate=config.draft_gate
+            ))
             for _ in range(config.replicas)
         ]
         self.queue: deque[float] = deque()  # arrival times of waiting requests
@@ -161,7 +166,8 @@ class _Run:
         idx = np.flatnonzero(rep.active)
         batch = idx.size
         max_len = np.minimum(rep.remaining[idx] - 1, self.config.gamma)
-        if self.policy.speculates:
+        drafts = self.policy.speculates and rep.scheduler.should_draft(batch)
+        if drafts:
             conf, run = self.acceptance.sample_round(self.rng, rep.difficulty[idx], self.mu)
             lengths = rep.scheduler.schedule(
                 confidences=torch.from_numpy(conf),
@@ -169,10 +175,11 @@ class _Run:
                 max_len=torch.from_numpy(max_len),
             ).numpy()
             accepted = np.minimum(run, lengths)
+            rep.scheduler.observe(torch.from_numpy(lengths), torch.from_numpy(accepted))
         else:
             lengths = accepted = np.zeros(batch, dtype=np.int64)
         tokens = batch + int(lengths.sum())
-        ms = float(self.profile.step_time_ms(tokens, batch=batch, with_draft=self.policy.speculates))
+        ms = float(self.profile.step_time_ms(tokens, batch=batch, with_draft=drafts))
         rep.busy = True
         rep.pending = (idx, accepted + 1, lengths - accepted, batch)
         self.push(self.now + ms / 1000.0, rep_id)

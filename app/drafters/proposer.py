@@ -108,13 +108,18 @@ class DSparkProposer:
         state.anchor = first.new_token_ids[-1]
 
     def update(self, outputs: Sequence[StepOutput]) -> None:
-        """Append every continuing request's new context rows (one batched projection for the whole step)."""
-        live = [(self._state[o.request_id], o) for o in outputs if not o.finished and o.request_id in self._state]
-        if not live:
-            return
-        self._extend([s for s, _ in live], [o.features for _, o in live])
-        for state, out in live:
-            state.anchor = out.new_token_ids[-1]
+        """Append every continuing request's new context rows (one batched projection for the whole step).
+
+        ``outputs`` may hold several consecutive steps of a request (rounds in which it was not drafted), in
+        order; their rows are appended in that order and the anchor is the last step's pending token.
+        """
+        rows: dict[str, list[torch.Tensor]] = {}
+        for out in outputs:
+            if not out.finished and out.request_id in self._state:
+                rows.setdefault(out.request_id, []).append(out.features)
+                self._state[out.request_id].anchor = out.new_token_ids[-1]
+        if rows:
+            self._extend([self._state[rid] for rid in rows], [torch.cat(f) for f in rows.values()])
 
     def finish(self, request_id: str) -> None:
         self._state.pop(request_id, None)

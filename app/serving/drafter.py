@@ -73,18 +73,26 @@ class DrafterReplica:
         self._live: set[str] = set()
 
     def draft(self, call: DraftCall, replica_key: str | None = None) -> DraftRound:
-        """Apply one round's hooks and draft ``call.propose`` (``replica_key`` only steers routing)."""
-        known = [out for out in call.updates if out.request_id in self._live]
-        self.proposer.update(known)
-        for rid in call.finished:
-            if rid in self._live:
-                self._live.discard(rid)
-                self.proposer.finish(rid)
+        """Apply the hooks gathered since the last call, then draft ``call.propose``.
+
+        A call may carry several rounds (the target skips the drafter while its draft gate is closed), so a
+        request can start, step and finish within one call: starts are applied first, then the steps in
+        order, then the finishes; a request that starts and finishes in the same call is never started.
+        ``replica_key`` only steers routing.
+        """
+        finished = set(call.finished)
         for s in call.starts:
+            if s.request_id in finished:
+                continue
             if isinstance(self.proposer, TakesParams):
                 self.proposer.set_params(s.request_id, s.params)
             self.proposer.start(s.request_id, s.prompt_ids, s.first)
             self._live.add(s.request_id)
+        self.proposer.update([out for out in call.updates if out.request_id in self._live])
+        for rid in call.finished:
+            if rid in self._live:
+                self._live.discard(rid)
+                self.proposer.finish(rid)
         missing = [rid for rid in call.propose if rid not in self._live]
         ids = [rid for rid in call.propose if rid in self._live]
         blocks = self.proposer.propose(ids) if ids else []

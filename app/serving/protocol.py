@@ -88,10 +88,11 @@ class DraftStart:
 
 @dataclass(frozen=True)
 class DraftCall:
-    """Everything a target replica tells its drafter in one round (one call per round per target batch)."""
+    """What a target replica tells its drafter: at most one call per round per target batch, none in rounds
+    its draft gate skips (the hooks of those rounds travel with the next call)."""
 
     starts: list[DraftStart] = field(default_factory=list)
-    updates: list[StepOutput] = field(default_factory=list)  # last round's outputs (only the new features)
+    updates: list[StepOutput] = field(default_factory=list)  # outputs since the last call, in order (new features)
     finished: list[str] = field(default_factory=list)  # requests to forget (done, cancelled, failed over)
     propose: list[str] = field(default_factory=list)  # requests to draft this round, in batch order
 

@@ -7,8 +7,9 @@ never per token) and exposes a snapshot for metrics and autoscaling.
 
 Load-aware capacity (DSpark Sec. 3.3, the asynchronous variant, evaluated per replica): with B active requests
 and recent per-draft acceptance rate alpha, the expected committed tokens for verify length l are
-``tau(l) = B (1 + alpha + ... + alpha^l)`` and the step rate ``SPS(B (1 + l))`` comes from the profile; the
-capacity is ``B * l*`` slots with ``l* = argmax_l tau(l) SPS``. It shrinks as the batch grows (verification
+``tau(l) = B (1 + alpha + ... + alpha^l)`` and the step rate ``SPS(B (1 + l))`` (drafter step included when
+l > 0) comes from the profile; the capacity is ``B * l*`` slots with ``l* = argmax_l tau(l) SPS``
+(``app.scheduling.policies.best_uniform_length``; 0 when drafting does not pay). It shrinks as the batch grows (verification
 waste costs more when the target is busy) and grows with acceptance.
 
 ``PinnedReplicaRouter`` is a Ray Serve request router: a call with ``replica_key=<replica unique id>`` goes to
@@ -24,8 +25,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import List, Optional
 
+import torch
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from app.scheduling.policies import best_uniform_length
 from app.scheduling.profile import ThroughputProfile, load_profile
 from app.serving.config import AppConfig
 
@@ -68,18 +71,15 @@ class PinnedReplicaRouter(RequestRouter):
 
 
 def verification_capacity(profile: ThroughputProfile, *, batch: int, acceptance: float, gamma: int) -> int:
-    """Slots (draft tokens per round, whole batch) that maximise expected tokens/s (module docstring)."""
+    """Slots (draft tokens per round, whole batch) that maximise expected tokens/s (module docstring).
+
+    ``acceptance`` is the replica's recent per-draft acceptance rate, taken for every position.
+    """
     if batch == 0:
         return 0
-    b = min(batch, profile.max_batch_size)
-    gamma = min(gamma, profile.max_verify_len)
-    best_l, best = 0, 0.0
-    for l in range(gamma + 1):
-        tau = 1.0 + sum(acceptance**j for j in range(1, l + 1))
-        theta = tau * float(profile.steps_per_second(float(b * (1 + l)), batch=b, with_draft=l > 0))
-        if theta > best:
-            best_l, best = l, theta
-    return batch * best_l
+    per_position = torch.full((gamma,), min(max(acceptance, 0.0), 1.0))
+    length, _ = best_uniform_length(per_position, batch=batch, profile=profile)
+    return batch * length
 
 
 class Router:

@@ -102,7 +102,8 @@ class TargetReplica:
         self.router = router
         self.policy = make_policy(config.policy)
         self.scheduler = VerifyScheduler(
-            self.policy, load_profile(config.profile), max_batch=config.max_num_seqs, gamma=config.gamma
+            self.policy, load_profile(config.profile), max_batch=config.max_num_seqs, gamma=config.gamma,
+            draft_gate=config.draft_gate,
         ) if config.speculates else None
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -114,7 +115,8 @@ class TargetReplica:
         self._draft_finished: list[str] = []
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
-        self._stats = {"step_ms": 0.0, "tokens_per_step": 0.0, "acceptance": 0.0, "drafter_failures": 0}
+        self._stats = {"step_ms": 0.0, "tokens_per_step": 0.0, "acceptance": 0.0, "drafter_failures": 0,
+                       "draft_ms": 0.0, "drafted_rounds": 0, "rounds": 0}
 
     # ------------------------------------------------------------------ requests
 
@@ -224,12 +226,18 @@ class TargetReplica:
         t0 = time.perf_counter()
         ids = list(self._active)
         blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
-        if self.drafter is not None:
-            speculative = [rid for rid in ids if self._active[rid].on_drafter]
+        speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.drafter is not None else []
+        if speculative and self.scheduler.should_draft(len(speculative), draft_ms=self._stats["draft_ms"] or None):
+            t_draft = time.perf_counter()
             drafted = await self._call_drafter(speculative)
+            if drafted is not None:
+                self._observe_draft((time.perf_counter() - t_draft) * 1000)
             if drafted is not None and drafted.blocks:
                 blocks.update(self._schedule(drafted))
         outputs = await self._run(self.engine.verify, [blocks[rid] for rid in ids])
+        drafted_outputs = [out for out in outputs if blocks[out.request_id].tokens.numel()]
+        if drafted_outputs:
+            self.scheduler.observe([o.num_draft for o in drafted_outputs], [o.num_accepted for o in drafted_outputs])
         committed, verified, accepted = 0, 0, 0
         for out in outputs:
             stream = self._active[out.request_id]
@@ -305,10 +313,16 @@ class TargetReplica:
             spec=stream.spec if out.finished else None,
         ))
 
+    def _observe_draft(self, draft_ms: float) -> None:
+        s = self._stats
+        s["draft_ms"] = STATS_EMA * draft_ms + (1 - STATS_EMA) * s["draft_ms"] if s["draft_ms"] else draft_ms
+        s["drafted_rounds"] += 1
+
     def _observe(self, step_ms: float, committed: int, verified: int, accepted: int) -> None:
         s, a = self._stats, STATS_EMA
         s["step_ms"] = a * step_ms + (1 - a) * s["step_ms"] if s["step_ms"] else step_ms
         s["tokens_per_step"] = a * committed + (1 - a) * s["tokens_per_step"]
+        s["rounds"] += 1
         if verified:
             s["acceptance"] = a * (accepted / verified) + (1 - a) * s["acceptance"]
 

@@ -6,11 +6,12 @@ Uses the session-scoped ``engine`` fixture of ``tests/conftest.py``.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.proposer import DSparkProposer
 from app.engine.decode import generate
-from app.engine.types import SamplingParams
+from app.engine.types import DraftBlock, SamplingParams
 from app.eval.evaluate import DEFAULT_CHECKPOINT
 
 PROMPTS = [
@@ -50,3 +51,27 @@ def test_sampled_speculative_run_completes(engine, drafter):
         assert all(0 <= t < engine.vocab_size for t in r.token_ids)
     conf = proposer.last_proposal.confidences
     assert ((conf >= 0) & (conf <= 1)).all()
+
+
+def test_updates_of_skipped_rounds_arrive_together(engine, drafter):
+    """Rounds without drafting (draft gate closed) reach the drafter as several steps in one ``update``: the
+    context must be the same as when each step arrived on its own (positions, order, anchor)."""
+    model, calibration, _ = drafter
+    prompt = engine.encode_chat([{"role": "user", "content": PROMPTS[1]}])
+    first = engine.add_request("skip", prompt, SamplingParams(max_tokens=32))
+    steps = []
+    try:
+        for _ in range(3):
+            (out,) = engine.verify([DraftBlock("skip", torch.zeros(0, dtype=torch.long))])
+            steps.append(out)
+    finally:
+        engine.release("skip")
+    one_by_one, together = (DSparkProposer(model, calibration, gamma=7) for _ in range(2))
+    for proposer in (one_by_one, together):
+        proposer.start("skip", prompt, first)
+    for out in steps:
+        one_by_one.update([out])
+    together.update(steps)
+    (a,), (b,) = one_by_one.propose(["skip"]), together.propose(["skip"])
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.allclose(one_by_one.last_proposal.confidences, together.last_proposal.confidences)

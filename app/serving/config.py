@@ -66,6 +66,9 @@ class AppConfig(BaseModel):
     max_queued_requests: int = Field(
         32, ge=0, description="Requests waiting for a KV slot per target replica; beyond it answers 503."
     )
+    max_request_bytes: int = Field(
+        1 << 20, ge=1024, description="Largest HTTP request body accepted (bytes); larger bodies answer 413."
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads in target and drafter replicas (None: torch default)."
     )
@@ -75,6 +78,10 @@ class AppConfig(BaseModel):
         "dspark", description="Verify-length policy: none, mtp1, fixed-<k>, threshold-<t>, dspark, dspark-async."
     )
     gamma: int = Field(7, ge=1, le=32, description="Draft block size K (tokens drafted per request per round).")
+    draft_gate: bool = Field(
+        True, description="dspark / dspark-async skip the drafter in rounds where, from recent acceptance and the "
+        "measured drafter call time, speculation cannot beat plain decoding (app/scheduling/scheduler.py)."
+    )
     drafter: Literal["dspark", "ngram", "mock"] = Field(
         "dspark", description="Drafter: the DSpark checkpoint, a prompt-lookup n-gram drafter, or the test mock."
     )

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.serving.config import AppConfig
 from app.serving.openai_api import (
@@ -37,6 +38,14 @@ app = FastAPI(title="dspark-serve", docs_url=None, redoc_url=None, openapi_url=N
 def error_response(err: ErrorItem, retry_after_s: int = 1) -> JSONResponse:
     headers = {"Retry-After": str(retry_after_s)} if err.status == 503 else None
     return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+
+@app.exception_handler(StarletteHTTPException)
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes (404) and wrong methods (405) in the OpenAI error shape, headers (``Allow``) kept."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    body = error_body(ErrorItem(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind))
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 class Ingress:
@@ -84,9 +93,26 @@ class Ingress:
         return error_response(ErrorItem(401, "invalid or missing API key", type="authentication_error",
                                         code="invalid_api_key"))
 
+    async def _read_body(self, request: Request) -> bytes | ErrorItem:
+        """The body, read no further than ``max_request_bytes`` (a 413 beyond it, whatever Content-Length says)."""
+        limit = self.config.max_request_bytes
+        too_large = ErrorItem(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return too_large
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                return too_large
+        return bytes(body)
+
     async def _parse(self, request: Request, chat: bool) -> ChatCompletionRequest | CompletionRequest | ErrorItem:
+        raw = await self._read_body(request)
+        if isinstance(raw, ErrorItem):
+            return raw
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             return ErrorItem(400, f"request body is not valid JSON: {err}")
         if not isinstance(body, dict):

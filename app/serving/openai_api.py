@@ -119,7 +119,8 @@ def validation_error(err: ValidationError) -> ErrorItem:
     """The first pydantic error as a 400 naming the field."""
     first = err.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
-    return ErrorItem(status=400, message=f"{param}: {first['msg']}" if param else first["msg"], param=param)
+    msg = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for errors raised by validators
+    return ErrorItem(status=400, message=f"{param}: {msg}" if param else msg, param=param)
 
 
 def error_body(err: ErrorItem) -> dict:

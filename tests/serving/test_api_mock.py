@@ -24,7 +24,7 @@ ARGS = {
     "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "max_queued_requests": 2, "mock_step_ms": 10,
     "mock_vocab_size": VOCAB, "api_key": KEY, "drafter_timeout_s": 2.0, "stats_interval_s": 0.2,
     "target": {"num_cpus": 0.1}, "drafter_replicas": {"num_cpus": 0.1}, "ingress": {"num_cpus": 0.1},
-    "router_num_cpus": 0.05,
+    "router_num_cpus": 0.05, "max_request_bytes": 64 * 1024,
 }
 APP = "mock"
 
@@ -115,6 +115,7 @@ BAD = [
     ("n > 1", chat(n=2), 400),
     ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("not an object", b"[1, 2]", 400),
+    ("body over max_request_bytes", chat("x" * 100_000, max_tokens=5), 413),
 ]
 
 
@@ -126,6 +127,27 @@ def test_bad_input_is_openai_error(url, name, body, status):
     assert r.status_code == status, (name, r.text)
     err = r.json()["error"]
     assert err["message"] and err["type"]
+
+
+def test_oversized_chunked_body_and_unknown_routes_are_openai_errors(url):
+    def chunks():  # no Content-Length: the limit must hold while reading
+        yield b'{"model": "mock-model", "messages": [{"role": "user", "content": "'
+        for _ in range(100):
+            yield b"x" * 1024
+        yield b'"}]}'
+
+    r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, content=chunks(), timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.get(f"{url}/v1/chat/completions", headers=AUTH)
+    assert r.status_code == 405 and "POST" in r.headers["allow"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{url}/v1/nothing", headers=AUTH, json={})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_validator_errors_have_no_pydantic_prefix(url):
+    r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=chat(logprobs=True), timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "logprobs is not supported"
 
 
 def test_overload_answers_503_with_retry_after(url):

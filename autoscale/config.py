@@ -84,7 +84,7 @@ class SLOAutoscalingConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "SLOAutoscalingConfig":
+    def _check(self) -> SLOAutoscalingConfig:
         if self.tpot_ms is None and self.min_user_tok_s is None:
             raise ValueError("autoscaling: set tpot_ms, min_user_tok_s or both (the SLO needs a limit)")
         if self.min_target_replicas > self.max_target_replicas:

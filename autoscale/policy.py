@@ -22,8 +22,9 @@ Does not own: measuring TPOT (``app/serving/telemetry.py``) or the settings (``a
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from autoscale.config import REPORTED_PERCENTILES, SLOAutoscalingConfig
 
@@ -165,7 +166,7 @@ class SLOAutoscalingPolicy:
         if decision.signal != self._last_signal or decision.signal in ("scale_up", "scale_down"):
             log.info("SLO autoscaling: %s -> %d target replicas (tpot p%d %s ms, limit %.1f ms, load %s, "
                      "samples %d)", decision.signal, decision.target_replicas, self.config.tpot_percentile,
-                     obs.tpot_ms, self.config.tpot_limit_ms, obs.load, obs.samples)
+                     _fmt(obs.tpot_ms), self.config.tpot_limit_ms, _fmt(obs.load), obs.samples)
             self._last_signal = decision.signal
         decisions = {target_id: decision.target_replicas}
         states = {target_id: {STATE_KEY: {**asdict(decision.state), "signal": decision.signal,
@@ -175,3 +176,7 @@ class SLOAutoscalingPolicy:
             decisions[drafter_id] = self.config.drafters_for(decision.target_replicas)
             states[drafter_id] = {}
         return decisions, states
+
+
+def _fmt(value: float | None) -> str:
+    return "none" if value is None else f"{value:.2f}"

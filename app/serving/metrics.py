@@ -144,8 +144,8 @@ ROUTER_FIGURES = {  # TargetLoad field (or snapshot key) -> (metric name, descri
     "tokens_per_step": ("dspark_router_tokens_per_step", "EMA of tokens committed per round on the replica."),
     "acceptance": ("dspark_router_acceptance", "EMA of accepted / verified draft tokens on the replica."),
     "drafter_failures": ("dspark_router_drafter_failures", "Requests failed over to plain decoding since start."),
-    "verify_capacity": ("dspark_router_verify_capacity", "Load-aware verification capacity the Router computes "
-                        "for the replica (slots per round)."),
+    "verify_capacity": ("dspark_router_verify_capacity",
+                        "Load-aware verification capacity the Router computes for the replica (slots per round)."),
 }
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 

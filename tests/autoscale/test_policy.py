@@ -10,7 +10,14 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from autoscale.config import SLOAutoscalingConfig
 from autoscale.policy import (
-    STATE_KEY, Decision, ScaleState, SLOAutoscalingPolicy, SLOObservation, decide, observe, tpot_stat,
+    STATE_KEY,
+    Decision,
+    ScaleState,
+    SLOAutoscalingPolicy,
+    SLOObservation,
+    decide,
+    observe,
+    tpot_stat,
 )
 
 CFG = SLOAutoscalingConfig(

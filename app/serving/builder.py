@@ -7,7 +7,9 @@ points at, then binds the undecorated deployment classes with ``serve.deployment
                       \\-> Router (one replica: load reports in, target choice and snapshot out)
 
 Target and Drafter replicas each ask for their own resource group (``target`` / ``drafter_replicas``
-placement: CPUs, GPUs, custom resources), so a cluster config can pin them to different nodes.
+placement: CPUs, GPUs, custom resources), so a cluster config can pin them to different nodes. With
+``autoscaling.enabled`` both get a Ray Serve ``autoscaling_config`` instead of a fixed ``num_replicas``; the
+SLO policy that moves them is the application-level ``autoscaling_policy`` of the YAML (``autoscale/``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def build_app(args: dict) -> Application:
     config = AppConfig.model_validate(args)
     config.check_files()
     pinned = RequestRouterConfig(request_router_class=PinnedReplicaRouter)
+    slo = config.autoscaling
+    max_targets = slo.max_target_replicas if slo.enabled else config.target.num_replicas
     router = serve.deployment(
         Router, name="Router", num_replicas=1,
         ray_actor_options={"num_cpus": config.router_num_cpus, "resources": dict(config.router_resources)},
@@ -42,20 +46,35 @@ def build_app(args: dict) -> Application:
     drafter = None
     if config.speculates:
         drafter = serve.deployment(
-            DrafterReplica, name="Drafter", num_replicas=config.drafter_replicas.num_replicas,
+            DrafterReplica, name="Drafter", **_scaling(config, "drafter"),
             ray_actor_options=config.drafter_replicas.actor_options(),
-            max_ongoing_requests=2 * config.target.num_replicas + SERVE_QUEUE_MARGIN,
+            max_ongoing_requests=2 * max_targets + SERVE_QUEUE_MARGIN,
             request_router_config=pinned,
         ).bind(config)
     per_target = config.max_num_seqs + config.max_queued_requests + SERVE_QUEUE_MARGIN
     target = serve.deployment(
-        TargetReplica, name="Target", num_replicas=config.target.num_replicas,
+        TargetReplica, name="Target", **_scaling(config, "target"),
         ray_actor_options=config.target.actor_options(),
-        max_ongoing_requests=per_target, max_queued_requests=per_target * config.target.num_replicas,
+        max_ongoing_requests=per_target, max_queued_requests=per_target * max_targets,
         request_router_config=pinned,
     ).bind(config, drafter, router)
     return serve.deployment(
         FastAPIIngress, name="Ingress", num_replicas=config.ingress.num_replicas,
         ray_actor_options=config.ingress.actor_options(),
-        max_ongoing_requests=4 * per_target * config.target.num_replicas,
+        max_ongoing_requests=4 * per_target * max_targets,
     ).bind(config, target, router)
+
+
+def _scaling(config: AppConfig, deployment: str) -> dict:
+    """``num_replicas`` of the deployment, or its ``autoscaling_config`` when SLO autoscaling is on.
+
+    The fallback ``target_ongoing_requests`` (Ray's default policy, used only if the YAML lacks the SLO
+    policy) is a full KV-slot set per target and one drafter call per ``1 / drafters_per_target`` targets.
+    """
+    slo = config.autoscaling
+    if not slo.enabled:
+        placement = config.target if deployment == "target" else config.drafter_replicas
+        return {"num_replicas": placement.num_replicas}
+    fallback = config.max_num_seqs if deployment == "target" else 1 / slo.drafters_per_target
+    return {"autoscaling_config": slo.deployment_autoscaling(deployment=deployment,
+                                                             fallback_ongoing_requests=fallback)}

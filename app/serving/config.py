@@ -17,6 +17,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.scheduling.policies import make_policy
+from autoscale.config import SLOAutoscalingConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 API_KEY_ENV = "DSPARK_API_KEY"
@@ -113,6 +114,11 @@ class AppConfig(BaseModel):
         default_factory=dict, description="Custom Ray resources of the Router replica."
     )
     stats_interval_s: float = Field(0.5, gt=0, description="How often target replicas report load to the Router.")
+    autoscaling: SLOAutoscalingConfig = Field(
+        default_factory=SLOAutoscalingConfig,
+        description="Interactivity SLO (also behind the SLO metrics) and SLO autoscaling of the Target and Drafter "
+        "replicas (off by default; docs/observability.md).",
+    )
 
     # ------------------------------------------------------------------ HTTP
     api_key: str | None = Field(

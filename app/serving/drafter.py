@@ -14,14 +14,17 @@ Shape symbols: B requests in a call, K block size (gamma).
 
 from __future__ import annotations
 
+import time
 from typing import Protocol, runtime_checkable
 
 import ray
 import torch
+from ray import serve
 
 from app.engine.decode import Proposer
 from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
+from app.serving.metrics import DrafterMetrics
 from app.serving.protocol import DraftCall, DraftRound
 
 
@@ -71,6 +74,8 @@ class DrafterReplica:
         self.config = config
         self.proposer = make_proposer(config)
         self._live: set[str] = set()
+        self.metrics = DrafterMetrics(policy=config.policy,
+                                      replica=serve.get_replica_context().replica_id.unique_id)
 
     def draft(self, call: DraftCall, replica_key: str | None = None) -> DraftRound:
         """Apply the hooks gathered since the last call, then draft ``call.propose``.
@@ -80,6 +85,7 @@ class DrafterReplica:
         order, then the finishes; a request that starts and finishes in the same call is never started.
         ``replica_key`` only steers routing.
         """
+        t0 = time.perf_counter()
         finished = set(call.finished)
         for s in call.starts:
             if s.request_id in finished:
@@ -97,6 +103,7 @@ class DrafterReplica:
         ids = [rid for rid in call.propose if rid in self._live]
         blocks = self.proposer.propose(ids) if ids else []
         confidences = self.proposer.last_proposal.confidences if ids else torch.zeros(0, self.config.gamma)
+        self.metrics.call(ms=(time.perf_counter() - t0) * 1000, batch=len(ids))
         return DraftRound(blocks=blocks, confidences=confidences.float(), missing=missing)
 
     def debug_state(self) -> dict:

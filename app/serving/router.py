@@ -31,6 +31,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from app.scheduling.policies import best_uniform_length
 from app.scheduling.profile import ThroughputProfile, load_profile
 from app.serving.config import AppConfig
+from app.serving.metrics import RouterMetrics
 
 STALE_AFTER_REPORTS = 5  # a replica silent for this many report intervals is dropped from routing
 
@@ -91,10 +92,12 @@ class Router:
         self._loads: dict[str, TargetLoad] = {}
         self._assigned: dict[str, int] = {}  # requests sent to a replica since its last report
         self._choices = 0
+        self.metrics = RouterMetrics(policy=config.policy)
 
     def report(self, load: TargetLoad) -> None:
         self._loads[load.replica_id] = TargetLoad(**{**asdict(load), "reported_at": time.monotonic()})
         self._assigned[load.replica_id] = 0
+        self.metrics.snapshot(self.snapshot())
 
     def choose_target(self) -> str | None:
         """The live target replica with the lowest expected load; None before any replica reported."""

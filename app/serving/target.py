@@ -39,6 +39,7 @@ from app.serving.protocol import (
     DraftCall, DraftRound, DraftStart, ErrorItem, GenerateRequest, SpecStats, TextChunk, strip_for_drafter,
 )
 from app.serving.router import TargetLoad
+from app.serving.telemetry import TargetTelemetry
 
 log = logging.getLogger("ray.serve")
 
@@ -106,6 +107,8 @@ class TargetReplica:
             draft_gate=config.draft_gate,
         ) if config.speculates else None
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.telemetry = TargetTelemetry(slo=config.autoscaling, policy=config.policy, replica=self.replica_id,
+                                         gamma=config.gamma, max_num_seqs=config.max_num_seqs)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._waiting: collections.deque[_Stream] = collections.deque()
         self._active: dict[str, _Stream] = {}
@@ -161,7 +164,8 @@ class TargetReplica:
     def record_autoscaling_stats(self) -> dict:
         """Custom autoscaling metrics (Ray Serve polls this; used by the autoscaling policy)."""
         return {"active": float(len(self._active)), "waiting": float(len(self._waiting)),
-                "step_ms": self._stats["step_ms"]}
+                "step_ms": self._stats["step_ms"],
+                **self.telemetry.autoscaling_stats(active=len(self._active), queued=len(self._waiting))}
 
     # ------------------------------------------------------------------ loop
 
@@ -188,6 +192,7 @@ class TargetReplica:
     async def _drop_cancelled(self) -> None:
         for rid in list(self._cancelled):
             self._cancelled.discard(rid)
+            self.telemetry.dropped(rid)
             stream = self._active.pop(rid, None)
             if stream is None:
                 self._waiting = collections.deque(s for s in self._waiting if s.request.request_id != rid)
@@ -226,6 +231,7 @@ class TargetReplica:
         t0 = time.perf_counter()
         ids = list(self._active)
         blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
+        num_drafted = 0
         speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.drafter is not None else []
         if speculative and self.scheduler.should_draft(len(speculative), draft_ms=self._stats["draft_ms"] or None):
             t_draft = time.perf_counter()
@@ -234,7 +240,10 @@ class TargetReplica:
                 self._observe_draft((time.perf_counter() - t_draft) * 1000)
             if drafted is not None and drafted.blocks:
                 blocks.update(self._schedule(drafted))
+                num_drafted = sum(b.tokens.shape[0] for b in drafted.blocks)
+        t_verify = time.perf_counter()
         outputs = await self._run(self.engine.verify, [blocks[rid] for rid in ids])
+        verify_ms = (time.perf_counter() - t_verify) * 1000
         drafted_outputs = [out for out in outputs if blocks[out.request_id].tokens.numel()]
         if drafted_outputs:
             self.scheduler.observe([o.num_draft for o in drafted_outputs], [o.num_accepted for o in drafted_outputs])
@@ -255,6 +264,8 @@ class TargetReplica:
             elif stream.on_drafter:
                 self._draft_updates.append(strip_for_drafter(out))
         self._observe((time.perf_counter() - t0) * 1000, committed, verified, accepted)
+        self.telemetry.round(round_ms=(time.perf_counter() - t0) * 1000, verify_ms=verify_ms, drafted=num_drafted,
+                             outputs=outputs)
 
     async def _call_drafter(self, propose: list[str]) -> DraftRound | None:
         """One drafter call with everything pending; on failure the involved requests fall back to plain."""
@@ -307,6 +318,8 @@ class TargetReplica:
     def _emit(self, stream: _Stream, out: StepOutput) -> None:
         stream.generated += len(out.new_token_ids)
         stream.done = out.finished
+        self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished,
+                              spec=stream.spec)
         stream.queue.put_nowait(TextChunk(
             text=out.text, token_ids=list(out.new_token_ids), prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,
@@ -335,6 +348,7 @@ class TargetReplica:
                 tokens_per_step=self._stats["tokens_per_step"], acceptance=self._stats["acceptance"],
                 drafter_failures=self._stats["drafter_failures"],
             )
+            self.telemetry.report(active=load.active, queued=load.waiting)
             try:
                 await self.router.report.remote(load)
             except (RayActorError, RayTaskError) as err:

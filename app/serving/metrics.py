@@ -1,0 +1,168 @@
+"""Prometheus metrics of the Serve application, through Ray's metrics API (``ray.util.metrics``).
+
+Owns: the metric definitions (names prefixed ``dspark_``, descriptions, tags, histogram buckets) and one
+recorder class per deployment: ``TargetMetrics``, ``DrafterMetrics``, ``RouterMetrics``. Every metric carries
+the tags ``policy`` (the verify-length policy) and ``replica`` (the reporting replica; for the Router's
+figures, the target replica they describe). Ray exports them from each node's metrics agent with a ``ray_``
+prefix (counters also get ``_total``), e.g. ``ray_dspark_accepted_tokens_total``; the full table is in
+``docs/observability.md``.
+
+Words (as in ``app/engine/types.py``): *drafted* tokens came out of the drafter; *verified* tokens are the
+drafted tokens the scheduler sent to the target (the verify length l); *accepted* tokens are verified tokens
+the target kept; *wasted* = verified - accepted. *Accepted length* tau is committed tokens per round
+(accepted + the bonus / recovered token).
+
+Does not own: when anything is recorded (the deployments call the recorders) or TPOT windows
+(``app/serving/telemetry.py``). Ray's histogram sums are approximations (bucket midpoints), so exact totals
+are counters and histograms serve distributions and quantiles.
+"""
+
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+TAGS = ("policy", "replica")
+MS_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000]
+TPOT_BUCKETS = [5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000]
+TOKENS_PER_STEP_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+
+
+def accepted_length_buckets(gamma: int) -> list[float]:
+    """Bucket edges for tau in [1, gamma + 1], every half token."""
+    return [1 + 0.5 * i for i in range(2 * gamma + 1)]
+
+
+class TargetMetrics:
+    """What a target replica records (per round, per finished request, per report interval)."""
+
+    def __init__(self, *, policy: str, replica: str, gamma: int) -> None:
+        tags = {"policy": policy, "replica": replica}
+
+        def counter(name: str, description: str, keys: tuple[str, ...] = TAGS) -> Counter:
+            return Counter(name, description, tag_keys=keys).set_default_tags(tags)
+
+        def gauge(name: str, description: str, keys: tuple[str, ...] = TAGS) -> Gauge:
+            return Gauge(name, description, tag_keys=keys).set_default_tags(tags)
+
+        def histogram(name: str, description: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, description, boundaries=buckets, tag_keys=TAGS).set_default_tags(tags)
+
+        self.gamma = gamma
+        self.drafted = counter("dspark_drafted_tokens", "Draft tokens produced by the drafter.")
+        self.verified = counter("dspark_verified_tokens", "Draft tokens sent to the target for verification.")
+        self.accepted = counter("dspark_accepted_tokens", "Verified draft tokens the target accepted.")
+        self.wasted = counter("dspark_wasted_tokens", "Verified draft tokens the target rejected.")
+        self.output = counter("dspark_output_tokens", "Tokens streamed to clients (prefill first tokens included).")
+        self.rounds = counter("dspark_rounds", "Rounds (one verify step over the batch).")
+        self.requests = counter("dspark_requests_finished", "Requests that finished (EOS, stop or length).")
+        self.position_verified = counter(
+            "dspark_position_verified", "Draft tokens verified at block position k (1-based).", TAGS + ("position",))
+        self.position_accepted = counter(
+            "dspark_position_accepted", "Draft tokens accepted at block position k (1-based).", TAGS + ("position",))
+        self.accepted_length = histogram(
+            "dspark_accepted_length", "Per finished request: committed tokens per round (tau).",
+            accepted_length_buckets(gamma))
+        self.verify_ms = histogram("dspark_verify_step_ms", "Target verify step time (ms).", MS_BUCKETS)
+        self.round_ms = histogram("dspark_round_ms", "Whole round time: drafter call + schedule + verify (ms).",
+                                  MS_BUCKETS)
+        self.tokens_per_step = histogram(
+            "dspark_tokens_per_step", "Tokens committed per round over the whole batch.", TOKENS_PER_STEP_BUCKETS)
+        self.tpot = histogram("dspark_tpot_ms", "Per finished request: time per output token after the first (ms).",
+                              TPOT_BUCKETS)
+        self.active = gauge("dspark_active_requests", "Requests decoding on the replica.")
+        self.queued = gauge("dspark_queued_requests", "Requests waiting for a KV slot on the replica.")
+        self.capacity = gauge("dspark_verify_capacity", "Verification slots the scheduler chose in the last round "
+                              "(sum of verify lengths over the batch).")
+        self.tpot_window = gauge("dspark_tpot_window_ms", "TPOT quantile over the SLO window (ms), as the "
+                                 "autoscaler sees it.", TAGS + ("quantile",))
+        self.slo_limit = gauge("dspark_slo_tpot_limit_ms", "TPOT limit of the SLO (ms).")
+        self.slo_state = gauge("dspark_slo_state", "SLO on this replica: 1 met, 0 violated, -1 no samples.")
+
+    def round(self, *, round_ms: float, verify_ms: float, drafted: int, num_draft: list[int],
+              num_accepted: list[int], committed: int) -> None:
+        """One round: ``num_draft`` / ``num_accepted`` per request in the batch (verified / accepted)."""
+        self.rounds.inc()
+        self.round_ms.observe(round_ms)
+        self.verify_ms.observe(verify_ms)
+        self.tokens_per_step.observe(committed)
+        verified, accepted = sum(num_draft), sum(num_accepted)
+        self.capacity.set(verified)
+        for value, metric in ((drafted, self.drafted), (verified, self.verified), (accepted, self.accepted),
+                              (verified - accepted, self.wasted)):
+            if value:
+                metric.inc(value)
+        for k in range(1, max(num_draft, default=0) + 1):
+            n_verified = sum(1 for n in num_draft if n >= k)
+            n_accepted = sum(1 for n in num_accepted if n >= k)
+            self.position_verified.inc(n_verified, tags={"position": str(k)})
+            if n_accepted:
+                self.position_accepted.inc(n_accepted, tags={"position": str(k)})
+
+    def tokens(self, n: int) -> None:
+        if n:
+            self.output.inc(n)
+
+    def finished(self, *, accepted_length: float | None, tpot_ms: float | None) -> None:
+        """A request finished; ``accepted_length`` None when it never ran a speculative round."""
+        self.requests.inc()
+        if accepted_length is not None:
+            self.accepted_length.observe(accepted_length)
+        if tpot_ms is not None:
+            self.tpot.observe(tpot_ms)
+
+    def load(self, *, active: int, queued: int) -> None:
+        self.active.set(active)
+        self.queued.set(queued)
+
+    def slo(self, *, limit_ms: float, quantiles: dict[int, float] | None, met: bool | None) -> None:
+        """SLO figures; ``quantiles`` (percentile -> ms) and ``met`` are None without samples."""
+        self.slo_limit.set(limit_ms)
+        self.slo_state.set(-1 if met is None else int(met))
+        for q, value in (quantiles or {}).items():
+            self.tpot_window.set(value, tags={"quantile": str(q)})
+
+
+class DrafterMetrics:
+    """What a drafter replica records per call."""
+
+    def __init__(self, *, policy: str, replica: str) -> None:
+        tags = {"policy": policy, "replica": replica}
+        self.call_ms = Histogram("dspark_draft_call_ms", "Drafter call time on the drafter replica (ms): hooks "
+                                 "+ drafting the batch.", boundaries=MS_BUCKETS, tag_keys=TAGS).set_default_tags(tags)
+        self.batch = Histogram("dspark_draft_batch_size", "Requests drafted per call.",
+                               boundaries=TOKENS_PER_STEP_BUCKETS, tag_keys=TAGS).set_default_tags(tags)
+
+    def call(self, *, ms: float, batch: int) -> None:
+        self.call_ms.observe(ms)
+        self.batch.observe(batch)
+
+
+ROUTER_FIGURES = {  # TargetLoad field (or snapshot key) -> (metric name, description)
+    "active": ("dspark_router_active_requests", "Requests decoding on the target replica (its last report)."),
+    "waiting": ("dspark_router_queued_requests", "Requests queued on the target replica (its last report)."),
+    "step_ms": ("dspark_router_step_ms", "EMA of the target replica's round time (ms)."),
+    "tokens_per_step": ("dspark_router_tokens_per_step", "EMA of tokens committed per round on the replica."),
+    "acceptance": ("dspark_router_acceptance", "EMA of accepted / verified draft tokens on the replica."),
+    "drafter_failures": ("dspark_router_drafter_failures", "Requests failed over to plain decoding since start."),
+    "verify_capacity": ("dspark_router_verify_capacity",
+                        "Load-aware verification capacity the Router computes for the replica (slots per round)."),
+}
+
+
+class RouterMetrics:
+    """The Router's per-target-replica figures (its snapshot), one gauge each, tagged with the target replica."""
+
+    def __init__(self, *, policy: str) -> None:
+        self.policy = policy
+        self.gauges = {key: Gauge(name, description, tag_keys=TAGS) for key, (name, description)
+                       in ROUTER_FIGURES.items()}
+        self.live = Gauge("dspark_router_live_replicas", "Target replicas reporting to the Router.",
+                          tag_keys=("policy",)).set_default_tags({"policy": policy})
+
+    def snapshot(self, snapshot: dict) -> None:
+        """Set every gauge from ``Router.snapshot()`` (per live target replica, and the live count)."""
+        for replica_id, figures in snapshot["replicas"].items():
+            tags = {"policy": self.policy, "replica": replica_id}
+            for key, gauge in self.gauges.items():
+                gauge.set(float(figures[key]), tags=tags)
+        self.live.set(len(snapshot["replicas"]))

@@ -1,0 +1,85 @@
+"""SLO autoscaling on a local Ray: the mock application, deployed from a config with the application-level
+policy (as `serve run deployments/dspark-autoscale.yaml` does), under load whose TPOT exceeds the SLO, gains a
+Target replica and, in the drafter ratio, a Drafter replica."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+import yaml
+from ray import serve
+from ray.serve._private import api as serve_api
+from ray.serve.schema import ServeDeploySchema
+
+from app.serving.config import REPO_ROOT, AppConfig
+from autoscale.policy import SLOAutoscalingPolicy
+from tests.serving.helpers import free_port
+
+APP = "scale"
+MODEL = "mock-model"
+SLO = {  # TPOT of the mock at 40 ms per verify step is far above 5 ms: violated as soon as requests run
+    "enabled": True, "tpot_ms": 5, "window_s": 4, "min_samples": 2, "upscale_after_s": 2, "cooldown_s": 5,
+    "min_target_replicas": 1, "max_target_replicas": 2, "drafters_per_target": 1.0, "max_drafter_replicas": 2,
+    "metrics_interval_s": 0.5, "look_back_period_s": 1.0,
+}
+ARGS = {
+    "engine": "mock", "drafter": "mock", "policy": "dspark", "gamma": 4, "served_model_name": MODEL,
+    "max_model_len": 256, "max_num_seqs": 4, "max_queued_requests": 8, "mock_step_ms": 40, "api_key": "",
+    "stats_interval_s": 0.2, "target": {"num_cpus": 0.1}, "drafter_replicas": {"num_cpus": 0.1},
+    "ingress": {"num_cpus": 0.1}, "router_num_cpus": 0.05, "autoscaling": SLO,
+}
+SCALE_TIMEOUT_S = 45
+
+
+def test_example_config_shares_one_slo_section():
+    doc = yaml.safe_load((REPO_ROOT / "deployments" / "dspark-autoscale.yaml").read_text())
+    (app,) = ServeDeploySchema.model_validate(doc).applications
+    assert app.autoscaling_policy["policy_function"] == "autoscale.policy:SLOAutoscalingPolicy"
+    config = AppConfig.model_validate(app.args)
+    assert config.autoscaling.enabled
+    assert SLOAutoscalingPolicy(**app.autoscaling_policy["policy_kwargs"]).config == config.autoscaling
+
+
+def running(status, deployment: str) -> int:
+    return status.applications[APP].deployments[deployment].replica_states.get("RUNNING", 0)
+
+
+@pytest.mark.slow
+def test_load_above_slo_adds_target_and_drafter_replicas():
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
+    port = free_port()
+    stop = threading.Event()
+    try:
+        client = serve_api.serve_start(http_options={"host": "127.0.0.1", "port": port})
+        client.deploy_apps(ServeDeploySchema.model_validate({"applications": [{
+            "name": APP, "route_prefix": "/", "import_path": "app.serving.builder:build_app", "args": ARGS,
+            "autoscaling_policy": {"policy_function": "autoscale.policy:SLOAutoscalingPolicy", "policy_kwargs": SLO},
+        }]}), _blocking=True)
+        status = serve.status()
+        assert (running(status, "Target"), running(status, "Drafter")) == (1, 1)
+
+        def user() -> None:
+            with httpx.Client(timeout=60) as http:
+                while not stop.is_set():
+                    r = http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
+                        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40})
+                    assert r.status_code in (200, 503), r.text
+
+        users = [threading.Thread(target=user, daemon=True) for _ in range(4)]
+        for u in users:
+            u.start()
+        deadline = time.monotonic() + SCALE_TIMEOUT_S
+        while (running(status := serve.status(), "Target"), running(status, "Drafter")) != (2, 2):
+            assert time.monotonic() < deadline, status.applications[APP].deployments
+            time.sleep(1.0)
+        stop.set()
+        for u in users:
+            u.join(timeout=60)
+    finally:
+        stop.set()
+        serve.shutdown()
+        ray.shutdown()

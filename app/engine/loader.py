@@ -124,6 +124,15 @@ def load_target(
     return LoadedTarget(model=target, tokenizer=tokenizer, name=model, eos_token_ids=eos_ids)
 
 
+def local_checkpoint(model: str = "smollm2-135m") -> Path:
+    """The local transformers directory ``model`` resolves to (for a GGUF: its de-quantised cache, made once).
+
+    Raises:
+        FileNotFoundError: the reference names no local checkpoint.
+    """
+    return _local_checkpoint(model)
+
+
 def _local_checkpoint(model: str) -> Path:
     """Resolve a model reference to a transformers-loadable local directory (see module docstring)."""
     if model in EMBEDDED_MODELS:

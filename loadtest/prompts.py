@@ -1,0 +1,55 @@
+"""Prompts for the load test: the project's evaluation prompt sets or any JSONL of the same shape.
+
+A prompt spec is a comma-separated list of evaluation set names (``gsm8k-eval``, ``mt-bench``, ``humaneval``;
+see ``app/eval/datasets.py``) or paths to JSONL files with one ``{"turns": ["first user turn", ...]}`` a line.
+Only first turns are sent. Training sets are refused by name: the load test reports acceptance lengths, and
+no prompt a drafter was trained on may be used for that (``shared/datasets/README.md``).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+from app.eval.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, TRAIN_SETS, PromptSet, load_prompts
+
+DEFAULT_PROMPTS = "gsm8k-eval"
+SHARED_ENV = "DSPARK_SHARED_DIR"  # the project's shared folder (its datasets/ holds the prompt sets)
+
+
+def datasets_dir() -> Path:
+    shared = os.environ.get(SHARED_ENV)
+    return Path(shared) / "datasets" if shared else DEFAULT_DATASETS_DIR
+
+
+def load_prompt_spec(spec: str) -> list[str]:
+    """All first turns named by ``spec`` in order.
+
+    Raises:
+        ValueError: a training set name, an unknown name, or a spec naming no prompt.
+        FileNotFoundError: a named file is missing.
+    """
+    prompts: list[str] = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        if item in TRAIN_SETS:
+            raise ValueError(f"prompt set {item!r} is a drafter training set; use {sorted(EVAL_SETS)} or a file")
+        if item in EVAL_SETS:
+            prompts += load_prompts(EVAL_SETS[item], datasets_dir())
+        elif item.endswith(".jsonl"):
+            path = Path(item).expanduser()
+            if not path.is_file():
+                raise FileNotFoundError(f"prompts: no such file {item}")
+            prompts += load_prompts(PromptSet(path.stem, str(path.resolve())))
+        else:
+            raise ValueError(f"prompts: {item!r} is neither an evaluation set {sorted(EVAL_SETS)} nor a .jsonl path")
+    if not prompts:
+        raise ValueError(f"prompts: {spec!r} names no prompt")
+    return prompts
+
+
+def shuffled(prompts: list[str], seed: int) -> list[str]:
+    """A seeded permutation: every run (and every policy) draws prompts in the same order."""
+    order = list(prompts)
+    random.Random(seed).shuffle(order)
+    return order

@@ -1,0 +1,183 @@
+"""Sweep results on disk, the readable table and the Pareto plot; merging several runs into one plot.
+
+Owns: the results schema (``results.json``: run settings, SLO, one entry per (policy, concurrency) level;
+``results.csv`` the same levels as rows; ``levels/<policy>-c<N>.json`` one level each), validating it on
+load, the table, and the plot: output throughput (y) against median per-user speed (x), one curve per
+policy through its concurrency levels, each point labelled with its concurrency, the TPOT SLO drawn as the
+vertical line ``x = 1000 / slo_tpot_ms`` (points left of it miss the SLO at the median).
+
+Re-plot or merge runs (for example ours and vLLM's)::
+
+    python -m loadtest.report runs/loadtest/results.json runs/vllm/results.json --out runs/compare.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from pathlib import Path
+
+SCHEMA = "loadtest.sweep/1"
+LEVEL_SCHEMA = "loadtest.level/1"
+REQUIRED = ("policy", "concurrency", "output_throughput", "median_user_tok_s", "request_throughput")
+CSV_FIELDS = (
+    "series", "policy", "concurrency", "duration", "completed", "failed", "total_output_tokens",
+    "output_throughput", "request_throughput", "request_goodput", "median_user_tok_s", "mean_user_tok_s",
+    "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
+    "p50_itl_ms", "p90_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms",
+    "mean_accepted_length", "mean_verify_length", "draft_acceptance_rate", "spec_fallback_requests",
+)
+TABLE = (  # header, key, format
+    ("policy", "series", "{}"), ("conc", "concurrency", "{}"), ("done", "completed", "{}"),
+    ("fail", "failed", "{}"), ("out tok/s", "output_throughput", "{:.1f}"),
+    ("req/s", "request_throughput", "{:.2f}"), ("goodput", "request_goodput", "{:.2f}"),
+    ("user tok/s", "median_user_tok_s", "{:.1f}"), ("ttft p50", "p50_ttft_ms", "{:.0f}"),
+    ("ttft p99", "p99_ttft_ms", "{:.0f}"), ("tpot p50", "p50_tpot_ms", "{:.1f}"),
+    ("tpot p90", "p90_tpot_ms", "{:.1f}"), ("tpot p99", "p99_tpot_ms", "{:.1f}"),
+    ("itl p50", "p50_itl_ms", "{:.1f}"), ("itl p99", "p99_itl_ms", "{:.1f}"),
+    ("acc len", "mean_accepted_length", "{:.2f}"), ("verify len", "mean_verify_length", "{:.2f}"),
+)
+
+
+def level_name(policy: str, concurrency: int) -> str:
+    return f"{policy}-c{concurrency}"
+
+
+def write_level(out_dir: Path, level: dict, slo: dict) -> Path:
+    path = Path(out_dir) / "levels" / f"{level_name(level['policy'], level['concurrency'])}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"schema": LEVEL_SCHEMA, "slo": slo, **level}, indent=2))
+    return path
+
+
+def write_results(out_dir: Path, *, config: dict, slo: dict, levels: list[dict]) -> tuple[Path, Path]:
+    """``results.json`` and ``results.csv`` in ``out_dir``; returns both paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / "results.json"
+    json_path.write_text(json.dumps({"schema": SCHEMA, "config": config, "slo": slo, "levels": levels}, indent=2))
+    csv_path = out_dir / "results.csv"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for level in levels:
+            writer.writerow({"series": level.get("series", level["policy"]), **level})
+    return json_path, csv_path
+
+
+def load_results(path: Path) -> dict:
+    """A ``results.json``, checked against the schema.
+
+    Raises:
+        ValueError: another schema, or a level without a required field (the message names it).
+    """
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: schema {data.get('schema')!r}, expected {SCHEMA!r}")
+    for i, level in enumerate(data.get("levels", [])):
+        missing = [k for k in REQUIRED if k not in level]
+        if missing:
+            raise ValueError(f"{path}: level {i} lacks {missing}")
+    return data
+
+
+def merge_results(paths: list[Path]) -> tuple[list[dict], dict]:
+    """All levels of several runs with a ``series`` name each, and the first run's SLO.
+
+    A policy name that occurs in more than one run is prefixed with its run's label (``--label``, else the
+    results folder's name), so every curve stays distinct.
+    """
+    runs = [(Path(p), load_results(p)) for p in paths]
+    seen: dict[str, int] = {}
+    for _, data in runs:
+        for policy in {lv["policy"] for lv in data["levels"]}:
+            seen[policy] = seen.get(policy, 0) + 1
+    levels = []
+    for path, data in runs:
+        label = data.get("config", {}).get("label") or path.parent.name
+        for level in data["levels"]:
+            series = level["policy"] if seen[level["policy"]] == 1 else f"{label}/{level['policy']}"
+            levels.append({**level, "series": series})
+    return levels, (runs[0][1].get("slo") or {}) if runs else {}
+
+
+def _cell(level: dict, key: str, fmt: str) -> str:
+    value = level.get(key, level["policy"] if key == "series" else None)
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return fmt.format(value)
+
+
+def format_table(levels: list[dict]) -> str:
+    rows = [[h for h, _, _ in TABLE]] + [[_cell(lv, k, f) for _, k, f in TABLE] for lv in levels]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(TABLE))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def pareto_plot(levels: list[dict], out: Path, *, slo_tpot_ms: float | None = None, title: str | None = None) -> Path:
+    """Output throughput vs median per-user speed, one curve per series, SLO line; writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    series: dict[str, list[dict]] = {}
+    for level in levels:
+        series.setdefault(level.get("series", level["policy"]), []).append(level)
+    for name, points in series.items():
+        points = sorted((p for p in points if p.get("median_user_tok_s") is not None),
+                        key=lambda p: p["concurrency"])
+        if not points:
+            continue
+        xs = [p["median_user_tok_s"] for p in points]
+        ys = [p["output_throughput"] for p in points]
+        (line,) = ax.plot(xs, ys, marker="o", label=name)
+        for p, x, y in zip(points, xs, ys):
+            ax.annotate(f"c{p['concurrency']}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8,
+                        color=line.get_color())
+    if slo_tpot_ms:
+        x_slo = 1000.0 / slo_tpot_ms
+        ax.axvline(x_slo, color="crimson", linestyle="--", linewidth=1.2,
+                   label=f"SLO: TPOT <= {slo_tpot_ms:g} ms ({x_slo:.1f} tok/s/user)")
+        ax.axvspan(0, x_slo, color="crimson", alpha=0.06)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("per-user speed, median (tok/s/user)")
+    ax.set_ylabel("output throughput (tok/s)")
+    ax.set_title(title or "Throughput vs interactivity (labels: concurrency)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Re-plot or merge sweep results into one table and Pareto plot.")
+    ap.add_argument("results", nargs="+", type=Path, help="results.json files of one or more sweeps")
+    ap.add_argument("--out", type=Path, required=True, help="PNG to write (a CSV of the merged levels beside it)")
+    ap.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO line (default: the first run's)")
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    levels, slo = merge_results(args.results)
+    slo_tpot = args.slo_tpot_ms if args.slo_tpot_ms is not None else slo.get("tpot_ms")
+    png = pareto_plot(levels, args.out, slo_tpot_ms=slo_tpot, title=args.title)
+    csv_path = args.out.with_suffix(".csv")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(levels)
+    print(format_table(levels))
+    print(json.dumps({"plot": str(png), "csv": str(csv_path), "levels": len(levels)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""Concurrency sweep: headless Locust at a fixed user count per level, one server start per verify policy.
+
+    python -m loadtest.sweep --concurrency 1,2,4,8,16 --duration 60 --policies none,mtp1,dspark
+    python -m loadtest.sweep --url http://127.0.0.1:8100 --model smollm2-135m --policies vllm-cpu ...
+
+Without ``--url`` each policy gets its own server: ``deployments/dspark.yaml`` (``--config``) with
+``policy`` overridden (and any ``--set KEY=VALUE``), started in a child process on a free port
+(``loadtest.server``), warmed up, swept over every level, then stopped. With ``--url`` the sweep loads any
+OpenAI-compatible server and the policy names are only labels. Locust runs as a subprocess per level, so
+its gevent monkey-patching never enters a process holding Ray or torch.
+
+Per level: ramp to N users at once, ``--warmup`` seconds not measured, ``--duration`` seconds measured, then
+every request in flight finishes (``--drain-timeout``). Writes under ``--out``: ``results.json``,
+``results.csv``, ``levels/<policy>-c<N>.json``, ``pareto.png``, the raw per-request records
+(``records/``), Locust's CSVs (``locust/``) and the server logs; prints a table, then one JSON line.
+Metric definitions: ``loadtest/metrics.py`` and ``docs/loadtest.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import httpx
+from tqdm import tqdm
+
+from loadtest.metrics import Slo, measurement_window, read_records, summarize
+from loadtest.prompts import DEFAULT_PROMPTS, load_prompt_spec
+from loadtest.report import format_table, level_name, pareto_plot, write_level, write_results
+from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, wait_ready
+
+LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
+LOCUST_GRACE_S = 60  # beyond run time + drain before a Locust process is considered hung
+
+
+def int_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
+    return values
+
+
+def name_list(text: str) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("need at least one name")
+    return values
+
+
+def optional_ms(text: str) -> float | None:
+    return None if text.lower() in ("", "none", "off") else float(text)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16], help="users per level")
+    ap.add_argument("--duration", type=float, default=60.0, help="measured seconds per level")
+    ap.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds at the start of each level")
+    ap.add_argument("--drain-timeout", type=float, default=300.0,
+                    help="seconds requests in flight may take to finish after a level")
+    ap.add_argument("--policies", type=name_list, default=["none", "mtp1", "dspark"],
+                    help="verify policies (labels only with --url)")
+    ap.add_argument("--url", default=None, help="an external OpenAI-compatible server (no server is started)")
+    ap.add_argument("--model", default=None, help="served model name (default: the config's served_model_name)")
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML to start per policy")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override an application args field for every policy (repeatable)")
+    ap.add_argument("--num-cpus", type=float, default=None, help="CPUs of each local Ray (default: all)")
+    ap.add_argument("--port", type=int, default=None, help="HTTP port of the started servers (default: free)")
+    ap.add_argument("--server-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
+    ap.add_argument("--server-warmup", type=int, default=2, help="short requests sent to each server before "
+                    "its first level (not measured)")
+    ap.add_argument("--prompts", default=DEFAULT_PROMPTS, help="evaluation set names or JSONL paths")
+    ap.add_argument("--prompt-seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    ap.add_argument("--no-spec-stats", action="store_true", help="do not ask for the spec_stats extension")
+    ap.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY", ""), help="default $DSPARK_API_KEY")
+    ap.add_argument("--slo-tpot-ms", type=optional_ms, default=100.0, help="TPOT SLO for goodput ('none': off)")
+    ap.add_argument("--slo-ttft-ms", type=optional_ms, default=None, help="TTFT SLO for goodput")
+    ap.add_argument("--slo-e2el-ms", type=optional_ms, default=None, help="end-to-end latency SLO for goodput")
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default runs/loadtest/<time>)")
+    ap.add_argument("--label", default="", help="name of this run in merged plots (loadtest.report)")
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.duration <= 0 or args.warmup < 0:
+        ap.error("--duration must be > 0 and --warmup >= 0")
+    load_prompt_spec(args.prompts)  # fail now, not inside the first Locust process
+    args.out = args.out or REPO_ROOT / "runs" / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
+    return args
+
+
+def locust_env(args: argparse.Namespace, *, model: str, records: Path) -> dict:
+    env = dict(os.environ)
+    env.update({
+        "LOADTEST_PROMPTS": args.prompts, "LOADTEST_PROMPT_SEED": str(args.prompt_seed), "LOADTEST_MODEL": model,
+        "LOADTEST_MAX_TOKENS": str(args.max_tokens), "LOADTEST_TEMPERATURE": str(args.temperature),
+        "LOADTEST_RECORDS": str(records), "LOADTEST_API_KEY": args.api_key,
+    })
+    for flag, name in ((args.ignore_eos, "LOADTEST_IGNORE_EOS"), (args.no_spec_stats, "LOADTEST_NO_SPEC_STATS")):
+        if flag:
+            env[name] = "true"
+        else:
+            env.pop(name, None)
+    return env
+
+
+def run_locust(args: argparse.Namespace, *, url: str, model: str, users: int, name: str) -> Path:
+    """One headless Locust run at ``users`` users; returns its records file.
+
+    Raises:
+        RuntimeError: Locust failed or hung (with its output's tail).
+    """
+    records = args.out / "records" / f"{name}.jsonl"
+    records.parent.mkdir(parents=True, exist_ok=True)
+    records.unlink(missing_ok=True)
+    (args.out / "locust").mkdir(parents=True, exist_ok=True)
+    run_time = math.ceil(args.warmup + args.duration) + 1  # the window starts once all users are spawned
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--users", str(users),
+           "--spawn-rate", str(users), "--run-time", f"{run_time}s", "--stop-timeout", f"{args.drain_timeout:g}",
+           "--host", url, "--csv", str(args.out / "locust" / name), "--only-summary", "--loglevel", "WARNING",
+           "--exit-code-on-error", "0"]
+    log = args.out / "locust" / f"{name}.log"
+    with log.open("w") as f:
+        try:
+            done = subprocess.run(cmd, cwd=REPO_ROOT, env=locust_env(args, model=model, records=records), stdout=f,
+                                  stderr=subprocess.STDOUT, check=False, timeout=run_time + args.drain_timeout + LOCUST_GRACE_S)
+        except subprocess.TimeoutExpired as err:
+            raise RuntimeError(f"Locust hung at {name}; see {log}") from err
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"Locust exited with {done.returncode} at {name}:\n{tail}")
+    return records
+
+
+def auth(api_key: str) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def first_model(url: str, api_key: str) -> str:
+    """The first model an external server lists (``--model`` not given)."""
+    r = httpx.get(f"{url}/v1/models", headers=auth(api_key), timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def warm_up(url: str, *, model: str, api_key: str, requests: int) -> None:
+    """A few short unmeasured requests (first-call costs: allocation, lazy initialisation)."""
+    for prompt in load_prompt_spec(DEFAULT_PROMPTS)[:requests]:
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
+                "temperature": 0}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=300)
+        if r.status_code != 200:
+            raise RuntimeError(f"warm-up request failed: HTTP {r.status_code}: {r.text[:300]}")
+
+
+def slo_of(args: argparse.Namespace) -> Slo:
+    return Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, e2el_ms=args.slo_e2el_ms)
+
+
+def run_sweep(args: argparse.Namespace, config: dict) -> tuple[list[dict], list[dict]]:
+    """Every (policy, level); returns the levels' results and the errors of policies that failed."""
+    slo = slo_of(args)
+    levels, errors = [], []
+    progress = tqdm(total=len(args.policies) * len(args.concurrency), desc="sweep", unit="level", file=sys.stderr)
+    for policy in args.policies:
+        progress.set_description(f"{policy}: starting")
+        server = nullcontext() if args.url else ManagedServer(
+            config=args.config, overrides=[*args.overrides, f"policy={policy}"], port=args.port,
+            num_cpus=args.num_cpus, log_path=args.out / f"server-{policy}.log",
+            ready_timeout_s=args.server_timeout, api_key=args.api_key)
+        try:
+            with server:
+                url = (args.url or server.url).rstrip("/")
+                if args.url:
+                    wait_ready(url, headers=auth(args.api_key), timeout_s=args.server_timeout)
+                model = args.model or (server.model if not args.url else first_model(url, args.api_key))
+                warm_up(url, model=model, api_key=args.api_key, requests=args.server_warmup)
+                for users in args.concurrency:
+                    name = level_name(policy, users)
+                    progress.set_description(f"{policy} c={users}")
+                    records, markers = read_records(run_locust(args, url=url, model=model, users=users, name=name))
+                    window = measurement_window(markers, warmup_s=args.warmup, duration_s=args.duration)
+                    level = {"policy": policy, "concurrency": users, **summarize(records, window, slo)}
+                    levels.append(level)
+                    write_level(args.out, level, slo.to_json())
+                    write_results(args.out, config=config, slo=slo.to_json(), levels=levels)
+                    progress.set_postfix(tok_s=f"{level['output_throughput']:.1f}",
+                                         user_tok_s=f"{level['median_user_tok_s'] or 0:.1f}")
+                    progress.update()
+        except (RuntimeError, ValueError, httpx.HTTPError) as err:
+            errors.append({"policy": policy, "error": str(err)})
+            progress.write(f"policy {policy} failed: {err}")
+            progress.update(len(args.concurrency) - sum(lv["policy"] == policy for lv in levels))
+    progress.close()
+    return levels, errors
+
+
+def run_config(args: argparse.Namespace) -> dict:
+    keys = ("concurrency", "duration", "warmup", "drain_timeout", "policies", "url", "model", "overrides",
+            "num_cpus", "prompts", "prompt_seed", "max_tokens", "temperature", "ignore_eos", "label")
+    config = {k: getattr(args, k) for k in keys}
+    config.update(config_file=None if args.url else str(args.config), argv=args.argv,
+                  started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), machine=platform.platform(),
+                  cpus=os.cpu_count())
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = run_config(args)
+    levels, errors = run_sweep(args, config)
+    json_path, csv_path = write_results(args.out, config={**config, "errors": errors}, slo=slo_of(args).to_json(),
+                                        levels=levels)
+    plot = pareto_plot(levels, args.out / "pareto.png", slo_tpot_ms=args.slo_tpot_ms,
+                       title=f"Throughput vs interactivity{' - ' + args.label if args.label else ''}")
+    print(format_table(levels))
+    keep = ("policy", "concurrency", "output_throughput", "median_user_tok_s", "p90_tpot_ms", "request_goodput",
+            "mean_accepted_length", "mean_verify_length")
+    print(json.dumps({"results": str(json_path), "csv": str(csv_path), "plot": str(plot), "errors": len(errors),
+                      "levels": [{k: lv.get(k) for k in keep} for lv in levels]}))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Results files, the table, the Pareto plot from constructed results, and merging runs (re-plot CLI)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import matplotlib.image
+import pytest
+
+from loadtest import report
+
+
+def level(policy: str, concurrency: int, tok_s: float, user_tok_s: float | None, **extra) -> dict:
+    return {"policy": policy, "concurrency": concurrency, "output_throughput": tok_s,
+            "median_user_tok_s": user_tok_s, "request_throughput": tok_s / 100, "request_goodput": None,
+            "completed": 10, "failed": 0, "p50_ttft_ms": 300.0, "p90_tpot_ms": 1000 / (user_tok_s or 1),
+            "mean_accepted_length": 2.5 if policy != "none" else None, **extra}
+
+
+LEVELS = [level("none", c, 15 * c ** 0.8, 15 / c ** 0.2) for c in (1, 2, 4, 8)] + \
+         [level("dspark", c, 30 * c ** 0.7, 30 / c ** 0.3) for c in (1, 2, 4, 8)]
+SLO = {"ttft_ms": None, "tpot_ms": 100.0, "e2el_ms": None}
+
+
+def write_run(tmp_path, name: str, levels: list[dict], label: str = "") -> Path:  # noqa: F821
+    json_path, _ = report.write_results(tmp_path / name, config={"label": label}, slo=SLO, levels=levels)
+    return json_path
+
+
+def test_pareto_plot_is_a_png(tmp_path):
+    out = report.pareto_plot(LEVELS + [level("broken", 1, 5.0, None)], tmp_path / "p" / "pareto.png",
+                             slo_tpot_ms=100)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert (width, height) == (960, 660)
+
+
+def test_results_round_trip_csv_and_level_files(tmp_path):
+    json_path = write_run(tmp_path, "run", LEVELS)
+    data = report.load_results(json_path)
+    assert data["levels"] == LEVELS and data["slo"] == SLO
+    rows = list(csv.DictReader((tmp_path / "run" / "results.csv").open()))
+    assert [(r["series"], r["concurrency"]) for r in rows][:2] == [("none", "1"), ("none", "2")]
+    assert float(rows[-1]["output_throughput"]) == pytest.approx(LEVELS[-1]["output_throughput"])
+    path = report.write_level(tmp_path / "run", LEVELS[0], SLO)
+    assert path.name == "none-c1.json" and json.loads(path.read_text())["schema"] == report.LEVEL_SCHEMA
+
+
+def test_load_results_rejects_other_schemas_and_missing_fields(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema": "other", "levels": []}))
+    with pytest.raises(ValueError, match="schema"):
+        report.load_results(bad)
+    bad.write_text(json.dumps({"schema": report.SCHEMA, "levels": [{"policy": "x", "concurrency": 1}]}))
+    with pytest.raises(ValueError, match="output_throughput"):
+        report.load_results(bad)
+
+
+def test_merge_keeps_distinct_names_and_prefixes_clashes(tmp_path):
+    ours = write_run(tmp_path, "ours", LEVELS)
+    vllm = write_run(tmp_path, "vllm", [level("vllm-cpu", c, 18 * c, 18 / c ** 0.1) for c in (1, 4)])
+    again = write_run(tmp_path, "again", [level("dspark", 1, 29.0, 29.0)], label="rerun")
+    levels, slo = report.merge_results([ours, vllm, again])
+    series = {lv["series"] for lv in levels}
+    assert series == {"none", "ours/dspark", "vllm-cpu", "rerun/dspark"} and slo == SLO
+
+
+def test_table_formats_missing_values():
+    table = report.format_table([level("none", 1, 15.0, None)])
+    header, rule, row = table.splitlines()
+    assert header.split()[:3] == ["policy", "conc", "done"] and set(rule) <= {"-", " "}
+    assert row.split()[0] == "none" and " - " in row
+
+
+def test_report_cli_merges_and_plots(tmp_path, capsys):
+    ours = write_run(tmp_path, "ours", LEVELS)
+    vllm = write_run(tmp_path, "vllm", [level("vllm-cpu", c, 18 * c, 18 / c ** 0.1) for c in (1, 4)])
+    report.main([str(ours), str(vllm), "--out", str(tmp_path / "merged.png")])
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["levels"] == 10 and (tmp_path / "merged.png").is_file() and (tmp_path / "merged.csv").is_file()
+    assert any(line.startswith("vllm-cpu") for line in lines)

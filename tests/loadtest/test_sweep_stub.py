@@ -1,0 +1,70 @@
+"""The Locust user and the sweep in ``--url`` mode against a stub server with a known timeline (no Ray).
+
+The stub sends its headers at once, the first text after 300 ms and a 2-token chunk every 100 ms: the
+measured TTFT, ITL and TPOT must match that timeline, which they would not if the stream were read through
+a buffer (TTFT would wait for later bytes, inter-token gaps would collapse to 0).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from loadtest import sweep
+from loadtest.server import app_args, parse_overrides
+from tests.loadtest.stub_server import Timeline, stub_server
+
+TIMELINE = Timeline(ttft_s=0.3, itl_s=0.1, tokens_per_chunk=2)
+MAX_TOKENS = 9  # first token + 4 chunks of 2: e2el ~ 0.7 s, TPOT = 400 ms / 8 = 50 ms
+
+
+def test_parse_overrides_and_app_args(tmp_path):
+    assert parse_overrides(["policy=mtp1", "gamma=5", "target.num_cpus=0.5", "api_key=null"]) == {
+        "policy": "mtp1", "gamma": 5, "target": {"num_cpus": 0.5}, "api_key": None}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_overrides(["policy"])
+    args = app_args(sweep.DEFAULT_CONFIG, parse_overrides(["policy=none", "target.num_cpus=0.5"]))
+    assert args["policy"] == "none" and args["target"] == {"num_replicas": 1, "num_cpus": 0.5}
+    assert args["gamma"] == 7  # untouched fields keep the config's values
+
+
+def test_sweep_against_stub_measures_the_timeline(tmp_path, capsys):
+    out = tmp_path / "run"
+    with stub_server(TIMELINE) as url:
+        code = sweep.main(["--url", url, "--policies", "stub", "--concurrency", "1,3", "--duration", "3",
+                           "--warmup", "0", "--drain-timeout", "10", "--max-tokens", str(MAX_TOKENS),
+                           "--server-warmup", "1", "--slo-tpot-ms", "60", "--out", str(out), "--label", "stub"])
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["errors"] == 0 and len(summary["levels"]) == 2
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["label"] == "stub" and data["slo"]["tpot_ms"] == 60
+    for level in data["levels"]:
+        assert level["failed"] == 0 and level["completed"] >= 3 * level["concurrency"]
+        assert 290 <= level["p50_ttft_ms"] <= 450, level["p50_ttft_ms"]
+        assert 90 <= level["p50_itl_ms"] <= 160, level["p50_itl_ms"]
+        assert 48 <= level["p50_tpot_ms"] <= 75, level["p50_tpot_ms"]
+        assert 13 <= level["median_user_tok_s"] <= 21
+        assert level["mean_accepted_length"] == pytest.approx(2.0) and level["mean_verify_length"] == 3.0
+        assert level["output_tokens_from_usage"]
+        # closed loop, one ~0.7 s answer after another per user: ~9 tokens / 0.7 s per user
+        assert 8 * level["concurrency"] <= level["output_throughput"] <= 14 * level["concurrency"]
+        assert level["request_goodput"] == pytest.approx(level["request_throughput"])  # TPOT 50 < 60 ms
+    assert (out / "pareto.png").is_file() and (out / "levels" / "stub-c3.json").is_file()
+    locust_rows = {row["Name"]: row for row in csv.DictReader((out / "locust" / "stub-c1_stats.csv").open())}
+    assert {"/v1/chat/completions", "ttft_ms", "tpot_ms", "itl_ms", "user_tok_s"} <= set(locust_rows)
+    assert 290 <= float(locust_rows["ttft_ms"]["Median Response Time"]) <= 450
+
+
+def test_sweep_reports_a_failed_policy_and_exits_nonzero(tmp_path, capsys):
+    with stub_server(TIMELINE) as url:
+        code = sweep.main(["--url", url, "--model", "no-such-model", "--policies", "stub", "--concurrency", "1",
+                           "--duration", "1", "--warmup", "0", "--server-warmup", "1", "--out", str(tmp_path)])
+    assert code == 1
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["errors"] == 1 and summary["levels"] == []
+    assert "warm-up request failed: HTTP 404" in json.loads((tmp_path / "results.json").read_text())[
+        "config"]["errors"][0]["error"]

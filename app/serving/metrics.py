@@ -54,6 +54,9 @@ class TargetMetrics:
         self.wasted = counter("dspark_wasted_tokens", "Verified draft tokens the target rejected.")
         self.output = counter("dspark_output_tokens", "Tokens streamed to clients (prefill first tokens included).")
         self.rounds = counter("dspark_rounds", "Rounds (one verify step over the batch).")
+        self.drafted_rounds = counter(
+            "dspark_drafted_rounds", "Rounds that called the drafter (the others: draft gate closed, or no request "
+            "on the drafter).")
         self.requests = counter("dspark_requests_finished", "Requests that finished (EOS, stop or length).")
         self.position_verified = counter(
             "dspark_position_verified", "Draft tokens verified at block position k (1-based).", TAGS + ("position",))
@@ -78,10 +81,12 @@ class TargetMetrics:
         self.slo_limit = gauge("dspark_slo_tpot_limit_ms", "TPOT limit of the SLO (ms).")
         self.slo_state = gauge("dspark_slo_state", "SLO on this replica: 1 met, 0 violated, -1 no samples.")
 
-    def round(self, *, round_ms: float, verify_ms: float, drafted: int, num_draft: list[int],
+    def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int, num_draft: list[int],
               num_accepted: list[int], committed: int) -> None:
         """One round: ``num_draft`` / ``num_accepted`` per request in the batch (verified / accepted)."""
         self.rounds.inc()
+        if drafter_called:
+            self.drafted_rounds.inc()
         self.round_ms.observe(round_ms)
         self.verify_ms.observe(verify_ms)
         self.tokens_per_step.observe(committed)

@@ -231,10 +231,10 @@ class TargetReplica:
         t0 = time.perf_counter()
         ids = list(self._active)
         blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
-        num_drafted = 0
+        num_drafted, drafter_called = 0, False
         speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.drafter is not None else []
         if speculative and self.scheduler.should_draft(len(speculative), draft_ms=self._stats["draft_ms"] or None):
-            t_draft = time.perf_counter()
+            t_draft, drafter_called = time.perf_counter(), True
             drafted = await self._call_drafter(speculative)
             if drafted is not None:
                 self._observe_draft((time.perf_counter() - t_draft) * 1000)
@@ -264,8 +264,8 @@ class TargetReplica:
             elif stream.on_drafter:
                 self._draft_updates.append(strip_for_drafter(out))
         self._observe((time.perf_counter() - t0) * 1000, committed, verified, accepted)
-        self.telemetry.round(round_ms=(time.perf_counter() - t0) * 1000, verify_ms=verify_ms, drafted=num_drafted,
-                             outputs=outputs)
+        self.telemetry.round(round_ms=(time.perf_counter() - t0) * 1000, verify_ms=verify_ms,
+                             drafter_called=drafter_called, drafted=num_drafted, outputs=outputs)
 
     async def _call_drafter(self, propose: list[str]) -> DraftRound | None:
         """One drafter call with everything pending; on failure the involved requests fall back to plain."""

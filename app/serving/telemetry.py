@@ -103,8 +103,9 @@ class TargetTelemetry:
     def dropped(self, request_id: str) -> None:
         self.window.forget(request_id)
 
-    def round(self, *, round_ms: float, verify_ms: float, drafted: int, outputs: Sequence[StepOutput]) -> None:
-        self.metrics.round(round_ms=round_ms, verify_ms=verify_ms, drafted=drafted,
+    def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int,
+              outputs: Sequence[StepOutput]) -> None:
+        self.metrics.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called, drafted=drafted,
                            num_draft=[o.num_draft for o in outputs], num_accepted=[o.num_accepted for o in outputs],
                            committed=sum(len(o.new_token_ids) for o in outputs))
 

@@ -128,8 +128,9 @@ def plot(rows: list[dict], drafters: list[str], sets: list[str], gamma: int, pat
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("P(accept k | accepted < k)")
-    axes[0][-1].legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.88, 1))
     fig.savefig(path, dpi=80)
     plt.close(fig)
 

@@ -22,10 +22,9 @@ from tests.engine.near_tie import check_same_or_near_tie
 
 PROMPTS = [
     "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
-    "Janet has 3 apples and buys 5 more. How many apples does she have? Think step by step.",
     "Write a Python function that returns the square of a number.",
 ]
-PARAMS = SamplingParams(max_tokens=20)
+PARAMS = SamplingParams(max_tokens=16)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
-"""Drafter checkpoints: ``model.safetensors`` (drafter weights only) + ``config.json`` (DrafterConfig,
-calibration, training metadata). Loading reads local files only and takes the target's embedding from the
-caller; the shared embedding / LM head is never stored.
+"""Drafter checkpoints: ``model.safetensors`` (drafter weights only) + ``config.json`` (kind, config,
+calibration, training metadata). Loading reads local files only, dispatches on the ``kind`` field ("dspark", the
+default of checkpoints written before kinds existed, also covers DFlash-style ``head="none"``; "eagle" covers
+EAGLE-3-style and MTP-1) and takes the target's embedding from the caller; the shared embedding / LM head is
+never stored.
 """
 
 from __future__ import annotations
@@ -12,15 +14,31 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.drafters.calibration import Calibration
-from app.drafters.config import DrafterConfig
+from app.drafters.config import DrafterConfig, EagleConfig
 from app.drafters.dspark import DSparkDrafter
+from app.drafters.eagle import EagleDrafter
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+Drafter = DSparkDrafter | EagleDrafter
+# kind -> (config class, module class)
+KINDS: dict[str, tuple[type, type]] = {"dspark": (DrafterConfig, DSparkDrafter), "eagle": (EagleConfig, EagleDrafter)}
+
+
+def kind_of(drafter: Drafter) -> str:
+    """The ``kind`` name of a drafter module.
+
+    Raises:
+        TypeError: not a drafter class of ``KINDS``.
+    """
+    for kind, (_, cls) in KINDS.items():
+        if type(drafter) is cls:
+            return kind
+    raise TypeError(f"{type(drafter).__name__} is not a drafter kind ({sorted(KINDS)})")
 
 
 def save_checkpoint(
     path: Path | str,
-    drafter: DSparkDrafter,
+    drafter: Drafter,
     *,
     calibration: Calibration | None = None,
     metadata: dict | None = None,
@@ -32,6 +50,7 @@ def save_checkpoint(
     state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(path / WEIGHTS))
     doc = {
+        "kind": kind_of(drafter),
         "config": drafter.config.model_dump(mode="json"),
         "calibration": (calibration or Calibration()).to_json(),
         "weights_dtype": str(dtype).removeprefix("torch."),
@@ -42,8 +61,8 @@ def save_checkpoint(
 
 def load_checkpoint(
     path: Path | str, embed_weight: torch.Tensor, *, dtype: torch.dtype | None = None
-) -> tuple[DSparkDrafter, Calibration, dict]:
-    """Rebuild a drafter from ``path`` on ``embed_weight``'s device.
+) -> tuple[Drafter, Calibration, dict]:
+    """Rebuild a drafter of the checkpoint's kind from ``path`` on ``embed_weight``'s device.
 
     Args:
         embed_weight: [V, Dm] the target's tied embedding (shared, frozen).
@@ -53,12 +72,16 @@ def load_checkpoint(
         The drafter in eval mode, its calibration, and the checkpoint's metadata.
 
     Raises:
-        FileNotFoundError: missing files; ValueError: a config that does not validate or match the weights.
+        FileNotFoundError: missing files; ValueError: an unknown kind, or a config that does not validate or
+        match the weights.
     """
     path = Path(path)
     doc = json.loads((path / CONFIG).read_text())
-    config = DrafterConfig.model_validate(doc["config"])
-    drafter = DSparkDrafter(config, embed_weight)
+    kind = doc.get("kind", "dspark")
+    if kind not in KINDS:
+        raise ValueError(f"checkpoint {path}: unknown drafter kind {kind!r}; expected one of {sorted(KINDS)}")
+    config_cls, drafter_cls = KINDS[kind]
+    drafter = drafter_cls(config_cls.model_validate(doc["config"]), embed_weight)
     state = load_file(str(path / WEIGHTS), device=str(embed_weight.device))
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -1,7 +1,8 @@
-"""Hyperparameters of the DSpark drafter, validated (pydantic, unknown keys are errors).
+"""Hyperparameters of the drafters, validated (pydantic, unknown keys are errors).
 
-Owns: the drafter's shape (block size, layers, widths, head type, rank) and its link to the target (feature
-layers, hidden size, vocabulary). Saved next to the weights as JSON (``checkpoint.py``).
+Owns: each drafter kind's shape (block size, layers, widths, head type, rank, fused feature layers) and its link
+to the target (feature layers, hidden size, vocabulary). Saved next to the weights as JSON (``checkpoint.py``),
+with the kind (``DrafterConfig``: "dspark", ``EagleConfig``: "eagle") beside it.
 """
 
 from __future__ import annotations
@@ -11,32 +12,29 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class DrafterConfig(BaseModel):
-    """One DSpark drafter (see ``app/drafters/dspark.py`` for the architecture)."""
+class DecoderShape(BaseModel):
+    """Fields every drafter kind shares: the decoder layer's widths and the link to the target."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     target: str = Field("smollm2-135m", description="Target model reference the drafter was trained against.")
-    block_size: int = Field(7, ge=1, le=64, description="gamma: draft tokens per block (anchor + gamma-1 masks).")
-    num_layers: int = Field(2, ge=1, le=8, description="Parallel backbone decoder layers.")
+    block_size: int = Field(7, ge=1, le=64, description="gamma: draft tokens per round.")
     hidden_size: int = Field(576, ge=8, description="Drafter hidden size Dm; must equal the target's (shared embedding).")
-    num_heads: int = Field(9, ge=1, description="Query heads H of each backbone layer.")
+    num_heads: int = Field(9, ge=1, description="Query heads H of each decoder layer.")
     num_kv_heads: int = Field(3, ge=1, description="Key/value heads Hkv (grouped-query attention).")
     head_dim: int = Field(64, ge=8, description="Per-head width Dh.")
-    intermediate_size: int = Field(1536, ge=8, description="SwiGLU MLP width of each backbone layer.")
+    intermediate_size: int = Field(1536, ge=8, description="SwiGLU MLP width of each decoder layer.")
     vocab_size: int = Field(49152, ge=2, description="V, shared with the target.")
-    feature_layers: tuple[int, ...] = Field((5, 11, 17, 23, 29), description="Target layers whose hidden states are injected.")
-    target_hidden_size: int = Field(576, ge=8, description="Width of one target layer's hidden state.")
-    head: Literal["markov", "rnn", "none"] = Field(
-        "markov", description="Sequential head: low-rank Markov bias, GRU state, or none (purely parallel, DFlash)."
+    feature_layers: tuple[int, ...] = Field(
+        (5, 11, 17, 23, 29), description="Target layers whose hidden states the engine returns (StepOutput.features)."
     )
-    rank: int = Field(64, ge=1, description="r: width of the token table W1 [V, r] and of W2 [r, V].")
+    target_hidden_size: int = Field(576, ge=8, description="Width of one target layer's hidden state.")
     rms_norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     rope_theta: float = Field(100000.0, gt=0, description="Rotary base (the target's).")
     max_positions: int = Field(8192, ge=16, description="Longest context the rotary table covers.")
 
     @model_validator(mode="after")
-    def _check(self) -> "DrafterConfig":
+    def _check_shape(self) -> "DecoderShape":
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if not self.feature_layers:
@@ -47,3 +45,38 @@ class DrafterConfig(BaseModel):
     def feature_dim(self) -> int:
         """F = len(feature_layers) * target_hidden_size."""
         return len(self.feature_layers) * self.target_hidden_size
+
+
+class DrafterConfig(DecoderShape):
+    """One DSpark drafter, or the DFlash-style one with ``head="none"`` (``app/drafters/dspark.py``)."""
+
+    num_layers: int = Field(2, ge=1, le=8, description="Parallel backbone decoder layers.")
+    head: Literal["markov", "rnn", "none"] = Field(
+        "markov", description="Sequential head: low-rank Markov bias, GRU state, or none (purely parallel, DFlash)."
+    )
+    rank: int = Field(64, ge=1, description="r: width of the token table W1 [V, r] and of W2 [r, V].")
+
+
+class EagleConfig(DecoderShape):
+    """One autoregressive drafter (``app/drafters/eagle.py``): EAGLE-3-style, or MTP-1 with ``block_size=1`` and
+    ``fused_layers=(29,)``."""
+
+    fused_layers: tuple[int, ...] = Field(
+        (5, 17, 29), description="Subset of feature_layers fused into the input (EAGLE-3: low, mid, high; MTP: last)."
+    )
+
+    @model_validator(mode="after")
+    def _check_fused(self) -> "EagleConfig":
+        unknown = [i for i in self.fused_layers if i not in self.feature_layers]
+        if not self.fused_layers or unknown or len(set(self.fused_layers)) != len(self.fused_layers):
+            raise ValueError(f"fused_layers {self.fused_layers} must be distinct members of feature_layers "
+                             f"{self.feature_layers}")
+        if len(self.fused_layers) == 1 and self.target_hidden_size != self.hidden_size:
+            raise ValueError(f"one fused layer is used without a projection, so target_hidden_size "
+                             f"{self.target_hidden_size} must equal hidden_size {self.hidden_size}")
+        return self
+
+    @property
+    def fused_index(self) -> tuple[int, ...]:
+        """Positions of ``fused_layers`` in ``feature_layers`` (slices of the engine's feature rows)."""
+        return tuple(self.feature_layers.index(i) for i in self.fused_layers)

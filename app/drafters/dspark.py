@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from app.drafters.config import DrafterConfig
+from app.drafters.config import DecoderShape, DrafterConfig
 from app.engine.model import apply_rope, rms_norm
 
 
@@ -59,9 +59,9 @@ class HeadStep:
 
 
 class BackboneLayer(nn.Module):
-    """A pre-norm decoder layer whose attention also sees injected context keys/values."""
+    """A pre-norm decoder layer whose attention also sees injected context keys/values (shared by every kind)."""
 
-    def __init__(self, c: DrafterConfig) -> None:
+    def __init__(self, c: DecoderShape) -> None:
         super().__init__()
         self.c = c
         self.q_out, self.kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -48,6 +48,69 @@ class DraftProposal:
         blocks = [DraftBlock.make_dummy(rid, block_size) for rid in request_ids]
         half = torch.full((len(request_ids), block_size), 0.5)
         return cls(blocks=blocks, confidences=half, raw_confidences=half.clone())
+
+
+class SamplingState(Protocol):
+    """What the drafting helpers need of a request's state."""
+
+    temperature: float
+    generator: torch.Generator
+
+
+def request_generator(seed: int, request_id: str) -> torch.Generator:
+    """The request's own random generator, seeded from ``seed`` and the request id (order independent)."""
+    digest = hashlib.sha256(f"{seed}:{request_id}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def round_uniforms(
+    states: Sequence[SamplingState], gamma: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampled requests' rows [S] and one uniform per draft [S, gamma], each from its request's generator."""
+    sampled = [b for b, s in enumerate(states) if s.temperature > 0]
+    rows = torch.tensor(sampled, dtype=torch.long, device=device)
+    if not sampled:
+        return rows, torch.zeros(0, gamma, device=device)
+    return rows, torch.stack([torch.rand(gamma, generator=states[b].generator) for b in sampled]).to(device)
+
+
+def draw(
+    logits: torch.Tensor, temps: torch.Tensor, rows: torch.Tensor, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft per request: argmax of ``logits`` [B, V] for greedy rows; for the sampled ``rows`` [S], the
+    inverse CDF of q = softmax(logits / T) at ``uniform`` [S] (the first token whose cumulative mass exceeds
+    u * total, a draw from q with one uniform instead of V exponentials).
+
+    Returns:
+        tokens [B] int64, and q [B, V] float32 when any row samples (None otherwise).
+    """
+    tok = logits.argmax(-1)
+    if rows.numel() == 0:
+        return tok, None
+    q = torch.softmax(logits / temps.clamp(min=1e-6)[:, None], dim=-1)  # [B, V]
+    cdf = q[rows].cumsum(-1)  # [S, V]
+    pick = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    tok[rows] = pick.clamp(max=cdf.shape[-1] - 1)
+    return tok, q
+
+
+def make_proposal(
+    request_ids: Sequence[str], states: Sequence[SamplingState], tokens: list[torch.Tensor],
+    probs: list[torch.Tensor | None], conf_logits: list[torch.Tensor], calibration: Calibration,
+) -> DraftProposal:
+    """Per-step drafts (``tokens``: K x [B], ``probs``: K x ([B, V] or None), ``conf_logits``: K x [B]) -> the
+    round's ``DraftProposal``; sampled requests carry their draft distributions, greedy ones a point mass."""
+    tokens_t = torch.stack(tokens, 1).cpu()
+    probs_t = None if probs[0] is None else torch.stack(probs, 1)
+    logits_t = torch.stack(conf_logits, 1).float().cpu()
+    blocks = [
+        DraftBlock(rid, tokens_t[b], probs_t[b].float().cpu() if s.temperature > 0 else None)
+        for b, (rid, s) in enumerate(zip(request_ids, states))
+    ]
+    greedy = torch.tensor([s.temperature == 0 for s in states])[:, None]
+    calibrated = torch.where(greedy, calibration.confidences(logits_t, "greedy"),
+                             calibration.confidences(logits_t, "sampled"))
+    return DraftProposal(blocks=blocks, confidences=calibrated, raw_confidences=torch.sigmoid(logits_t))
 
 
 @dataclass
@@ -98,11 +161,7 @@ class DSparkProposer:
 
     def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
         temperature = self._params.pop(request_id, self.temperature)
-        digest = hashlib.sha256(f"{self.seed}:{request_id}".encode()).digest()
-        state = _RequestState(
-            temperature=temperature,
-            generator=torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1),
-        )
+        state = _RequestState(temperature=temperature, generator=request_generator(self.seed, request_id))
         self._state[request_id] = state
         self._extend([state], [first.features])
         state.anchor = first.new_token_ids[-1]
@@ -144,41 +203,19 @@ class DSparkProposer:
         hidden = d.backbone(d.block_inputs(anchors), positions=positions, ctx=ctx, mask=mask)
         base = d.base_logits(hidden[:, : self.gamma])  # [B, gamma, V]
         temps = torch.tensor([s.temperature for s in states], device=device)
-        sampled_rows = (temps > 0).nonzero().flatten().tolist()
-        any_sampled = bool(sampled_rows)
-        if any_sampled:  # [S, gamma] one uniform per draft from each sampled request's own generator
-            rows_t = torch.tensor(sampled_rows, device=device)
-            uniform = torch.stack([torch.rand(self.gamma, generator=states[b].generator) for b in sampled_rows])
-            uniform = uniform.to(device)
+        rows, uniform = round_uniforms(states, self.gamma, device)
         prev, state = anchors[:, 0], None
         tokens, probs, conf = [], [], []
         for i in range(self.gamma):
             step = d.head_step(base[:, i], hidden[:, i], prev, state)
             state = step.state
-            tok = step.logits.argmax(-1)
-            if any_sampled:
-                q = torch.softmax(step.logits / temps.clamp(min=1e-6)[:, None], dim=-1)  # [B, V]
-                # inverse CDF: the first token whose cumulative mass exceeds u * total is a draw from q
-                cdf = q[rows_t].cumsum(-1)  # [S, V]
-                pick = torch.searchsorted(cdf, uniform[:, i : i + 1] * cdf[:, -1:], right=True).squeeze(-1)
-                tok[rows_t] = pick.clamp(max=cdf.shape[-1] - 1)
-                probs.append(q)
+            tok, q = draw(step.logits, temps, rows, uniform[:, i])
             tokens.append(tok)
+            probs.append(q)
             conf.append(step.conf_logit)
             prev = tok
-        tokens_t = torch.stack(tokens, 1).cpu()
-        probs_t = torch.stack(probs, 1) if any_sampled else None
-        conf_logits = torch.stack(conf, 1).float().cpu()
-        blocks = [
-            DraftBlock(rid, tokens_t[b], probs_t[b].float().cpu() if s.temperature > 0 else None)
-            for b, (rid, s) in enumerate(zip(request_ids, states))
-        ]
-        greedy = torch.tensor([s.temperature == 0 for s in states])[:, None]
-        calibrated = torch.where(greedy, self.calibration.confidences(conf_logits, "greedy"),
-                                 self.calibration.confidences(conf_logits, "sampled"))
-        self.last_proposal = DraftProposal(blocks=blocks, confidences=calibrated,
-                                           raw_confidences=torch.sigmoid(conf_logits))
-        return blocks
+        self.last_proposal = make_proposal(request_ids, states, tokens, probs, conf, self.calibration)
+        return self.last_proposal.blocks
 
     # ---------------------------------------------------------------- helpers
 

@@ -1,4 +1,5 @@
-"""Offline evaluator of a DSpark checkpoint: real speculative decoding through the engine on the evaluation sets.
+"""Offline evaluator of a drafter checkpoint (any kind): real speculative decoding through the engine on the
+evaluation sets.
 
 Owns: running ``generate`` with the drafter's proposer on mt-bench (first turns), humaneval and gsm8k lines
 701+ at a fixed block size, greedy and sampled, and reporting per set and temperature: tau (tokens committed per
@@ -26,8 +27,8 @@ from tqdm import tqdm
 
 from app.drafters.calibration import auc, ece, survival
 from app.drafters.checkpoint import load_checkpoint
-from app.drafters.proposer import DSparkProposer
-from app.engine.decode import generate
+from app.drafters.registry import make_proposer
+from app.engine.decode import Proposer, generate
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
 from app.eval.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
@@ -47,9 +48,10 @@ class RoundRecord:
 
 @dataclass
 class RecordingProposer:
-    """Wraps ``DSparkProposer``: times it and pairs each round's confidences with the verify outcome."""
+    """Wraps a proposer that leaves ``last_proposal`` (confidences, raw_confidences [B, K]) after each ``propose``
+    (every trained drafter, n-gram): times it and pairs each round's confidences with the verify outcome."""
 
-    inner: DSparkProposer
+    inner: Proposer
     records: list[RoundRecord] = field(default_factory=list)
     draft_s: float = 0.0
     _pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -157,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                        max_draft_len=max(8, args.gamma)))
     drafter, calibration, _ = load_checkpoint(args.checkpoint, engine.model.embed_tokens.weight)
 
-    def factory(temperature: float) -> DSparkProposer:
-        return DSparkProposer(drafter, calibration, temperature=temperature, seed=args.seed, gamma=args.gamma)
+    def factory(temperature: float) -> Proposer:
+        return make_proposer(drafter, calibration, temperature=temperature, seed=args.seed, gamma=args.gamma)
 
     rows = []
     jobs = [(s, t) for s in args.sets for t in args.temperatures]
@@ -166,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         texts = load_prompts(EVAL_SETS[set_name], args.datasets_dir)[: args.limit]
         prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in texts]
         row = evaluate_set(engine, factory, prompts, temperature=temperature, max_tokens=args.max_tokens,
-                           gamma=args.gamma, seed=args.seed)
+                           gamma=min(args.gamma, drafter.config.block_size), seed=args.seed)
         rows.append({"set": set_name, "temperature": temperature, **row})
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"checkpoint": str(args.checkpoint), "gamma": args.gamma, "max_tokens": args.max_tokens,

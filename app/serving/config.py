@@ -84,13 +84,18 @@ class AppConfig(BaseModel):
         "measured drafter call time, speculation cannot beat plain decoding (app/scheduling/scheduler.py)."
     )
     drafter: Literal["dspark", "ngram", "mock"] = Field(
-        "dspark", description="Drafter: the DSpark checkpoint, a prompt-lookup n-gram drafter, or the test mock."
+        "dspark",
+        description="Drafter: a trained checkpoint (any kind: DSpark, DFlash-style, EAGLE-3-style, MTP-1), a "
+        "prompt-lookup n-gram drafter, or the test mock.",
     )
     drafter_checkpoint: str = Field(
         "checkpoints/dspark-smollm2-135m",
-        description="DSpark checkpoint directory (model.safetensors + config.json); used when drafter='dspark'.",
+        description="Drafter checkpoint directory (model.safetensors + config.json); used when drafter='dspark'.",
     )
     ngram_max: int = Field(3, ge=1, le=8, description="Longest suffix n-gram the n-gram drafter matches.")
+    ngram_min: int = Field(
+        1, ge=1, le=8, description="Shortest suffix n-gram the n-gram drafter matches (<= ngram_max)."
+    )
     profile: str = Field(
         "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-2-threads.json",
         description="Throughput profile JSON of the target (verify-step and draft-step times).",
@@ -145,6 +150,8 @@ class AppConfig(BaseModel):
     def _check(self) -> "AppConfig":
         if self.gamma >= self.max_model_len // 2:
             raise ValueError(f"gamma {self.gamma} leaves no room in max_model_len {self.max_model_len}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
         if self.engine == "mock" and self.drafter == "dspark" and self.speculates:
             raise ValueError("drafter 'dspark' needs engine 'real' (the mock engine has no features); use 'mock'")
         return self

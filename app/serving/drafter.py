@@ -1,8 +1,8 @@
 """The Drafter deployment: holds a proposer and its per-request state; drafts a target replica's batch per call.
 
 Any ``Proposer`` (``app/engine/decode.py``: ``start``, ``propose``, ``update``, ``finish``) plugs in, provided
-it leaves the round's confidences ``[B, K]`` in ``last_proposal.confidences`` (DSpark, n-gram and the mock
-do). One ``draft`` call per round carries the target batch's new requests, last round's outputs (only the
+it leaves the round's confidences ``[B, K]`` in ``last_proposal.confidences`` (every trained drafter, n-gram and
+the mock do). One ``draft`` call per round carries the target batch's new requests, last round's outputs (only the
 newly committed tokens' features), finished requests and the ids to draft, in that order, exactly as the
 offline loop drives the hooks. A target replica always reaches the same drafter replica
 (``PinnedReplicaRouter``), so a request's state lives on one drafter replica for its life.
@@ -30,7 +30,7 @@ from app.serving.protocol import DraftCall, DraftRound
 
 @runtime_checkable
 class TakesParams(Protocol):
-    """A proposer that drafts each request at its own temperature (DSpark)."""
+    """A proposer that drafts each request at its own temperature (the trained drafters)."""
 
     def set_params(self, request_id: str, params: SamplingParams) -> None: ...
 
@@ -42,27 +42,26 @@ def make_proposer(config: AppConfig) -> Proposer:
         FileNotFoundError: drafter 'dspark' without a checkpoint at ``drafter_checkpoint``.
     """
     if config.drafter == "ngram":
-        from app.serving.ngram import NgramProposer
+        from app.drafters.ngram import NgramProposer
 
-        return NgramProposer(gamma=config.gamma, max_ngram=config.ngram_max)
+        return NgramProposer(gamma=config.gamma, max_ngram=config.ngram_max, min_ngram=config.ngram_min)
     if config.drafter == "mock":
         from app.serving.mock import MockProposer
 
         return MockProposer(vocab_size=config.mock_vocab_size, gamma=config.gamma)
-    return load_dspark_proposer(config)
+    return load_checkpoint_proposer(config)
 
 
-def load_dspark_proposer(config: AppConfig) -> Proposer:
-    """The DSpark drafter from its checkpoint, on the target's embedding / LM head loaded read-only here."""
-    from app.drafters.checkpoint import load_checkpoint
-    from app.drafters.proposer import DSparkProposer
+def load_checkpoint_proposer(config: AppConfig) -> Proposer:
+    """The trained drafter at ``drafter_checkpoint``, of any kind (DSpark, DFlash-style, EAGLE-3-style, MTP-1),
+    on the target's embedding / LM head loaded read-only here; it drafts at most ``gamma`` tokens per round."""
+    from app.drafters.registry import load_proposer
     from app.engine.loader import load_target
 
     config.check_files()
     target = load_target(config.model, dtype=config.dtype, device=config.device, fp32_lm_head=False)
     embed = target.model.embed_tokens.weight.detach()
-    drafter, calibration, _ = load_checkpoint(config.drafter_checkpoint, embed)
-    return DSparkProposer(drafter, calibration=calibration, gamma=config.gamma)
+    return load_proposer(config.drafter_checkpoint, embed, gamma=config.gamma)
 
 
 class DrafterReplica:

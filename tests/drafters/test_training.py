@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from app.drafters.config import DrafterConfig
+from app.drafters.config import DrafterConfig, EagleConfig
 from app.drafters.dspark import DSparkDrafter
+from app.drafters.eagle import EagleDrafter
 from app.drafters.train.data import load_shards, make_batch, with_target_topk
 from app.drafters.train.datagen import generate_shard
 from app.drafters.train.trainer import dspark_loss, forward_batch, train
@@ -55,6 +56,22 @@ def test_tiny_drafter_loss_falls(engine, seqs):
     drafter = tiny_drafter(engine)
     gen = torch.Generator().manual_seed(1)
     fixed = make_batch(seqs, block_size=4, anchors_per_seq=8, generator=gen)
+    with torch.no_grad():
+        before, _ = dspark_loss(forward_batch(drafter, fixed, CPU), fixed, gamma_decay=4.0, device=CPU)
+    history = train(drafter, seqs, steps=12, batch_seqs=2, anchors_per_seq=8, lr=3e-3, gamma_decay=4.0, seed=0,
+                    device=CPU, progress=False)
+    with torch.no_grad():
+        after, _ = dspark_loss(forward_batch(drafter, fixed, CPU), fixed, gamma_decay=4.0, device=CPU)
+    assert float(after) < 0.8 * float(before), (float(before), float(after), history[-1])
+
+
+def test_tiny_eagle_drafter_loss_falls_with_training_time_test(engine, seqs):
+    torch.manual_seed(0)
+    config = EagleConfig(block_size=3, intermediate_size=128, feature_layers=engine.model.feature_layers,
+                         fused_layers=(5, 17, 29), rope_theta=engine.model.args.rope_theta)
+    drafter = EagleDrafter(config, engine.model.embed_tokens.weight)
+    gen = torch.Generator().manual_seed(1)
+    fixed = make_batch(seqs, block_size=3, anchors_per_seq=8, generator=gen)
     with torch.no_grad():
         before, _ = dspark_loss(forward_batch(drafter, fixed, CPU), fixed, gamma_decay=4.0, device=CPU)
     history = train(drafter, seqs, steps=12, batch_seqs=2, anchors_per_seq=8, lr=3e-3, gamma_decay=4.0, seed=0,

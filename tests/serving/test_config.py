@@ -8,9 +8,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from app.drafters.ngram import lookup
 from app.scheduling.profile import load_profile
 from app.serving.config import REPO_ROOT, AppConfig
-from app.serving.ngram import lookup
 from app.serving.router import verification_capacity
 
 

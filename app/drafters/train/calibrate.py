@@ -1,4 +1,4 @@
-"""Calibrate a trained drafter's confidence head on held-out sequences (sequential temperature scaling).
+"""Calibrate a trained drafter's (any kind's) confidence head on held-out sequences (sequential temperature scaling).
 
 Owns: teacher-forced drafting of the held-out split (the sequences ``trainer.py`` did not train on), the
 outcomes per mode (greedy: draft k equals the target's argmax token; sampled: the analytic acceptance rate
@@ -20,8 +20,7 @@ import torch
 from tqdm import tqdm
 
 from app.drafters.calibration import Calibration, auc, ece, fit_sequential_temperatures, survival
-from app.drafters.checkpoint import CONFIG, load_checkpoint
-from app.drafters.dspark import DSparkDrafter
+from app.drafters.checkpoint import CONFIG, Drafter, load_checkpoint
 from app.drafters.train.data import Sequence_, load_shards, make_batch
 from app.drafters.train.trainer import forward_batch, split_heldout
 from app.engine.loader import load_target, resolve_device
@@ -30,7 +29,7 @@ from app.engine.model import TargetModel
 
 @torch.no_grad()
 def collect_outcomes(
-    drafter: DSparkDrafter, target: TargetModel, seqs: list[Sequence_], *, anchors_per_seq: int, seed: int,
+    drafter: Drafter, target: TargetModel, seqs: list[Sequence_], *, anchors_per_seq: int, seed: int,
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
     """Teacher-forced blocks of ``seqs``: conf_logits, greedy hits, acceptance rates 1 - TV, valid (all [N, K])."""

@@ -40,6 +40,8 @@ class Batch:
 
     # [B, T, F] context features (zero padded)
     features: torch.Tensor
+    # [B, T] int64 token ids (zero padded); the autoregressive drafter's context rows read x_{j+1} from it
+    tokens: torch.Tensor
     # [B, T] positions 0..T-1
     ctx_positions: torch.Tensor
     # [B, M] anchor tokens x_a
@@ -138,6 +140,7 @@ def make_batch(seqs: list[Sequence_], *, block_size: int, anchors_per_seq: int, 
         topk_ids=topk_ids,
         topk_probs=topk_probs,
         features=features,
+        tokens=tokens[:, :t],
         ctx_positions=torch.arange(t)[None].expand(b, -1),
         anchors=torch.gather(tokens, 1, anchors_idx),
         positions=rows.flatten(1),

@@ -1,4 +1,9 @@
-"""Train a DSpark drafter on datagen shards (self-distillation from the target's own answers).
+"""Train a drafter on datagen shards (self-distillation from the target's own answers).
+
+Every kind trains here on the same data and the same flags: ``--kind dspark`` (DSpark; DFlash-style with
+``--config '{"head": "none"}'``) and ``--kind eagle`` (EAGLE-3-style, unrolled by training-time test; MTP-1 with
+``--config '{"block_size": 1, "fused_layers": [29]}'``). A step draws ``--batch-seqs`` sequences and
+``--anchors`` anchors in each; every anchor gives one block of K labels for every kind.
 
 Owns: the loss (0.1 x cross-entropy to the target's token + 0.9 x total-variation distance to the target's
 distribution + 1.0 x BCE of the confidence logit against the soft label 1 - TV, positions weighted by
@@ -7,6 +12,7 @@ progress bar, the held-out split and the final checkpoint (calibrated afterwards
 
 Usage:
     python -m app.drafters.train.trainer --data runs/dspark-data --out runs/dspark-ckpt --steps 600
+    python -m app.drafters.train.trainer --kind eagle --data runs/dspark-data --out runs/eagle3 --steps 420
 """
 
 from __future__ import annotations
@@ -23,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from app.drafters.checkpoint import load_checkpoint, save_checkpoint
-from app.drafters.config import DrafterConfig
+from app.drafters.checkpoint import KINDS, Drafter, load_checkpoint, save_checkpoint
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.train.data import Batch, Sequence_, load_shards, make_batch, with_target_topk
 from app.engine.loader import load_target, resolve_device
@@ -42,10 +47,16 @@ class BlockOutputs:
     conf_logits: torch.Tensor
 
 
-def forward_batch(drafter: DSparkDrafter, batch: Batch, device: torch.device) -> BlockOutputs:
-    """The drafter's teacher-forced logits and confidence logits for every block of ``batch``."""
+def forward_batch(drafter: Drafter, batch: Batch, device: torch.device) -> BlockOutputs:
+    """The drafter's teacher-forced logits and confidence logits for every block of ``batch`` (for the
+    autoregressive kind: the training-time-test unroll on its own hidden states)."""
     k = drafter.config.block_size
     b, m = batch.anchors.shape
+    if not isinstance(drafter, DSparkDrafter):
+        logits, conf_logits = drafter.unroll(batch.features.to(device), batch.tokens.to(device),
+                                             batch.positions.view(b, m, k)[:, :, 0].to(device),
+                                             batch.prev.to(device))
+        return BlockOutputs(logits=logits, conf_logits=conf_logits)
     ctx = drafter.context_kv(batch.features.to(device), batch.ctx_positions.to(device))
     hidden = drafter.backbone(drafter.block_inputs(batch.anchors.to(device)), positions=batch.positions.to(device),
                               ctx=ctx, mask=batch.mask.to(device))  # [B, M * K, Dm]
@@ -93,7 +104,7 @@ def split_heldout(seqs: list[Sequence_], fraction: float) -> tuple[list[Sequence
 
 
 def train(
-    drafter: DSparkDrafter,
+    drafter: Drafter,
     seqs: list[Sequence_],
     *,
     steps: int,
@@ -155,13 +166,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="target model reference")
     ap.add_argument("--init", type=Path, default=None, help="start from this checkpoint's weights (continued training)")
-    ap.add_argument("--config", default="{}", help="JSON overrides of DrafterConfig fields, e.g. '{\"head\": \"rnn\"}'")
+    ap.add_argument("--kind", choices=sorted(KINDS), default="dspark", help="drafter kind (module docstring)")
+    ap.add_argument("--config", default="{}",
+                    help="JSON overrides of the kind's config fields, e.g. '{\"head\": \"rnn\"}'")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
     device = resolve_device("auto")
     target = load_target(args.model, device=str(device)).model
     a = target.args
-    config = DrafterConfig.model_validate({
+    config_cls, drafter_cls = KINDS[args.kind]
+    config = config_cls.model_validate({
         "target": args.model, "hidden_size": a.hidden_size, "num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads,
         "head_dim": a.head_dim, "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size,
         "feature_layers": target.feature_layers, "target_hidden_size": a.hidden_size, "rms_norm_eps": a.rms_norm_eps,
@@ -172,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise ValueError(f"--init {args.init} has config {drafter.config}, expected {config}")
         drafter.to(device)
     else:
-        drafter = DSparkDrafter(config, target.embed_tokens.weight).to(device)
+        drafter = drafter_cls(config, target.embed_tokens.weight).to(device)
     seqs, heldout = split_heldout(load_shards(args.data), args.heldout)
     seqs = with_target_topk(seqs, target.logits_from_final_hidden, k=args.target_topk, hidden_size=a.hidden_size)
     print(f"drafter {drafter.num_trainable_params() / 1e6:.1f}M params; {len(seqs)} train / {len(heldout)} held-out "

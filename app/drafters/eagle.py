@@ -1,0 +1,156 @@
+"""The autoregressive baseline drafter as a pure ``nn.Module``: EAGLE-3-style, and MTP-1 as its one-step case.
+
+Owns the math only (no I/O, no request state, no sampling): fusing target features, the input projection, one
+causal decoder layer over the context and the drafter's own steps, the head, and the training-time-test unroll
+used in training. ``eagle_proposer.py`` drives it at inference, ``train/trainer.py`` in training.
+
+Architecture (EAGLE-3, arXiv 2503.01840, on this project's target features):
+    * Fused feature of context token j: the target's hidden states at ``fused_layers`` (low / mid / high, a
+      subset of the engine's feature layers), each RMS-normalised, concatenated and projected by ``fc``
+      (3 x 576 -> Dm). A single fused layer (MTP) is used as is, without ``fc``.
+    * Input at position j: x_j = in_proj([RMSNorm(s_j); RMSNorm(emb(x_{j+1}))]) (2 Dm -> Dm), where s_j is the
+      fused feature for a context row, or the drafter's own previous output hidden for a draft step.
+    * One pre-norm decoder layer (the ``BackboneLayer`` of ``dspark.py``) with causal attention; its output h_j
+      predicts token j+2 through the final RMSNorm and the target's frozen tied LM head; a confidence logit
+      w . RMSNorm(h_j) + b estimates P(the draft is accepted | earlier drafts were).
+
+Context alignment (as DSpark's): the context is feature rows 0..T-1 and the anchor (the engine's pending token)
+is token T. Row T-1's input holds emb(x_T), so its output h_{T-1} gives draft 1; draft step k >= 2 feeds
+[h^{(k-1)}; emb(d_{k-1})] at position T+k-2, attending to the context rows' keys and the earlier draft steps'
+keys: one token per forward. Draft steps' keys are dropped after the round; committed tokens re-enter through
+their true features.
+
+MTP-1 (DeepSeek-V3's multi-token-prediction module: [RMSNorm(h_t); RMSNorm(emb(x_{t+1}))] -> projection ->
+one transformer block -> shared head) is this class with ``fused_layers=(29,)`` (the target's last layer,
+before its final norm) and ``block_size=1``: one draft per round.
+
+Training-time test (EAGLE-3): for an anchor a the unroll runs the context pass over all rows (causal), takes
+h^{(1)} at row a-1, then for k = 2..K feeds the drafter's own h^{(k-1)} with the embedding of the true token
+x_{a+k-1} (drafts < k accepted means d_{k-1} = x_{a+k-1}), with exactly the attention of inference: context rows
+< a plus the chain's own earlier steps. Gradients flow through the unrolled hidden states.
+
+Shape symbols: B batch, T context length, M anchors (chains) per sequence, K block size (gamma), V vocab,
+F feature width, Dm hidden, Hkv kv heads, Dh head dim, S earlier keys.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from app.drafters.config import EagleConfig
+from app.drafters.dspark import BackboneLayer
+from app.engine.model import rms_norm
+
+
+class EagleDrafter(nn.Module):
+    """EAGLE-3-style drafter (module docstring). ``embed_weight`` [V, Dm] is the target's tied embedding / LM head."""
+
+    def __init__(self, config: EagleConfig, embed_weight: torch.Tensor) -> None:
+        super().__init__()
+        c = self.config = config
+        if tuple(embed_weight.shape) != (c.vocab_size, c.hidden_size):
+            raise ValueError(
+                f"embedding {tuple(embed_weight.shape)} does not match V={c.vocab_size}, Dm={c.hidden_size}")
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        fused = len(c.fused_layers)
+        self.fc = nn.Linear(fused * c.target_hidden_size, c.hidden_size, bias=False) if fused > 1 else None
+        self.state_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.embed_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.in_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.layer = BackboneLayer(c)
+        self.norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.conf = nn.Linear(c.hidden_size, 1)
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
+        angles = torch.outer(torch.arange(c.max_positions).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    # ---------------------------------------------------------------- building blocks
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """features [..., F] (all engine layers) -> fused feature [..., Dm]: per-layer RMS of the fused layers, fc."""
+        c = self.config
+        x = features.to(self.in_proj.weight.dtype).unflatten(-1, (len(c.feature_layers), c.target_hidden_size))
+        x = x[..., list(c.fused_index), :]
+        x = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
+        x = x.flatten(-2)
+        return x if self.fc is None else self.fc(x)
+
+    def inputs(self, state: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """state [..., Dm] (fused feature or own hidden), next_tokens [...] -> layer input [..., Dm]."""
+        eps = self.config.rms_norm_eps
+        emb = F.embedding(next_tokens, self.embed_weight).to(state.dtype)
+        return self.in_proj(torch.cat([rms_norm(state, self.state_norm, eps), rms_norm(emb, self.embed_norm, eps)], -1))
+
+    def attend(
+        self, x: torch.Tensor, *, positions: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decoder layer on x [B, Q, Dm] at positions [B, Q], attending to earlier keys/values
+        past_k/v [B, Hkv, S, Dh] and to its own queries under mask [B, Q, S + Q] bool.
+
+        Returns:
+            output hidden [B, Q, Dm] (before the final norm), and the queries' own keys/values [B, Hkv, Q, Dh]
+            (rotary applied) for later steps.
+        """
+        cos = self.rope_cos[positions].to(x.dtype)[:, None]
+        sin = self.rope_sin[positions].to(x.dtype)[:, None]
+        k, v = self.layer.context_kv(rms_norm(x, self.layer.input_norm, self.config.rms_norm_eps), cos, sin)
+        out = self.layer(x, ctx_k=past_k, ctx_v=past_v, cos=cos, sin=sin, mask=mask[:, None])
+        return out, k, v
+
+    def head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [..., Dm] -> draft logits [..., V] float32 (frozen tied LM head), confidence logits [...] float32."""
+        h = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        logits = F.linear(h.to(self.embed_weight.dtype), self.embed_weight).float()
+        return logits, self.conf(h).squeeze(-1).float()
+
+    def empty_kv(self, batch: int, like: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, 0, Dh] keys/values of nothing, in ``like``'s dtype and device."""
+        c = self.config
+        return like.new_zeros(batch, c.num_kv_heads, 0, c.head_dim)
+
+    # ---------------------------------------------------------------- training-time test
+
+    def unroll(
+        self, features: torch.Tensor, tokens: torch.Tensor, anchors_idx: torch.Tensor, prev: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training-time test (module docstring) for M anchors per sequence.
+
+        Args:
+            features: [B, T, F] context features (rows past a sequence's end are padding).
+            tokens: [B, T] token ids (x_{j+1} of row j is ``tokens[:, j + 1]``).
+            anchors_idx: [B, M] anchor positions a (>= 1; the context of a chain is rows < a).
+            prev: [B, M, K] the true tokens x_{a+k-1} fed at step k (prev[..., 0] = x_a is already in row a-1).
+
+        Returns:
+            logits [B * M, K, V] float32 (step k predicts x_{a+k}) and confidence logits [B * M, K].
+        """
+        b, t = tokens.shape
+        m, k = prev.shape[1], prev.shape[2]
+        device = tokens.device
+        next_tokens = torch.cat([tokens[:, 1:], tokens.new_zeros(b, 1)], dim=1)
+        x = self.inputs(self.fuse(features), next_tokens)  # [B, T, Dm]
+        causal = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(b, t, t)
+        empty = self.empty_kv(b, x)
+        h_ctx, k_ctx, v_ctx = self.attend(x, positions=torch.arange(t, device=device).expand(b, t), past_k=empty,
+                                          past_v=empty, mask=causal)
+        h = h_ctx.gather(1, (anchors_idx - 1)[..., None].expand(b, m, h_ctx.shape[-1]))  # [B, M, Dm]
+        hidden, keys, values = [h], [k_ctx], [v_ctx]
+        ctx_mask = torch.arange(t, device=device)[None, None, :] < anchors_idx[:, :, None]  # [B, M, T]
+        own = torch.eye(m, dtype=torch.bool, device=device).expand(b, m, m)  # a chain sees only its own steps
+        for step in range(1, k):
+            mask = torch.cat([ctx_mask] + [own] * step, dim=2)  # [B, M, T + step * M]
+            h, k_new, v_new = self.attend(self.inputs(h, prev[:, :, step]), positions=anchors_idx + step - 1,
+                                          past_k=torch.cat(keys, 2), past_v=torch.cat(values, 2), mask=mask)
+            hidden.append(h)
+            keys.append(k_new)
+            values.append(v_new)
+        logits, conf = self.head(torch.stack(hidden, 2).flatten(0, 1))  # [B * M, K, ...]
+        return logits, conf
+
+    def num_trainable_params(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)

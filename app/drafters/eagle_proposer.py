@@ -83,13 +83,20 @@ class EagleProposer:
     def update(self, outputs: Sequence[StepOutput]) -> None:
         """Run every continuing request's new rows through the layer (one batched causal pass for the step).
 
+        ``outputs`` may hold several consecutive steps of a request (rounds in which it was not drafted), in
+        order: they are joined into one run of rows per request.
+
         Raises:
             ValueError: a step output whose feature rows and committed tokens differ in number.
         """
-        live = [(self._state[o.request_id], o) for o in outputs if not o.finished and o.request_id in self._state]
-        if live:
-            self._extend([s for s, _ in live], [o.features for _, o in live], [o.new_token_ids for _, o in live],
-                         [o.request_id for _, o in live])
+        steps: dict[str, list[StepOutput]] = {}
+        for o in outputs:
+            if not o.finished and o.request_id in self._state:
+                steps.setdefault(o.request_id, []).append(o)
+        if steps:
+            runs = list(steps.values())
+            self._extend([self._state[rid] for rid in steps], [torch.cat([o.features for o in r]) for r in runs],
+                         [[t for o in r for t in o.new_token_ids] for r in runs], list(steps))
 
     def finish(self, request_id: str) -> None:
         self._state.pop(request_id, None)

@@ -185,7 +185,12 @@ def top_capacity_lengths(
 
 
 def best_uniform_length(
-    acceptance: torch.Tensor, *, batch: int, profile: ThroughputProfile, draft_ms: float | None = None
+    acceptance: torch.Tensor,
+    *,
+    batch: int,
+    profile: ThroughputProfile,
+    draft_ms: float | None = None,
+    verify_scale: float = 1.0,
 ) -> tuple[int, float]:
     """The verify length l* that maximises expected tokens/s when each of B requests verifies l drafts.
 
@@ -199,13 +204,17 @@ def best_uniform_length(
         acceptance: [K] float, per-position conditional acceptance P(draft j accepted | drafts < j accepted).
         batch: B >= 1 requests (clamped to the profile's largest batch).
         draft_ms: drafter time per round (ms); None takes the profile's ``draft_time_ms(B)``.
+        verify_scale: measured / profiled verify time on this replica (> 0): a served step also pays the
+            serving loop, so measured drafter times are only comparable with verify times scaled alike.
     Returns:
         (l*, Theta(l*) / Theta(0)): l* in [0, K] (0: do not draft), the expected speed-up over plain decoding.
     Raises:
-        ValueError: ``batch`` < 1 or acceptance not a [K] tensor in [0, 1].
+        ValueError: ``batch`` < 1, ``verify_scale`` <= 0 or acceptance not a [K] tensor in [0, 1].
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
+    if not verify_scale > 0:
+        raise ValueError(f"verify_scale must be > 0, got {verify_scale}")
     if acceptance.dim() != 1 or not bool(((acceptance >= 0) & (acceptance <= 1)).all()):
         raise ValueError(f"acceptance must be a [K] tensor in [0, 1], got {acceptance.tolist()}")
     b = min(batch, profile.max_batch_size)
@@ -213,7 +222,7 @@ def best_uniform_length(
     survival = torch.cumprod(acceptance[:gamma].double(), dim=0)
     tau = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + torch.cumsum(survival, dim=0)])  # [K + 1]
     tokens = b * torch.arange(1, gamma + 2, dtype=torch.float64)
-    ms = profile.verify_time_ms(tokens, batch=b)
+    ms = verify_scale * profile.verify_time_ms(tokens, batch=b)
     ms[1:] += profile.draft_time_ms(b) if draft_ms is None else draft_ms
     theta = tau / ms
     best = int(torch.argmax(theta))

@@ -120,11 +120,17 @@ class DraftGate:
         """[K] float64 estimated P(draft j accepted | drafts < j accepted)."""
         return self._accepted / self._tried
 
-    def should_draft(self, batch: int, *, draft_ms: float | None = None) -> bool:
-        """Decide for a round of ``batch`` requests; ``draft_ms`` the measured drafter time (None: profile's)."""
+    def should_draft(self, batch: int, *, draft_ms: float | None = None, verify_scale: float = 1.0) -> bool:
+        """Decide for a round of ``batch`` requests.
+
+        Args:
+            draft_ms: the measured drafter time per round (None: the profile's).
+            verify_scale: measured / profiled verify time (see ``best_uniform_length``).
+        """
         if batch < 1:
             return False
-        _, self.last_gain = best_uniform_length(self.acceptance, batch=batch, profile=self.profile, draft_ms=draft_ms)
+        _, self.last_gain = best_uniform_length(self.acceptance, batch=batch, profile=self.profile,
+                                                draft_ms=draft_ms, verify_scale=verify_scale)
         if self.last_gain >= self.min_gain:
             self._closed_rounds, self._wait, self._probing = 0, self.probe_every, False
             return True
@@ -184,9 +190,11 @@ class VerifyScheduler:
         self._held: float | None = None
         self.gate = DraftGate(profile, gamma=gamma) if draft_gate and policy.adaptive else None
 
-    def should_draft(self, batch: int, *, draft_ms: float | None = None) -> bool:
+    def should_draft(self, batch: int, *, draft_ms: float | None = None, verify_scale: float = 1.0) -> bool:
         """Whether the next round of ``batch`` requests should run the drafter (always, without a gate)."""
-        return True if self.gate is None else self.gate.should_draft(batch, draft_ms=draft_ms)
+        if self.gate is None:
+            return True
+        return self.gate.should_draft(batch, draft_ms=draft_ms, verify_scale=verify_scale)
 
     def observe(self, num_draft: Sequence[int] | torch.Tensor, num_accepted: Sequence[int] | torch.Tensor) -> None:
         """Outcomes of a drafted round, per drafted request (feeds the draft gate)."""

@@ -119,7 +119,7 @@ class TargetReplica:
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._stats = {"step_ms": 0.0, "tokens_per_step": 0.0, "acceptance": 0.0, "drafter_failures": 0,
-                       "draft_ms": 0.0, "drafted_rounds": 0, "rounds": 0}
+                       "draft_ms": 0.0, "drafted_rounds": 0, "rounds": 0, "verify_scale": 1.0}
 
     # ------------------------------------------------------------------ requests
 
@@ -233,11 +233,14 @@ class TargetReplica:
         blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
         num_drafted, drafter_called = 0, False
         speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.drafter is not None else []
-        if speculative and self.scheduler.should_draft(len(speculative), draft_ms=self._stats["draft_ms"] or None):
+        draft_ms = 0.0
+        if speculative and self.scheduler.should_draft(len(speculative), draft_ms=self._stats["draft_ms"] or None,
+                                                       verify_scale=self._stats["verify_scale"]):
             t_draft, drafter_called = time.perf_counter(), True
             drafted = await self._call_drafter(speculative)
+            draft_ms = (time.perf_counter() - t_draft) * 1000
             if drafted is not None:
-                self._observe_draft((time.perf_counter() - t_draft) * 1000)
+                self._observe_draft(draft_ms)
             if drafted is not None and drafted.blocks:
                 blocks.update(self._schedule(drafted))
                 num_drafted = sum(b.tokens.shape[0] for b in drafted.blocks)
@@ -263,8 +266,11 @@ class TargetReplica:
                     self._draft_finished.append(out.request_id)
             elif stream.on_drafter:
                 self._draft_updates.append(strip_for_drafter(out))
-        self._observe((time.perf_counter() - t0) * 1000, committed, verified, accepted)
-        self.telemetry.round(round_ms=(time.perf_counter() - t0) * 1000, verify_ms=verify_ms,
+        round_ms = (time.perf_counter() - t0) * 1000
+        self._observe(round_ms, committed, verified, accepted)
+        if self.scheduler is not None:
+            self._observe_verify_scale(round_ms - draft_ms, tokens=len(ids) + verified, batch=len(ids))
+        self.telemetry.round(round_ms=round_ms, verify_ms=verify_ms,
                              drafter_called=drafter_called, drafted=num_drafted, outputs=outputs)
 
     async def _call_drafter(self, propose: list[str]) -> DraftRound | None:
@@ -330,6 +336,18 @@ class TargetReplica:
         s = self._stats
         s["draft_ms"] = STATS_EMA * draft_ms + (1 - STATS_EMA) * s["draft_ms"] if s["draft_ms"] else draft_ms
         s["drafted_rounds"] += 1
+
+    def _observe_verify_scale(self, ms: float, *, tokens: int, batch: int) -> None:
+        """EMA of this round's time without the drafter call over the profile's verify time for the same step.
+
+        A served round also pays the step loop and streaming; the draft gate compares the measured drafter
+        call time with verify times scaled by this factor, so both sides of its trade-off are measured alike.
+        """
+        profile = self.scheduler.profile
+        b = min(batch, profile.max_batch_size)
+        profiled = float(profile.verify_time_ms(tokens * b / batch, batch=b))
+        s = self._stats
+        s["verify_scale"] = STATS_EMA * (ms / profiled) + (1 - STATS_EMA) * s["verify_scale"]
 
     def _observe(self, step_ms: float, committed: int, verified: int, accepted: int) -> None:
         s, a = self._stats, STATS_EMA

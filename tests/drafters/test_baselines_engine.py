@@ -17,7 +17,7 @@ from app.drafters.eagle import EagleDrafter
 from app.drafters.ngram import NgramProposer
 from app.drafters.registry import make_proposer
 from app.engine.decode import generate
-from app.engine.types import SamplingParams
+from app.engine.types import DraftBlock, SamplingParams
 from tests.engine.near_tie import check_same_or_near_tie
 
 PROMPTS = [
@@ -70,3 +70,24 @@ def test_ngram_drafter_is_lossless_and_accepted(engine, prompt_ids, reference):
     results, _ = generate(engine, prompt_ids, PARAMS, proposer=proposer)
     _check(engine, prompt_ids, reference, results)
     assert sum(r.num_accepted for r in results) > 0
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle"])
+def test_updates_of_skipped_rounds_arrive_together(engine, prompt_ids, kind):
+    """Rounds the serving draft gate skips reach the drafter as several steps in one ``update``: the drafts
+    must equal those of a drafter that saw each step on its own."""
+    drafter = _drafter(engine, kind).to(engine.model.embed_tokens.weight.dtype).eval()
+    first = engine.add_request("skip", prompt_ids[0], PARAMS)
+    try:
+        steps = [engine.verify([DraftBlock("skip", torch.zeros(0, dtype=torch.long))])[0] for _ in range(3)]
+    finally:
+        engine.release("skip")
+    one_by_one, together = (make_proposer(drafter, Calibration(), gamma=7) for _ in range(2))
+    for proposer in (one_by_one, together):
+        proposer.start("skip", prompt_ids[0], first)
+    for out in steps:
+        one_by_one.update([out])
+    together.update(steps)
+    (a,), (b,) = one_by_one.propose(["skip"]), together.propose(["skip"])
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.allclose(one_by_one.last_proposal.confidences, together.last_proposal.confidences, atol=1e-3)

@@ -89,3 +89,14 @@ def test_only_adaptive_policies_are_gated():
         assert scheduler.should_draft(1) != gated  # a gated scheduler stops drafting for a useless drafter
     off = VerifyScheduler(make_policy("dspark"), PROFILE, max_batch=8, gamma=7, draft_gate=False)
     assert off.gate is None and off.should_draft(1)
+
+
+def test_verify_scale_makes_a_measured_draft_cost_comparable():
+    """A served round costs more than the profile's verify step; the same drafter call is then cheaper
+    relative to it, and a draft that did not pay at profile speed can pay at served speed."""
+    weak = torch.tensor([0.2] * 7)
+    assert best_uniform_length(weak, batch=1, profile=PROFILE, draft_ms=10.0)[0] == 0
+    length, gain = best_uniform_length(weak, batch=1, profile=PROFILE, draft_ms=10.0, verify_scale=4.0)
+    assert length > 0 and gain > 1.0
+    with pytest.raises(ValueError, match="verify_scale"):
+        best_uniform_length(weak, batch=1, profile=PROFILE, verify_scale=0.0)

@@ -16,15 +16,20 @@ Shape symbols: B requests, K gamma, V vocab, T context, C new rows, Dm hidden, H
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from app.drafters.calibration import Calibration
 from app.drafters.eagle import EagleDrafter
-from app.drafters.proposer import DraftProposal, draw, make_proposal, request_generator, round_uniforms
-from app.engine.types import DraftBlock, SamplingParams, StepOutput
+from app.drafters.proposer import (
+    RequestProposerBase,
+    draw,
+    make_proposal,
+    request_generator,
+    round_uniforms,
+)
+from app.engine.types import DraftBlock, StepOutput
 
 
 @dataclass
@@ -39,44 +44,15 @@ class _RequestState:
 
 
 @dataclass
-class EagleProposer:
-    """Proposer hooks over an ``EagleDrafter`` (module docstring).
-
-    Attributes:
-        drafter: the drafter (eval mode, on the engine's device, usually in the target's dtype).
-        calibration: per-position confidence temperatures.
-        temperature: drafting temperature of requests without ``set_params`` (0: greedy argmax drafts).
-        seed: base seed of the per-request generators.
-        gamma: draft tokens per request per round (<= the drafter's block size; MTP-1 has block size 1).
-    """
+class EagleProposer(RequestProposerBase):
+    """Proposer hooks over an ``EagleDrafter`` (module docstring; settings in ``RequestProposerBase``; MTP-1
+    has block size 1, so ``gamma`` 1)."""
 
     drafter: EagleDrafter
-    calibration: Calibration = field(default_factory=Calibration)
-    temperature: float = 0.0
-    seed: int = 0
-    gamma: int | None = None
-    last_proposal: DraftProposal | None = field(default=None, init=False)
-    _params: dict[str, float] = field(default_factory=dict, init=False)
-    _state: dict[str, _RequestState] = field(default_factory=dict, init=False)
-
-    def __post_init__(self) -> None:
-        k = self.drafter.config.block_size
-        if self.gamma is None:
-            self.gamma = k
-        if not 1 <= self.gamma <= k:
-            raise ValueError(f"gamma must be in [1, {k}] (the drafter's block size), got {self.gamma}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-
-    # ---------------------------------------------------------------- Proposer hooks
-
-    def set_params(self, request_id: str, params: SamplingParams) -> None:
-        """Draft ``request_id`` at its own temperature (call before ``start``; the hook does not see params)."""
-        self._params[request_id] = params.temperature
 
     def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
-        temperature = self._params.pop(request_id, self.temperature)
-        state = _RequestState(temperature=temperature, generator=request_generator(self.seed, request_id))
+        state = _RequestState(temperature=self._take_temperature(request_id),
+                              generator=request_generator(self.seed, request_id))
         self._state[request_id] = state
         self._extend([state], [first.features], [list(prompt_ids[1:]) + [first.new_token_ids[-1]]], [request_id])
 
@@ -98,16 +74,11 @@ class EagleProposer:
             self._extend([self._state[rid] for rid in steps], [torch.cat([o.features for o in r]) for r in runs],
                          [[t for o in r for t in o.new_token_ids] for r in runs], list(steps))
 
-    def finish(self, request_id: str) -> None:
-        self._state.pop(request_id, None)
-
     @torch.inference_mode()
     def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
         """``gamma`` drafts per request, one decoder-layer forward per draft after the first."""
         if not request_ids:
-            self.last_proposal = DraftProposal(blocks=[], confidences=torch.zeros(0, self.gamma),
-                                               raw_confidences=torch.zeros(0, self.gamma))
-            return []
+            return self._no_requests()
         d = self.drafter
         states = [self._state[rid] for rid in request_ids]
         device = d.embed_weight.device

@@ -124,8 +124,11 @@ class _RequestState:
 
 
 @dataclass
-class DSparkProposer:
-    """Proposer hooks over a ``DSparkDrafter`` (module docstring).
+class RequestProposerBase:
+    """What the neural proposers share: settings, validation, per-request temperatures and state.
+
+    Subclasses set ``drafter`` (an ``nn.Module`` with ``config.block_size``), keep their per-request state in
+    ``_state`` and implement ``start``, ``update`` and ``propose``.
 
     Attributes:
         drafter: the drafter (eval mode, on the engine's device, usually in the target's dtype).
@@ -133,16 +136,19 @@ class DSparkProposer:
         temperature: drafting temperature of requests without ``set_params`` (0: greedy argmax drafts).
         seed: base seed of the per-request generators.
         gamma: draft tokens returned per request (<= the drafter's block size).
+
+    Raises:
+        ValueError: ``gamma`` outside [1, block size] or a negative temperature.
     """
 
-    drafter: DSparkDrafter
+    drafter: torch.nn.Module
     calibration: Calibration = field(default_factory=Calibration)
     temperature: float = 0.0
     seed: int = 0
     gamma: int | None = None
     last_proposal: DraftProposal | None = field(default=None, init=False)
     _params: dict[str, float] = field(default_factory=dict, init=False)
-    _state: dict[str, _RequestState] = field(default_factory=dict, init=False)
+    _state: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         k = self.drafter.config.block_size
@@ -153,15 +159,32 @@ class DSparkProposer:
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
-    # ---------------------------------------------------------------- Proposer hooks
-
     def set_params(self, request_id: str, params: SamplingParams) -> None:
         """Draft ``request_id`` at its own temperature (call before ``start``; the hook does not see params)."""
         self._params[request_id] = params.temperature
 
+    def finish(self, request_id: str) -> None:
+        self._state.pop(request_id, None)
+
+    def _take_temperature(self, request_id: str) -> float:
+        return self._params.pop(request_id, self.temperature)
+
+    def _no_requests(self) -> list[DraftBlock]:
+        """``propose([])``: no blocks, an empty [0, K] proposal."""
+        self.last_proposal = DraftProposal(blocks=[], confidences=torch.zeros(0, self.gamma),
+                                           raw_confidences=torch.zeros(0, self.gamma))
+        return []
+
+
+@dataclass
+class DSparkProposer(RequestProposerBase):
+    """Proposer hooks over a ``DSparkDrafter`` (module docstring; settings in ``RequestProposerBase``)."""
+
+    drafter: DSparkDrafter
+
     def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
-        temperature = self._params.pop(request_id, self.temperature)
-        state = _RequestState(temperature=temperature, generator=request_generator(self.seed, request_id))
+        state = _RequestState(temperature=self._take_temperature(request_id),
+                              generator=request_generator(self.seed, request_id))
         self._state[request_id] = state
         self._extend([state], [first.features])
         state.anchor = first.new_token_ids[-1]
@@ -180,16 +203,11 @@ class DSparkProposer:
         if rows:
             self._extend([self._state[rid] for rid in rows], [torch.cat(f) for f in rows.values()])
 
-    def finish(self, request_id: str) -> None:
-        self._state.pop(request_id, None)
-
     @torch.inference_mode()
     def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
         """``gamma`` drafts per request; the round's confidences are left in ``last_proposal``."""
         if not request_ids:
-            self.last_proposal = DraftProposal(blocks=[], confidences=torch.zeros(0, self.gamma),
-                                               raw_confidences=torch.zeros(0, self.gamma))
-            return []
+            return self._no_requests()
         d = self.drafter
         states = [self._state[rid] for rid in request_ids]
         device = d.embed_weight.device

@@ -32,7 +32,7 @@ from app.engine.decode import generate
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.types import SamplingParams
 from app.eval.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
-from app.eval.evaluate import RecordingProposer, summarize
+from app.eval.evaluate import RecordingProposer, positive_int, summarize
 
 
 def parse_drafter(spec: str) -> tuple[str, Path]:
@@ -140,14 +140,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--drafter", type=parse_drafter, action="append", default=[], metavar="NAME=PATH",
                     help="a trained checkpoint of any kind (repeat); rows keep this order")
     ap.add_argument("--ngram", action="store_true", help="add the prompt-lookup n-gram drafter as a row")
-    ap.add_argument("--ngram-min", type=int, default=2, help="shortest suffix n-gram matched")
-    ap.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram matched")
+    ap.add_argument("--ngram-min", type=positive_int, default=2, help="shortest suffix n-gram matched")
+    ap.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix n-gram matched")
     ap.add_argument("--sets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    ap.add_argument("--gamma", type=int, default=7, help="draft tokens per round (a drafter's block size caps it)")
-    ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--max-batch", type=int, default=16, help="concurrent requests")
+    ap.add_argument("--gamma", type=positive_int, default=7,
+                    help="draft tokens per round (a drafter's block size caps it)")
+    ap.add_argument("--limit", type=positive_int, default=None, help="first N prompts of each set")
+    ap.add_argument("--max-tokens", type=positive_int, default=256)
+    ap.add_argument("--max-batch", type=positive_int, default=16, help="concurrent requests")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="target model reference")
     ap.add_argument("--out", type=Path, default=Path("runs/compare"))

@@ -95,6 +95,9 @@ def summarize(records: list[RoundRecord], gamma: int) -> dict:
         preds_raw.append(survival(r.raw[None, :n].float())[0])
         preds_cal.append(survival(r.calibrated[None, :n].float())[0])
         outcomes.append(torch.arange(n) < r.num_accepted)
+    if not outcomes:  # every round ended its request (tiny budgets): nothing to score
+        return {"accept_rate_per_position": [None] * gamma, "ece_before": None, "ece_after": None,
+                "auc_before": None, "auc_after": None, "mean_survival_after": None, "observed_survival": None}
     raw, cal, hit = torch.cat(preds_raw), torch.cat(preds_cal), torch.cat(outcomes)
     return {
         "accept_rate_per_position": [round(a / n, 4) if n else None for a, n in zip(accepted, reached)],
@@ -119,9 +122,9 @@ def evaluate_set(
         "tau": committed / rounds if rounds else 0.0,
         "rounds": stats.rounds,
         "tokens": sum(len(r.token_ids) for r in results),
-        "draft_ms_per_round": 1e3 * rec.draft_s / stats.rounds,
-        "verify_ms_per_round": 1e3 * stats.verify_s / stats.rounds,
-        "draft_share": rec.draft_s / (rec.draft_s + stats.verify_s),
+        "draft_ms_per_round": 1e3 * rec.draft_s / max(stats.rounds, 1),
+        "verify_ms_per_round": 1e3 * stats.verify_s / max(stats.rounds, 1),
+        "draft_share": rec.draft_s / max(rec.draft_s + stats.verify_s, 1e-9),
         "tok_s": sum(len(r.token_ids) for r in results) / stats.wall_s,
         **summarize(rec.records, gamma),
     }
@@ -134,11 +137,22 @@ def markdown(rows: list[dict], gamma: int) -> str:
     for r in rows:
         cells = [r["set"], f"{r['temperature']:g}", str(r["prompts"]), f"{r['tau']:.2f}"]
         cells += ["-" if a is None else f"{a:.2f}" for a in r["accept_rate_per_position"]]
-        cells += [f"{100 * r['ece_before']:.1f}%", f"{100 * r['ece_after']:.1f}%", f"{r['auc_before']:.3f}",
-                  f"{r['auc_after']:.3f}", f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}",
-                  f"{100 * r['draft_share']:.1f}%"]
+        cells += ["-" if r[k] is None else f"{100 * r[k]:.1f}%" for k in ("ece_before", "ece_after")]
+        cells += ["-" if r[k] is None else f"{r[k]:.3f}" for k in ("auc_before", "auc_after")]
+        cells += [f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}", f"{100 * r['draft_share']:.1f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (raises ``argparse.ArgumentTypeError``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -146,14 +160,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     ap.add_argument("--sets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
     ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
-    ap.add_argument("--gamma", type=int, default=7, help="draft tokens per round")
-    ap.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--max-batch", type=int, default=16, help="concurrent requests")
+    ap.add_argument("--gamma", type=positive_int, default=7, help="draft tokens per round")
+    ap.add_argument("--limit", type=positive_int, default=None, help="first N prompts of each set")
+    ap.add_argument("--max-tokens", type=positive_int, default=256)
+    ap.add_argument("--max-batch", type=positive_int, default=16, help="concurrent requests")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs/eval"))
     ap.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
     args = ap.parse_args(argv)
+    if not (args.checkpoint / "config.json").is_file():
+        ap.error(f"--checkpoint: no checkpoint (config.json) in {args.checkpoint}")
     doc = json.loads((args.checkpoint / "config.json").read_text())
     engine = TargetEngine(EngineConfig(model=doc["config"]["target"], max_num_seqs=args.max_batch,
                                        max_draft_len=max(8, args.gamma)))
@@ -162,19 +178,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     def factory(temperature: float) -> Proposer:
         return make_proposer(drafter, calibration, temperature=temperature, seed=args.seed, gamma=args.gamma)
 
+    gamma = min(args.gamma, drafter.config.block_size)  # MTP-1 drafts one token whatever --gamma says
     rows = []
     jobs = [(s, t) for s in args.sets for t in args.temperatures]
     for set_name, temperature in tqdm(jobs, desc="evaluate"):
         texts = load_prompts(EVAL_SETS[set_name], args.datasets_dir)[: args.limit]
         prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in texts]
         row = evaluate_set(engine, factory, prompts, temperature=temperature, max_tokens=args.max_tokens,
-                           gamma=min(args.gamma, drafter.config.block_size), seed=args.seed)
+                           gamma=gamma, seed=args.seed)
         rows.append({"set": set_name, "temperature": temperature, **row})
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"checkpoint": str(args.checkpoint), "gamma": args.gamma, "max_tokens": args.max_tokens,
+    report = {"checkpoint": str(args.checkpoint), "gamma": gamma, "max_tokens": args.max_tokens,
               "limit": args.limit, "max_batch": args.max_batch, "rows": rows}
     (args.out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(rows, args.gamma)
+    table = markdown(rows, gamma)
     (args.out / "report.md").write_text(table)
     print(table)
     print(json.dumps({f"tau/{r['set']}/T{r['temperature']:g}": round(r["tau"], 3) for r in rows}))

@@ -26,3 +26,23 @@ def test_ece_and_auc_reference_values():
     assert ece(torch.tensor([0.9, 0.9]), torch.tensor([1.0, 0.0])) == pytest.approx(0.4)
     assert auc(torch.tensor([0.1, 0.4, 0.35, 0.8]), torch.tensor([0, 0, 1, 1])) == 0.75
     assert math.isnan(auc(torch.tensor([0.2, 0.3]), torch.tensor([1, 1])))
+
+
+def test_no_scored_rounds_gives_empty_figures_not_a_crash():
+    """Tiny budgets: every round ended its request, so no round is scored; the table still renders."""
+    s = summarize([], gamma=3)
+    assert s["accept_rate_per_position"] == [None] * 3 and s["ece_after"] is None
+    row = {"set": "x", "temperature": 0.0, "prompts": 1, "tau": 1.0, "draft_ms_per_round": 1.0,
+           "verify_ms_per_round": 10.0, "draft_share": 0.09, **s}
+    line = markdown([row], gamma=3).splitlines()[-1]
+    assert line.count("|") == markdown([row], gamma=3).splitlines()[0].count("|")
+
+
+@pytest.mark.parametrize("bad", [["--gamma", "0"], ["--limit", "0"], ["--max-tokens", "-1"],
+                                 ["--checkpoint", "/nonexistent-checkpoint"]])
+def test_evaluator_rejects_bad_arguments_before_loading_anything(bad, capsys):
+    from app.eval.evaluate import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(bad)
+    assert exc.value.code == 2 and "error:" in capsys.readouterr().err

@@ -268,7 +268,7 @@ class TargetReplica:
                 self._draft_updates.append(strip_for_drafter(out))
         round_ms = (time.perf_counter() - t0) * 1000
         self._observe(round_ms, committed, verified, accepted)
-        if self.scheduler is not None:
+        if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
             self._observe_verify_scale(round_ms - draft_ms, tokens=len(ids) + verified, batch=len(ids))
         self.telemetry.round(round_ms=round_ms, verify_ms=verify_ms,
                              drafter_called=drafter_called, drafted=num_drafted, outputs=outputs)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from app.drafters.config import DecoderShape, DrafterConfig
-from app.engine.model import apply_rope, rms_norm
+from app.engine.model import apply_rope, rms_norm, rope_tables
 
 
 @dataclass(frozen=True)
@@ -132,11 +132,9 @@ class DSparkDrafter(nn.Module):
         if c.head == "rnn":
             self.cell = nn.GRUCell(c.hidden_size + c.rank, c.rank)
         self.conf = nn.Linear(conf_in, 1)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
-        angles = torch.outer(torch.arange(c.max_positions).float(), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        cos, sin = rope_tables(head_dim=c.head_dim, theta=c.rope_theta, max_positions=c.max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     # ---------------------------------------------------------------- context
 

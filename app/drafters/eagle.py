@@ -41,7 +41,7 @@ from torch import nn
 
 from app.drafters.config import EagleConfig
 from app.drafters.dspark import BackboneLayer
-from app.engine.model import rms_norm
+from app.engine.model import rms_norm, rope_tables
 
 
 class EagleDrafter(nn.Module):
@@ -62,11 +62,9 @@ class EagleDrafter(nn.Module):
         self.layer = BackboneLayer(c)
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
         self.conf = nn.Linear(c.hidden_size, 1)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
-        angles = torch.outer(torch.arange(c.max_positions).float(), inv_freq)
-        angles = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        cos, sin = rope_tables(head_dim=c.head_dim, theta=c.rope_theta, max_positions=c.max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     # ---------------------------------------------------------------- building blocks
 

@@ -106,7 +106,8 @@ def load_target(
         target = TargetModel(args, feature_layers=layers)
     state = _load_state_dict(src)
     target.load_state_dict(_to_target_names(state, args), strict=True, assign=True)
-    target.rope_cos, target.rope_sin = rope_tables(args)
+    target.rope_cos, target.rope_sin = rope_tables(head_dim=args.head_dim, theta=args.rope_theta,
+                                                   max_positions=args.max_position_embeddings)
     if args.tie_word_embeddings:
         target.lm_head.weight = target.embed_tokens.weight
     target = target.to(device=dev, dtype=dt).eval().requires_grad_(False)

@@ -177,10 +177,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos/sin tables [max_position_embeddings, Dh] of the default rotary embedding."""
-    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim))
-    angles = torch.outer(torch.arange(args.max_position_embeddings).float(), inv_freq)
+def rope_tables(*, head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin tables [max_positions, Dh] of the default rotary embedding (target and drafters)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(max_positions).float(), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -281,7 +281,8 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(args)
+        cos, sin = rope_tables(head_dim=args.head_dim, theta=args.rope_theta,
+                               max_positions=args.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

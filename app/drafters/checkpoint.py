@@ -86,5 +86,5 @@ def load_checkpoint(
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match its config: missing {missing}, unexpected {unexpected}")
-    drafter.to(dtype or embed_weight.dtype).eval()
+    drafter.to(device=embed_weight.device, dtype=dtype or embed_weight.dtype).eval()
     return drafter, Calibration.from_json(doc.get("calibration", {})), doc.get("metadata", {})

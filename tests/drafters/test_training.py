@@ -16,6 +16,7 @@ from app.drafters.train.data import load_shards, make_batch, with_target_topk
 from app.drafters.train.datagen import generate_shard
 from app.drafters.train.trainer import dspark_loss, forward_batch, train
 from app.engine.engine import TargetEngine
+from app.engine.types import SamplingParams
 
 CPU = torch.device("cpu")
 PROMPTS = ["What is 12 times 7?", "Write a haiku about the sea."]
@@ -24,11 +25,11 @@ PROMPTS = ["What is 12 times 7?", "Write a haiku about the sea."]
 @pytest.fixture(scope="module")
 def seqs(engine, tmp_path_factory):
     ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    shard = generate_shard(engine, ids, max_tokens=24, max_batch=2, id_prefix="t")
+    shard = generate_shard(engine, ids, [SamplingParams(max_tokens=24)] * len(ids), max_batch=2, id_prefix="t")
     folder = tmp_path_factory.mktemp("data")
     save_file(shard, str(folder / "shard-0000.safetensors"))
     return with_target_topk(load_shards(folder), engine.model.logits_from_final_hidden, k=8,
-                            hidden_size=engine.model.args.hidden_size, progress=False)
+                            hidden_size=engine.model.args.hidden_size, device=CPU, progress=False)
 
 
 def tiny_drafter(engine: TargetEngine) -> DSparkDrafter:
@@ -74,3 +75,15 @@ def test_tiny_eagle_drafter_loss_falls_with_training_time_test(engine, seqs):
     config = EagleConfig(block_size=3, intermediate_size=128, feature_layers=engine.model.feature_layers,
                          fused_layers=(5, 17, 29), rope_theta=engine.model.args.rope_theta)
     assert_loss_falls(EagleDrafter(config, engine.model.embed_tokens.weight), seqs, block_size=3)
+
+
+def test_time_budget_fits_the_schedule_after_the_warm_up_steps(engine, seqs):
+    """A clock that ticks 1 s per reading: steps 5..25 time at 1.05 s/step, so a 50 s budget (28 s spent by then)
+    fits 25 + int(22 / 1.05) = 45 steps in all, far below the 1000-step cap; without a budget the cap holds."""
+    ticks = iter(range(10_000))
+    history = train(tiny_drafter(engine), seqs, steps=1000, batch_seqs=1, anchors_per_seq=2, lr=1e-3,
+                    gamma_decay=4.0, seed=0, device=CPU, progress=False, max_seconds=50.0,
+                    clock=lambda: float(next(ticks)))
+    assert len(history) == 45
+    assert len(train(tiny_drafter(engine), seqs, steps=7, batch_seqs=1, anchors_per_seq=2, lr=1e-3, gamma_decay=4.0,
+                     seed=0, device=CPU, progress=False)) == 7

@@ -74,7 +74,8 @@ def fit(outcomes: dict[str, torch.Tensor]) -> tuple[Calibration, dict]:
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, required=True, help="checkpoint folder (updated in place)")
-    ap.add_argument("--data", type=Path, required=True, help="the datagen folder the checkpoint was trained on")
+    ap.add_argument("--data", type=Path, nargs="+", required=True,
+                    help="the datagen folder(s) the checkpoint was trained on, in the same order")
     ap.add_argument("--anchors", type=int, default=64, help="anchors per held-out sequence")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)

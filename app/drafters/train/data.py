@@ -64,15 +64,18 @@ class Batch:
     topk_probs: torch.Tensor | None = None
 
 
-def load_shards(folder: Path | str) -> list[Sequence_]:
-    """All sequences of ``folder/shard-*.safetensors``, in shard order.
+def load_shards(folders: Path | str | list[Path] | list[str]) -> list[Sequence_]:
+    """All sequences of ``folder/shard-*.safetensors`` for each folder, in folder then shard order.
 
     Raises:
-        FileNotFoundError: no shard in the folder.
+        FileNotFoundError: a folder without shards.
     """
-    paths = sorted(Path(folder).glob("shard-*.safetensors"))
-    if not paths:
-        raise FileNotFoundError(f"no shard-*.safetensors in {folder}")
+    paths = []
+    for folder in folders if isinstance(folders, list) else [folders]:
+        found = sorted(Path(folder).glob("shard-*.safetensors"))
+        if not found:
+            raise FileNotFoundError(f"no shard-*.safetensors in {folder}")
+        paths += found
     seqs = []
     for path in paths:
         shard = load_file(str(path))
@@ -87,19 +90,19 @@ def load_shards(folder: Path | str) -> list[Sequence_]:
 @torch.no_grad()
 def with_target_topk(
     seqs: list[Sequence_], logits_fn: Callable[[torch.Tensor], torch.Tensor], *, k: int, hidden_size: int,
-    chunk_rows: int = 2048, progress: bool = True,
+    device: torch.device, chunk_rows: int = 2048, progress: bool = True,
 ) -> list[Sequence_]:
     """Attach each row's target top-``k`` next-token ids and probabilities, computed once from the stored final
-    layer slice (``logits_fn`` = the target's ``logits_from_final_hidden``), so that training steps never run the
-    target's LM head over the vocabulary."""
+    layer slice (``logits_fn`` = the target's ``logits_from_final_hidden``, on ``device``), so that training steps
+    never run the target's LM head over the vocabulary. The results stay on the CPU beside the features."""
     out = []
     for s in tqdm(seqs, desc="target top-k", disable=not progress):
         ids, probs = [], []
         for lo in range(0, len(s.tokens), chunk_rows):
-            p = torch.softmax(logits_fn(s.features[lo : lo + chunk_rows, -hidden_size:]), dim=-1)
+            p = torch.softmax(logits_fn(s.features[lo : lo + chunk_rows, -hidden_size:].to(device)), dim=-1)
             top = p.topk(k, dim=-1)
-            ids.append(top.indices)
-            probs.append(top.values)
+            ids.append(top.indices.cpu())
+            probs.append(top.values.float().cpu())
         out.append(Sequence_(s.tokens, s.features, s.prompt_len, torch.cat(ids), torch.cat(probs)))
     return out
 

@@ -1,7 +1,7 @@
 """Training data for the drafter: the target answers training prompts itself (self-distillation).
 
-Owns: choosing training prompts (``app/eval/datasets.py`` training sets only), plain greedy decoding through
-the engine, and writing each sequence's token ids and per-token target features to safetensors shards. The
+Owns: choosing training prompts (``app/eval/datasets.py`` training sets only), plain decoding through
+the engine (greedy, or sampled with ``--temperature``), and writing each sequence's token ids and per-token target features to safetensors shards. The
 features come for free from decoding: the prefill returns the prompt's rows, each verify step the rows of the
 tokens that entered the cache. Row j of a sequence is the target's hidden state at token j (it predicted token
 j+1); the final token never enters the cache, so its row is zero and never used.
@@ -12,8 +12,13 @@ Shard layout (``shard-XXXX.safetensors``; S sequences, L_s tokens each, sum over
     offsets     [S + 1] int64  sequence boundaries into ``tokens``
     prompt_lens [S] int64      prompt length P of each sequence (the first anchor is token P)
 
+Greedy answers (the default) match what greedy serving drafts against; ``--samples N --temperature T`` adds N
+sampled answers per prompt (seeded per answer), more and more varied sequences from the same prompts. The target
+features are those of whatever sequence was decoded, so sampled sequences are as exact as greedy ones.
+
 Usage:
     python -m app.drafters.train.datagen --out runs/dspark-data --per-set gsm8k-train=160 math500=80 ...
+    python -m app.drafters.train.datagen --out runs/dspark-data-t08 --samples 2 --temperature 0.8 --max-minutes 5
 """
 
 from __future__ import annotations
@@ -75,14 +80,12 @@ def pick_prompts(per_set: dict[str, int], *, seed: int, datasets_dir: Path) -> l
 
 
 def generate_shard(
-    engine: TargetEngine, prompts: list[list[int]], *, max_tokens: int, max_batch: int, id_prefix: str
+    engine: TargetEngine, prompts: list[list[int]], params: list[SamplingParams], *, max_batch: int, id_prefix: str
 ) -> dict[str, torch.Tensor]:
-    """Greedy answers to ``prompts`` with their features, as one shard's tensors (module docstring)."""
+    """Answers to ``prompts`` (one ``SamplingParams`` each) with their features, as one shard's tensors (module
+    docstring)."""
     recorder = FeatureRecorder()
-    results, _ = generate(
-        engine, prompts, SamplingParams(max_tokens=max_tokens), proposer=recorder, max_batch=max_batch,
-        id_prefix=id_prefix,
-    )
+    results, _ = generate(engine, prompts, params, proposer=recorder, max_batch=max_batch, id_prefix=id_prefix)
     tokens, feats, lens = [], [], []
     for prompt, res in zip(prompts, results):
         seq = list(prompt) + res.token_ids
@@ -109,31 +112,44 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=256, help="response length limit")
     ap.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
     ap.add_argument("--max-shards", type=int, default=None, help="stop after this many shards (a time budget)")
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="start no new shard after this wall-clock budget (shards already written are kept)")
+    ap.add_argument("--samples", type=int, default=1, help="answers per prompt (> 1 needs --temperature > 0)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; > 0: sampled answers")
     ap.add_argument("--max-batch", type=int, default=32, help="concurrent requests while decoding")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="target model reference (EngineConfig.model)")
     ap.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
     args = ap.parse_args(argv)
+    if args.samples < 1 or (args.samples > 1 and args.temperature <= 0):
+        ap.error("--samples must be >= 1, and > 1 only with --temperature > 0 (greedy answers are all the same)")
     per_set = {k: int(v) for k, v in (item.split("=", 1) for item in args.per_set)}
     picked = pick_prompts(per_set, seed=args.seed, datasets_dir=args.datasets_dir)
     engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch, max_model_len=1536))
     args.out.mkdir(parents=True, exist_ok=True)
     ids = [engine.encode_chat([{"role": "user", "content": p}]) for _, p in picked]
     ids = [x for x in ids if len(x) + args.max_tokens + engine.config.max_draft_len <= engine.config.max_model_len]
+    ids = [x for x in ids for _ in range(args.samples)]
+    params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                             seed=None if args.temperature == 0 else args.seed * 1_000_003 + j) for j in range(len(ids))]
     if args.max_shards is not None:
         ids = ids[: args.max_shards * args.shard_size]
-    bar = tqdm(total=len(ids), desc="datagen", unit="prompt")
-    new_tokens, start = 0, time.perf_counter()
+    bar = tqdm(total=len(ids), desc="datagen", unit="answer")
+    new_tokens, done, start = 0, 0, time.perf_counter()
     for i in range(0, len(ids), args.shard_size):
+        if args.max_minutes is not None and time.perf_counter() - start > 60 * args.max_minutes:
+            break
         chunk = ids[i : i + args.shard_size]
-        shard = generate_shard(engine, chunk, max_tokens=args.max_tokens, max_batch=args.max_batch, id_prefix=f"s{i}")
+        shard = generate_shard(engine, chunk, params[i : i + args.shard_size], max_batch=args.max_batch,
+                               id_prefix=f"s{i}")
+        done += len(chunk)
         save_file(shard, str(args.out / f"shard-{i // args.shard_size:04d}.safetensors"))
         new_tokens += int(shard["offsets"][-1]) - int(shard["prompt_lens"].sum())
         bar.update(len(chunk))
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
     bar.close()
     meta = {"model": args.model, "per_set": per_set, "max_tokens": args.max_tokens, "seed": args.seed,
-            "prompts": len(ids), "new_tokens": new_tokens, "feature_layers": list(engine.model.feature_layers),
+            "samples": args.samples, "temperature": args.temperature, "sequences": done, "new_tokens": new_tokens, "feature_layers": list(engine.model.feature_layers),
             "seconds": round(time.perf_counter() - start, 1)}
     (args.out / "meta.json").write_text(json.dumps(meta, indent=2))
     print(json.dumps(meta))

@@ -23,7 +23,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,9 @@ from app.drafters.train.data import Batch, Sequence_, load_shards, make_batch, w
 from app.engine.loader import load_target, resolve_device
 
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
+TIMING_SKIP = 5  # warm-up steps left out of the timing
+TIMING_STEPS = 20  # steps timed before a wall-clock budget fixes the schedule's length
+HARD_STOP = 1.1  # training ends at this multiple of its wall-clock budget whatever the schedule says
 
 
 @dataclass(frozen=True)
@@ -116,22 +119,36 @@ def train(
     device: torch.device,
     progress: bool = True,
     max_seconds: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[dict[str, float]]:
-    """AdamW with linear warm-up and cosine decay over ``steps``; stops early once ``max_seconds`` have passed (a
-    wall-clock budget on a shared machine). Returns per-step stats. ``seqs`` carry the target top-k."""
+    """AdamW with linear warm-up and cosine decay over ``steps``. With ``max_seconds`` (a wall-clock budget) the
+    schedule is fitted into the budget: steps ``TIMING_SKIP`` .. ``TIMING_SKIP + TIMING_STEPS`` are timed (the first
+    ones pay for warm-up: allocator, kernel selection) and the total becomes min(steps, steps done + time left /
+    measured step time), so the learning rate still decays to zero when time runs out instead of training stopping
+    mid-schedule; steps that grow slower than timed stop at ``HARD_STOP`` x the budget. Returns per-step stats.
+    ``seqs`` carry the target top-k; ``clock`` (seconds) is replaceable for tests."""
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    total = steps
     warmup = max(1, min(50, steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
-    history = []
-    bar = tqdm(range(steps), desc="train", disable=not progress)
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
+    history: list[dict[str, float]] = []
+    bar = tqdm(total=steps, desc="train", disable=not progress)
     drafter.train()
-    start = time.perf_counter()
-    for _ in bar:
-        if max_seconds is not None and time.perf_counter() - start > max_seconds:
-            break
+    start = clock()
+    while len(history) < total:
+        if max_seconds is not None and clock() - start > HARD_STOP * max_seconds:
+            break  # steps grew slower than timed (a shared machine): keep the budget
+        if len(history) == TIMING_SKIP:
+            timed_from = clock()
+        if len(history) == TIMING_SKIP + TIMING_STEPS and max_seconds is not None:
+            now = clock()
+            per_step = (now - timed_from) / TIMING_STEPS
+            total = max(len(history) + 1, min(steps, len(history) + int((max_seconds - (now - start)) / per_step)))
+            bar.total = total
+            bar.refresh()
         pick = torch.randint(len(seqs), (batch_seqs,), generator=gen).tolist()
         batch = make_batch([seqs[i] for i in pick], block_size=drafter.config.block_size,
                            anchors_per_seq=anchors_per_seq, generator=gen)
@@ -145,20 +162,23 @@ def train(
         sched.step()
         stats["loss"] = float(loss.detach())
         history.append(stats)
+        bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.3f}", tv=f"{stats['tv']:.3f}", acc1=f"{stats['acc1']:.2f}",
                         tau=f"{stats['tau']:.2f}")
+    bar.close()
     drafter.eval()
     return history
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", type=Path, required=True, help="datagen output folder")
+    ap.add_argument("--data", type=Path, nargs="+", required=True, help="datagen output folder(s)")
     ap.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch-seqs", type=int, default=4, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
-    ap.add_argument("--max-minutes", type=float, default=None, help="stop early after this wall-clock budget")
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="wall-clock budget; the lr schedule is fitted into it (see train)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--gamma-decay", type=float, default=5.0, help="position weight exp(-(k-1)/gamma_decay)")
     ap.add_argument("--target-topk", type=int, default=32, help="target tokens kept per position for the TV loss")
@@ -188,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         drafter = drafter_cls(config, target.embed_tokens.weight).to(device)
     seqs, heldout = split_heldout(load_shards(args.data), args.heldout)
-    seqs = with_target_topk(seqs, target.logits_from_final_hidden, k=args.target_topk, hidden_size=a.hidden_size)
+    seqs = with_target_topk(seqs, target.logits_from_final_hidden, k=args.target_topk, hidden_size=a.hidden_size,
+                            device=device)
     print(f"drafter {drafter.num_trainable_params() / 1e6:.1f}M params; {len(seqs)} train / {len(heldout)} held-out "
           f"sequences; device {device}")
     start = time.perf_counter()
@@ -197,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     max_seconds=None if args.max_minutes is None else 60 * args.max_minutes)
     tail = history[-max(1, len(history) // 10):]
     summary = {k: round(sum(h[k] for h in tail) / len(tail), 4) for k in tail[0]}
-    meta = {"train": {**vars(args), "data": str(args.data), "out": str(args.out),
+    meta = {"train": {**vars(args), "data": [str(d) for d in args.data], "out": str(args.out),
                       "init": None if args.init is None else str(args.init), "train_seqs": len(seqs),
                       "heldout_seqs": len(heldout), "steps_done": len(history), "seconds": round(time.perf_counter() - start, 1),
                       "final": summary}}

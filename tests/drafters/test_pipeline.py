@@ -1,0 +1,79 @@
+"""The whole drafter recipe (``app.drafters.train.pipeline``) end to end on a tiny random Llama target.
+
+No real weights: a 5-layer, 64-wide Llama and a 300-token byte-level BPE tokenizer are built in a temporary folder,
+so the test runs in seconds on a CPU and, on a machine with a GPU, exercises every stage on CUDA (device auto).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from app.drafters.checkpoint import load_checkpoint
+from app.drafters.train import pipeline
+from app.engine.loader import load_target
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_target(folder) -> None:
+    """A random transformers Llama checkpoint with its own tiny tokenizer in ``folder``."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    text = [f"What is {i} plus {i + 3}? The answer is {2 * i + 3}." for i in range(200)]
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                         tie_word_embeddings=True, eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def prompt_files(folder) -> None:
+    """Every prompt file the training and evaluation sets name, a few short prompts each."""
+    folder.mkdir()
+    lines = {
+        "gsm8k.jsonl": [f"What is {i} plus 3?" for i in range(705)],  # lines 1-700 train, 701+ evaluation
+        "math500.jsonl": ["Solve 2x = 4."] * 4,
+        "mbpp.jsonl": ["Write a function that adds two numbers."] * 4,
+        "mt-bench.jsonl": ["Tell me about the sea."] * 4,
+        "humaneval.jsonl": ["def add(a, b):"] * 4,
+    }
+    for name, prompts in lines.items():
+        (folder / name).write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in prompts))
+
+
+def test_pipeline_writes_a_calibrated_checkpoint_and_report(tmp_path):
+    tiny_target(tmp_path / "target")
+    prompt_files(tmp_path / "datasets")
+    out = tmp_path / "run"
+    drafter_config = {"num_layers": 1, "intermediate_size": 64, "rank": 8, "block_size": 4}
+    pipeline.main([
+        "--out", str(out), "--model", str(tmp_path / "target"), "--datasets-dir", str(tmp_path / "datasets"),
+        "--per-set", "gsm8k-train=6", "mbpp=2", "chat=2", "--max-tokens", "12", "--max-batch", "4",
+        "--samples", "2", "--temperature", "1.0", "--config", json.dumps(drafter_config), "--steps", "4",
+        "--train-minutes", "5", "--batch-seqs", "2", "--anchors", "4", "--eval-limit", "2", "--eval-max-tokens", "8",
+    ])
+    assert json.loads((out / "data-greedy" / "meta.json").read_text())["sequences"] == 10
+    assert json.loads((out / "data-sampled" / "meta.json").read_text())["sequences"] == 20
+    doc = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert doc["metadata"]["train"]["steps_done"] == 4
+    assert len(doc["calibration"]["temperatures"]["greedy"]) == 4
+    target = load_target(str(tmp_path / "target"), device="cpu").model
+    drafter, calibration, _ = load_checkpoint(out / "checkpoint", target.embed_tokens.weight)
+    assert drafter.config.block_size == 4 and calibration is not None
+    assert list(out.glob("eval/*.json")) and list(out.glob("eval/*.md"))
+    assert set(json.loads((out / "pipeline.json").read_text())["seconds"]) == {
+        "datagen-greedy", "datagen-sampled", "train", "calibrate", "evaluate"}

@@ -59,6 +59,25 @@ def save_checkpoint(
     (path / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
 
 
+def read_checkpoint_config(path: Path | str) -> dict:
+    """The parsed ``config.json`` of the checkpoint folder ``path`` (kind, config, calibration, metadata).
+
+    Raises:
+        FileNotFoundError: no ``config.json`` in ``path``; ValueError: the file is not JSON, or has no ``config``
+        object naming its ``target``.
+    """
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        raise FileNotFoundError(f"no drafter checkpoint in {path}: {CONFIG} is missing")
+    try:
+        doc = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict) or "target" not in doc["config"]:
+        raise ValueError(f"{file} has no 'config' object with a 'target' field")
+    return doc
+
+
 def load_checkpoint(
     path: Path | str, embed_weight: torch.Tensor, *, dtype: torch.dtype | None = None
 ) -> tuple[Drafter, Calibration, dict]:
@@ -76,7 +95,7 @@ def load_checkpoint(
         match the weights.
     """
     path = Path(path)
-    doc = json.loads((path / CONFIG).read_text())
+    doc = read_checkpoint_config(path)
     kind = doc.get("kind", "dspark")
     if kind not in KINDS:
         raise ValueError(f"checkpoint {path}: unknown drafter kind {kind!r}; expected one of {sorted(KINDS)}")

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from app.drafters.calibration import auc, ece, survival
-from app.drafters.checkpoint import load_checkpoint
+from app.drafters.checkpoint import load_checkpoint, read_checkpoint_config
 from app.drafters.registry import make_proposer
 from app.engine.decode import Proposer, generate
 from app.engine.engine import EngineConfig, TargetEngine
@@ -168,9 +168,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/eval"))
     ap.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
     args = ap.parse_args(argv)
-    if not (args.checkpoint / "config.json").is_file():
-        ap.error(f"--checkpoint: no checkpoint (config.json) in {args.checkpoint}")
-    doc = json.loads((args.checkpoint / "config.json").read_text())
+    try:
+        doc = read_checkpoint_config(args.checkpoint)
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(f"--checkpoint: {e}")
     engine = TargetEngine(EngineConfig(model=doc["config"]["target"], max_num_seqs=args.max_batch,
                                        max_draft_len=max(8, args.gamma)))
     drafter, calibration, _ = load_checkpoint(args.checkpoint, engine.model.embed_tokens.weight)

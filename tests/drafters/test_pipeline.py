@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -77,3 +78,13 @@ def test_pipeline_writes_a_calibrated_checkpoint_and_report(tmp_path):
     assert list(out.glob("eval/*.json")) and list(out.glob("eval/*.md"))
     assert set(json.loads((out / "pipeline.json").read_text())["seconds"]) == {
         "datagen-greedy", "datagen-sampled", "train", "calibrate", "evaluate"}
+
+
+def test_trainer_names_an_unknown_config_field(tmp_path, capsys):
+    from app.drafters.train.trainer import main
+
+    tiny_target(tmp_path / "target")
+    with pytest.raises(SystemExit) as exc:
+        main(["--data", str(tmp_path), "--out", str(tmp_path / "ckpt"), "--model", str(tmp_path / "target"),
+              "--config", '{"hed": "rnn"}'])
+    assert exc.value.code == 2 and "hed" in capsys.readouterr().err

@@ -87,3 +87,12 @@ def test_time_budget_fits_the_schedule_after_the_warm_up_steps(engine, seqs):
     assert len(history) == 45
     assert len(train(tiny_drafter(engine), seqs, steps=7, batch_seqs=1, anchors_per_seq=2, lr=1e-3, gamma_decay=4.0,
                      seed=0, device=CPU, progress=False)) == 7
+
+
+@pytest.mark.parametrize("text", ['{"head": rnn}', '["head"]'])
+def test_trainer_rejects_a_config_that_is_not_a_json_object(text, tmp_path, capsys):
+    from app.drafters.train.trainer import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--data", str(tmp_path), "--out", str(tmp_path / "ckpt"), "--config", text])
+    assert exc.value.code == 2 and "--config" in capsys.readouterr().err

@@ -46,3 +46,13 @@ def test_evaluator_rejects_bad_arguments_before_loading_anything(bad, capsys):
     with pytest.raises(SystemExit) as exc:
         main(bad)
     assert exc.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ['{"config": {', '[1, 2]', '{"config": {"block_size": 7}}'])
+def test_evaluator_rejects_a_malformed_checkpoint_config(text, tmp_path, capsys):
+    from app.eval.evaluate import main
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        main(["--checkpoint", str(tmp_path)])
+    assert exc.value.code == 2 and f"{tmp_path / 'config.json'}" in capsys.readouterr().err

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from app.drafters.calibration import Calibration, auc, ece, fit_sequential_temperatures, survival
-from app.drafters.checkpoint import CONFIG, Drafter, load_checkpoint
+from app.drafters.checkpoint import CONFIG, Drafter, load_checkpoint, read_checkpoint_config
 from app.drafters.train.data import Sequence_, load_shards, make_batch
 from app.drafters.train.trainer import forward_batch, split_heldout
 from app.engine.loader import load_target, resolve_device
@@ -79,7 +79,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--anchors", type=int, default=64, help="anchors per held-out sequence")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
-    doc = json.loads((args.checkpoint / CONFIG).read_text())
+    try:
+        doc = read_checkpoint_config(args.checkpoint)
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(f"--checkpoint: {e}")
     device = resolve_device("auto")
     target = load_target(doc["config"]["target"], device=str(device)).model
     drafter, _, meta = load_checkpoint(args.checkpoint, target.embed_tokens.weight, dtype=torch.float32)

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from app.drafters.checkpoint import KINDS, Drafter, load_checkpoint, save_checkpoint
@@ -170,6 +171,21 @@ def train(
     return history
 
 
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object (``--config``).
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or JSON but not an object.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, nargs="+", required=True, help="datagen output folder(s)")
@@ -187,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--model", default="smollm2-135m", help="target model reference")
     ap.add_argument("--init", type=Path, default=None, help="start from this checkpoint's weights (continued training)")
     ap.add_argument("--kind", choices=sorted(KINDS), default="dspark", help="drafter kind (module docstring)")
-    ap.add_argument("--config", default="{}",
+    ap.add_argument("--config", type=json_object, default={},
                     help="JSON overrides of the kind's config fields, e.g. '{\"head\": \"rnn\"}'")
     args = ap.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -195,11 +211,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     target = load_target(args.model, device=str(device)).model
     a = target.args
     config_cls, drafter_cls = KINDS[args.kind]
-    config = config_cls.model_validate({
-        "target": args.model, "hidden_size": a.hidden_size, "num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads,
-        "head_dim": a.head_dim, "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size,
-        "feature_layers": target.feature_layers, "target_hidden_size": a.hidden_size, "rms_norm_eps": a.rms_norm_eps,
-        "rope_theta": a.rope_theta, "max_positions": a.max_position_embeddings, **json.loads(args.config)})
+    try:
+        config = config_cls.model_validate({
+            "target": args.model, "hidden_size": a.hidden_size, "num_heads": a.num_heads,
+            "num_kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "intermediate_size": a.intermediate_size,
+            "vocab_size": a.vocab_size, "feature_layers": target.feature_layers, "target_hidden_size": a.hidden_size,
+            "rms_norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta, "max_positions": a.max_position_embeddings, **args.config})
+    except ValidationError as e:
+        ap.error(f"--config: {e}")
     if args.init is not None:
         drafter, _, _ = load_checkpoint(args.init, target.embed_tokens.weight, dtype=torch.float32)
         if drafter.config != config:

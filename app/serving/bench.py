@@ -17,8 +17,9 @@ over requests, and each served figure is also given as a ratio to the engine-alo
 (mean drafter call ms, rounds drafted) comes from its ``debug_state``. Greedy outputs of every policy are
 compared with the first policy's, prompt by prompt.
 
-Ray worker processes run at the niceness ``$RAY_worker_niceness`` sets (Ray's default is 15, which loses the
-CPU to anything else on a shared machine); the JSON line records it. Prints a table, then one JSON line.
+Ray worker processes run at niceness ``$RAY_worker_niceness``, 0 unless set, as ``make serve`` runs them (Ray's
+default, 15, loses the CPU to anything else on a shared machine); the JSON line records it. Prints a table, then
+one JSON line.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from loadtest.server import DEFAULT_CONFIG, app_args, free_port, parse_overrides
 from loadtest.stream import RequestRecord, StreamObserver, observe_stream
 
 APP_NAME = "bench"
+NICENESS_ENV = "RAY_worker_niceness"  # Ray's worker niceness (default 15), read when the local Ray starts
 
 
 def engine_alone(config: AppConfig, prompts: list[str], *, max_tokens: int) -> dict:
@@ -124,6 +126,7 @@ def served(args: dict, prompts: list[str], *, max_tokens: int, num_cpus: float |
 
     from app.serving.builder import build_app
 
+    os.environ.setdefault(NICENESS_ENV, "0")  # as `make serve` runs it (module docstring); read by the raylet
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     port = free_port()
     try:
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{same:>6}/{len(prompts)}")
     summary = {
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-        "worker_niceness": os.environ.get("RAY_worker_niceness", "ray default (15)"),
+        "worker_niceness": os.environ[NICENESS_ENV],
         "requests": len(prompts), "max_tokens": opts.max_tokens, "prompts": opts.prompts,
         "engine_step_ms": round(step, 2), "drafter_propose_ms": None if draft_ms is None else round(draft_ms, 2),
         "served": {p: {"tpot_ms": round(r["tpot_ms"], 2), "tok_s": round(r["tok_s"], 2),

@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# RAY_worker_niceness=0: Ray starts worker processes (every replica) at niceness 15, and nothing in a Serve YAML
+# can change that (only the raylet's environment); on a shared machine they would lose the CPU to anything else.
 serve: install
-	$(VENV)/bin/serve run deployments/dspark.yaml
+	RAY_worker_niceness=0 $(VENV)/bin/serve run deployments/dspark.yaml
 
 demo: install
 	$(PY) -m app.demo

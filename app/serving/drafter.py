@@ -26,6 +26,7 @@ from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
 from app.serving.metrics import DrafterMetrics
 from app.serving.protocol import DraftCall, DraftRound
+from app.serving.torch_thread import TorchThread
 
 
 @runtime_checkable
@@ -68,22 +69,25 @@ class DrafterReplica:
     """The Drafter deployment class (bound undecorated by ``builder.py``)."""
 
     def __init__(self, config: AppConfig) -> None:
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
         self.config = config
-        self.proposer = make_proposer(config)
+        self._torch = TorchThread("drafter", config.torch_threads)
+        self.proposer = self._torch.call(make_proposer, config)
         self._live: set[str] = set()
         self.metrics = DrafterMetrics(policy=config.policy,
                                       replica=serve.get_replica_context().replica_id.unique_id)
 
-    def draft(self, call: DraftCall, replica_key: str | None = None) -> DraftRound:
+    async def draft(self, call: DraftCall, replica_key: str | None = None) -> DraftRound:
         """Apply the hooks gathered since the last call, then draft ``call.propose``.
 
         A call may carry several rounds (the target skips the drafter while its draft gate is closed), so a
         request can start, step and finish within one call: starts are applied first, then the steps in
         order, then the finishes; a request that starts and finishes in the same call is never started.
+        Runs on the replica's torch thread (calls are applied one at a time, in arrival order).
         ``replica_key`` only steers routing.
         """
+        return await self._torch.run(self._draft, call)
+
+    def _draft(self, call: DraftCall) -> DraftRound:
         t0 = time.perf_counter()
         finished = set(call.finished)
         for s in call.starts:

@@ -108,9 +108,14 @@ class DraftRound:
 
 
 def strip_for_drafter(out: StepOutput) -> StepOutput:
-    """The fields a drafter needs from a step output (drops text; keeps ids, counts and new features)."""
+    """The fields a drafter needs from a step output (drops text; keeps ids, counts and new features).
+
+    The features ``[C, F]`` are copied: the engine hands out row views of the whole step's ``[sum C, F]``
+    features, and a pickled view carries its entire storage, so a drafter call for a batch of B requests
+    would ship the step's features B times (12 MB instead of 0.1 MB at B = 16, gamma 7 on SmolLM2-135M).
+    """
     return StepOutput(
         request_id=out.request_id, new_token_ids=out.new_token_ids, num_draft=out.num_draft,
         num_accepted=out.num_accepted, finished=out.finished, finish_reason=out.finish_reason,
-        features=out.features,
+        features=None if out.features is None else out.features.clone(),
     )

@@ -7,8 +7,9 @@ away frees its KV slot and, next round, its drafter state), drafter fail-over (a
 moves the affected requests to plain decoding for the rest of their life, counted in ``drafter_failures``)
 and load reports to the Router, off the per-token path.
 
-The engine is driven from one worker thread (it is not thread-safe), so the replica's event loop stays free
-to accept requests and stream chunks while a round runs. Errors reach the ingress as ``ErrorItem`` values.
+The engine is built and driven on one dedicated thread (``TorchThread``: it is not thread-safe, and torch work
+spread over several threads is slower, see ``torch_thread.py``), so the replica's event loop stays free to
+accept requests and stream chunks while a round runs. Errors reach the ingress as ``ErrorItem`` values.
 
 Shape symbols: B requests in the round, K block size (gamma).
 """
@@ -19,7 +20,6 @@ import asyncio
 import collections
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Protocol, Sequence
 
@@ -40,6 +40,7 @@ from app.serving.protocol import (
 )
 from app.serving.router import TargetLoad
 from app.serving.telemetry import TargetTelemetry
+from app.serving.torch_thread import TorchThread
 
 log = logging.getLogger("ray.serve")
 
@@ -95,10 +96,9 @@ class TargetReplica:
     """The Target deployment class (bound undecorated by ``builder.py``)."""
 
     def __init__(self, config: AppConfig, drafter, router) -> None:
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
         self.config = config
-        self.engine = make_engine(config)
+        self._torch = TorchThread("engine", config.torch_threads)
+        self.engine = self._torch.call(make_engine, config)
         self.drafter = drafter if config.speculates else None
         self.router = router
         self.policy = make_policy(config.policy)
@@ -109,7 +109,6 @@ class TargetReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.telemetry = TargetTelemetry(slo=config.autoscaling, policy=config.policy, replica=self.replica_id,
                                          gamma=config.gamma, max_num_seqs=config.max_num_seqs)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._waiting: collections.deque[_Stream] = collections.deque()
         self._active: dict[str, _Stream] = {}
         self._cancelled: set[str] = set()
@@ -175,7 +174,7 @@ class TargetReplica:
             self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._report_loop())]
 
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await self._torch.run(fn, *args)
 
     async def _loop(self) -> None:
         while True:

@@ -1,0 +1,215 @@
+"""Served single-stream benchmark: per-token time of the Serve application per policy against the engine alone.
+
+Usage: ``python -m app.serving.bench [--policies none,dspark] [--requests 5] [--max-tokens 128]
+[--prompts mt-bench] [--set KEY=VALUE ...]``
+
+Measures in one run, on the same prompts (the first ``--requests`` first turns of ``--prompts``, chat template,
+greedy, ``max_tokens`` each):
+
+1. the engine alone in this process: plain greedy decoding, one request at a time (ms per verify round = per
+   token), and, when a policy speculates, the configured drafter offline (ms per ``propose`` call, batch 1);
+2. for each policy, the application (``deployments/dspark.yaml``'s args with ``policy`` and ``--set`` applied)
+   on a fresh local Ray, driven over HTTP with sequential streamed requests after one warm-up request.
+
+A served request's per-token time is TPOT, ``(end of stream - first text) / (tokens - 1)``; figures are medians
+over requests, and each served figure is also given as a ratio to the engine-alone plain step of the same run
+(the machine is shared and noisy: ratios travel better than absolute numbers). The target replica's own view
+(mean drafter call ms, rounds drafted) comes from its ``debug_state``. Greedy outputs of every policy are
+compared with the first policy's, prompt by prompt.
+
+Ray worker processes run at niceness ``$RAY_worker_niceness``, 0 unless set, as ``make serve`` runs them (Ray's
+default, 15, loses the CPU to anything else on a shared machine); the JSON line records it. Prints a table, then
+one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from app.engine.decode import generate
+from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.types import SamplingParams
+from app.serving.config import AppConfig
+from loadtest.prompts import load_prompt_spec
+from loadtest.server import DEFAULT_CONFIG, app_args, free_port, parse_overrides
+from loadtest.stream import RequestRecord, StreamObserver, observe_stream
+
+APP_NAME = "bench"
+NICENESS_ENV = "RAY_worker_niceness"  # Ray's worker niceness (default 15), read when the local Ray starts
+
+
+def engine_alone(config: AppConfig, prompts: list[str], *, max_tokens: int) -> dict:
+    """Plain greedy decoding of each prompt alone on a ``TargetEngine`` built like the target replica's.
+
+    Returns:
+        ``step_ms``: median over prompts of (verify time / rounds), i.e. ms per output token;
+        ``texts``: the greedy outputs, in prompt order.
+    """
+    engine = TargetEngine(EngineConfig(model=config.model, dtype=config.dtype, device=config.device,
+                                       max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                                       max_draft_len=config.gamma))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    chats = [engine.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    generate(engine, chats[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    step_ms, texts = [], []
+    for ids in chats:
+        (result,), stats = generate(engine, [ids], params)
+        step_ms.append(stats.verify_s * 1000 / max(stats.rounds, 1))
+        texts.append(result.text)
+    return {"step_ms": statistics.median(step_ms), "texts": texts}
+
+
+def drafter_alone(config: AppConfig, prompts: list[str], *, calls: int = 20) -> float:
+    """Median ms of one ``propose`` call of the configured drafter at batch 1 (after ``start`` on a prompt)."""
+    from app.serving.drafter import make_proposer
+
+    engine = TargetEngine(EngineConfig(model=config.model, dtype=config.dtype, device=config.device,
+                                       max_model_len=config.max_model_len, max_draft_len=config.gamma))
+    proposer = make_proposer(config)
+    prompt = engine.encode_chat([{"role": "user", "content": prompts[0]}])
+    first = engine.add_request("bench", prompt, SamplingParams(max_tokens=calls + 8, temperature=0.0))
+    proposer.start("bench", prompt, first)
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        (block,) = proposer.propose(["bench"])
+        times.append((time.perf_counter() - t0) * 1000)
+        (out,) = engine.verify([block])
+        proposer.update([out])
+        if out.finished:
+            break
+    return statistics.median(times[1:] or times)
+
+
+def stream_one(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> tuple[RequestRecord, str]:
+    """One streamed greedy chat completion; its timing record and text.
+
+    Raises:
+        RuntimeError: the server answered an error or the stream did not finish.
+    """
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0.0, "spec_stats": True,
+            "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": prompt}]}
+    texts: list[str] = []
+
+    class _Collect(StreamObserver):
+        def on_event(self, t: float, data: str) -> None:
+            super().on_event(t, data)
+            if data != "[DONE]":
+                for choice in json.loads(data).get("choices") or ():
+                    texts.append(choice.get("delta", {}).get("content") or "")
+
+    observer = _Collect(user=0, start_wall=time.time(), start_perf=time.perf_counter())
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
+        observe_stream(response.iter_raw(), observer)
+        record = observer.record(end_perf=time.perf_counter(), status=response.status_code)
+    if not record.ok:
+        raise RuntimeError(f"request failed: {record.error}")
+    return record, "".join(texts)
+
+
+def served(args: dict, prompts: list[str], *, max_tokens: int, num_cpus: float | None) -> dict:
+    """The application with ``args`` on a fresh local Ray: one warm-up request, then one request per prompt."""
+    import ray
+    from ray import serve
+
+    from app.serving.builder import build_app
+
+    os.environ.setdefault(NICENESS_ENV, "0")  # as `make serve` runs it (module docstring); read by the raylet
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        url, model = f"http://127.0.0.1:{port}", args.get("served_model_name", "smollm2-135m")
+        with httpx.Client(timeout=600) as client:
+            stream_one(client, url, model, prompts[0], 16)  # warm-up
+            runs = [stream_one(client, url, model, p, max_tokens) for p in prompts]
+        state = serve.get_deployment_handle("Target", APP_NAME).debug_state.remote().result()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    records = [r for r, _ in runs]
+    tpot = statistics.median(r.tpot_ms for r in records)
+    accepted = [r.accepted_length for r in records if r.accepted_length is not None]
+    return {
+        "tpot_ms": tpot, "tok_s": 1000 / tpot, "ttft_ms": statistics.median(r.ttft_ms for r in records),
+        "tokens": [r.output_tokens for r in records], "texts": [t for _, t in runs],
+        "accepted_length": statistics.median(accepted) if accepted else None,
+        "draft_call_ms": state["draft_ms"], "drafted_rounds": state["drafted_rounds"], "rounds": state["rounds"],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML (deployments/*.yaml)")
+    ap.add_argument("--policies", default="none,dspark", help="comma-separated verify policies to serve")
+    ap.add_argument("--requests", type=int, default=5, help="sequential requests per policy (one per prompt)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompts", default="mt-bench", help="prompt spec (loadtest.prompts): set names or .jsonl")
+    ap.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: all)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override an args field for every policy (repeatable; dotted keys for nested fields)")
+    opts = ap.parse_args(argv)
+    if opts.requests < 1 or opts.max_tokens < 2:
+        ap.error("--requests must be >= 1 and --max-tokens >= 2")
+    policies = [p.strip() for p in opts.policies.split(",") if p.strip()]
+    prompts = load_prompt_spec(opts.prompts)[: opts.requests]
+    base = app_args(opts.config, parse_overrides(opts.overrides))
+    configs = {p: AppConfig.model_validate({**base, "policy": p}) for p in policies}
+    first = configs[policies[0]]
+    if first.torch_threads:
+        torch.set_num_threads(first.torch_threads)
+
+    alone = engine_alone(first, prompts, max_tokens=opts.max_tokens)
+    speculative = next((c for c in configs.values() if c.speculates), None)
+    draft_ms = drafter_alone(speculative, prompts) if speculative is not None else None
+    gc.collect()
+    results = {p: served({**base, "policy": p}, prompts, max_tokens=opts.max_tokens, num_cpus=opts.num_cpus)
+               for p in policies}
+
+    step = alone["step_ms"]
+    print(f"engine alone: {step:.1f} ms/token ({1000 / step:.1f} tok/s) plain greedy"
+          + (f"; drafter propose {draft_ms:.1f} ms (batch 1)" if draft_ms is not None else ""))
+    print(f"\n{'policy':>10} {'ms/token':>9} {'tok/s':>7} {'x engine':>9} {'ttft ms':>8} {'tau':>5} "
+          f"{'draft ms':>9} {'drafted':>9} {'same text':>10}")
+    reference = results[policies[0]]["texts"]
+    for p, r in results.items():
+        same = sum(a == b for a, b in zip(r["texts"], reference))
+        tau = f"{r['accepted_length']:.2f}" if r["accepted_length"] else "-"
+        print(f"{p:>10} {r['tpot_ms']:>9.1f} {r['tok_s']:>7.1f} {r['tpot_ms'] / step:>9.2f} {r['ttft_ms']:>8.0f} "
+              f"{tau:>5} {r['draft_call_ms']:>9.1f} {r['drafted_rounds']:>4}/{r['rounds']:<4} "
+              f"{same:>6}/{len(prompts)}")
+    summary = {
+        "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+        "worker_niceness": os.environ[NICENESS_ENV],
+        "requests": len(prompts), "max_tokens": opts.max_tokens, "prompts": opts.prompts,
+        "engine_step_ms": round(step, 2), "drafter_propose_ms": None if draft_ms is None else round(draft_ms, 2),
+        "served": {p: {"tpot_ms": round(r["tpot_ms"], 2), "tok_s": round(r["tok_s"], 2),
+                       "tpot_over_engine": round(r["tpot_ms"] / step, 3), "ttft_ms": round(r["ttft_ms"], 1),
+                       "accepted_length": r["accepted_length"], "draft_call_ms": round(r["draft_call_ms"], 2),
+                       "drafted_rounds": r["drafted_rounds"], "rounds": r["rounds"], "tokens": r["tokens"],
+                       "same_text_as_first": sum(a == b for a, b in zip(r["texts"], reference)),
+                       "same_text_as_engine": sum(a == b for a, b in zip(r["texts"], alone["texts"]))}
+                   for p, r in results.items()},
+    }
+    if len(policies) > 1:
+        summary["speedup_over_first"] = {p: round(results[p]["tok_s"] / results[policies[0]]["tok_s"], 3)
+                                         for p in policies[1:]}
+    print(json.dumps(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

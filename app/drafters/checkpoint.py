@@ -3,6 +3,10 @@ calibration, training metadata). Loading reads local files only, dispatches on t
 default of checkpoints written before kinds existed, also covers DFlash-style ``head="none"``; "eagle" covers
 EAGLE-3-style and MTP-1) and takes the target's embedding from the caller; the shared embedding / LM head is
 never stored.
+
+A DSpark checkpoint may hold a draft vocabulary: the int64 tensor ``draft_vocab`` [V'] in ``model.safetensors``
+(``DSparkDrafter.set_draft_vocab``; written by ``app.drafters.train.draft_vocab``). Loading validates it and
+restricts drafting to it; a checkpoint without it drafts over the full vocabulary.
 """
 
 from __future__ import annotations
@@ -15,10 +19,11 @@ from safetensors.torch import load_file, save_file
 
 from app.drafters.calibration import Calibration
 from app.drafters.config import DrafterConfig, EagleConfig
-from app.drafters.dspark import DSparkDrafter
+from app.drafters.dspark import DSparkDrafter, check_draft_vocab
 from app.drafters.eagle import EagleDrafter
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+DRAFT_VOCAB = "draft_vocab"  # the optional [V'] int64 tensor beside the weights
 Drafter = DSparkDrafter | EagleDrafter
 # kind -> (config class, module class)
 KINDS: dict[str, tuple[type, type]] = {"dspark": (DrafterConfig, DSparkDrafter), "eagle": (EagleConfig, EagleDrafter)}
@@ -44,10 +49,13 @@ def save_checkpoint(
     metadata: dict | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> None:
-    """Write the drafter's own weights (cast to ``dtype``) and its config / calibration / metadata JSON."""
+    """Write the drafter's own weights (cast to ``dtype``), its draft vocabulary if it has one (int64), and its
+    config / calibration / metadata JSON."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
+    if isinstance(drafter, DSparkDrafter) and drafter.draft_vocab is not None:
+        state[DRAFT_VOCAB] = drafter.draft_vocab.cpu().contiguous()
     save_file(state, str(path / WEIGHTS))
     doc = {
         "kind": kind_of(drafter),
@@ -88,11 +96,13 @@ def load_checkpoint(
         dtype: parameter dtype (None: the embedding's dtype).
 
     Returns:
-        The drafter in eval mode, its calibration, and the checkpoint's metadata.
+        The drafter in eval mode (drafting over the checkpoint's draft vocabulary if it has one), its
+        calibration, and the checkpoint's metadata.
 
     Raises:
-        FileNotFoundError: missing files; ValueError: an unknown kind, or a config that does not validate or
-        match the weights.
+        FileNotFoundError: missing files; ValueError: an unknown kind, a config that does not validate or
+        match the weights, or a draft vocabulary that is not sorted distinct ids in [0, V) or not on a DSpark
+        drafter.
     """
     path = Path(path)
     doc = read_checkpoint_config(path)
@@ -102,8 +112,39 @@ def load_checkpoint(
     config_cls, drafter_cls = KINDS[kind]
     drafter = drafter_cls(config_cls.model_validate(doc["config"]), embed_weight)
     state = load_file(str(path / WEIGHTS), device=str(embed_weight.device))
+    draft_vocab = state.pop(DRAFT_VOCAB, None)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match its config: missing {missing}, unexpected {unexpected}")
     drafter.to(device=embed_weight.device, dtype=dtype or embed_weight.dtype).eval()
+    if draft_vocab is not None:
+        if kind != "dspark":
+            raise ValueError(f"checkpoint {path}: a {DRAFT_VOCAB} tensor is only supported for kind 'dspark', "
+                             f"not {kind!r}")
+        try:
+            drafter.set_draft_vocab(draft_vocab)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"checkpoint {path}: {err}") from err
     return drafter, Calibration.from_json(doc.get("calibration", {})), doc.get("metadata", {})
+
+
+def write_draft_vocab(path: Path | str, ids: torch.Tensor, *, info: dict) -> None:
+    """Store the draft vocabulary ``ids`` [V'] in the DSpark checkpoint at ``path`` (replacing any it has) and
+    record ``info`` under ``metadata.draft_vocab`` in its ``config.json``; the weights are left as they are.
+
+    Raises:
+        FileNotFoundError: missing files; ValueError: not a DSpark checkpoint; TypeError / ValueError: ``ids``
+        not sorted distinct integer ids in [0, V) of the checkpoint's config.
+    """
+    path = Path(path)
+    doc = json.loads((path / CONFIG).read_text())
+    if doc.get("kind", "dspark") != "dspark":
+        raise ValueError(f"checkpoint {path}: a draft vocabulary needs kind 'dspark', not {doc['kind']!r}")
+    ids = check_draft_vocab(ids, DrafterConfig.model_validate(doc["config"]).vocab_size)
+    state = load_file(str(path / WEIGHTS))
+    state[DRAFT_VOCAB] = ids.cpu().contiguous()
+    tmp = path / (WEIGHTS + ".tmp")
+    save_file(state, str(tmp))
+    tmp.replace(path / WEIGHTS)
+    doc.setdefault("metadata", {})[DRAFT_VOCAB] = info
+    (path / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")

@@ -20,8 +20,14 @@ Architecture (DSpark, arXiv 2607.05147, on the DFlash backbone):
 
 The token embedding and LM head are the target's (passed in, frozen, never saved with the drafter).
 
+Draft vocabulary (inference only, no retraining): ``set_draft_vocab(ids)`` restricts drafting to a sorted subset
+of V' token ids (EAGLE-3's frequent-token head). The embedding rows and W2 columns of those ids are sliced once;
+with ``draft=True``, ``base_logits`` and ``head_step`` then return logits over V' only, and ``draft_token_ids``
+maps an index in V' back to its token id. Training (``teacher_forced``, ``draft=False``) keeps the full V.
+
 Shape symbols: B batch, T context length, K block size (gamma), Q queries per sequence (M blocks x K),
-V vocab, F feature width, Dm hidden, H heads, Hkv kv heads, Dh head dim, r rank.
+V vocab, V' draft vocabulary size (V without one), F feature width, Dm hidden, H heads, Hkv kv heads, Dh head dim,
+r rank.
 """
 
 from __future__ import annotations
@@ -46,11 +52,40 @@ class ContextKV:
     values: tuple[torch.Tensor, ...]
 
 
+def check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Validate a draft vocabulary: a non-empty, strictly increasing 1-D integer tensor of ids in [0, V).
+
+    Returns:
+        ids [V'] as int64 (same device).
+
+    Raises:
+        TypeError: not an integer tensor; ValueError: not 1-D, empty, an id outside [0, vocab_size), or not
+        strictly increasing (the message names the first unsorted or duplicate id).
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"draft_vocab must be an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"draft_vocab must be a non-empty 1-D tensor of token ids, got shape {tuple(ids.shape)}")
+    ids = ids.long()
+    bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if bad.numel():
+        raise ValueError(f"draft_vocab id {int(ids[bad[0, 0]])} (index {int(bad[0, 0])}) is outside the vocabulary "
+                         f"[0, {vocab_size})")
+    step = ids[1:] - ids[:-1]
+    bad = (step <= 0).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        what = "duplicate id" if int(step[i]) == 0 else "unsorted ids"
+        raise ValueError(f"draft_vocab must be sorted and distinct: {what} {int(ids[i])}, {int(ids[i + 1])} at "
+                         f"indices {i}, {i + 1}")
+    return ids
+
+
 @dataclass(frozen=True)
 class HeadStep:
     """One step of the sequential head for a batch of rows."""
 
-    # [B, V] float32 logits of draft k
+    # [B, V] float32 logits of draft k ([B, V'] with ``draft=True`` and a draft vocabulary)
     logits: torch.Tensor
     # [B] float32 confidence logit of draft k (before sigmoid and calibration)
     conf_logit: torch.Tensor
@@ -135,6 +170,34 @@ class DSparkDrafter(nn.Module):
         cos, sin = rope_tables(head_dim=c.head_dim, theta=c.rope_theta, max_positions=c.max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # draft vocabulary (``set_draft_vocab``): [V'] int64 ids, their embedding rows [V', Dm] and W2 rows [V', r]
+        self.register_buffer("draft_vocab", None, persistent=False)
+        self.register_buffer("draft_embed", None, persistent=False)
+        self.register_buffer("draft_w2", None, persistent=False)
+
+    # ---------------------------------------------------------------- draft vocabulary
+
+    def set_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft over the token ids ``ids`` [V'] only (sorted, distinct, in [0, V)); None: the full vocabulary.
+
+        Slices the embedding rows and W2's output rows once (in their current dtype and device): call it after
+        loading the weights and after any ``.to()`` that changes them (``.to()`` also moves the slices).
+
+        Raises:
+            TypeError / ValueError: from ``check_draft_vocab``.
+        """
+        if ids is None:
+            self.draft_vocab = self.draft_embed = self.draft_w2 = None
+            return
+        ids = check_draft_vocab(ids, self.config.vocab_size).to(self.embed_weight.device)
+        self.draft_vocab = ids
+        self.draft_embed = self.embed_weight.index_select(0, ids)
+        self.draft_w2 = self.w2.weight.detach().index_select(0, ids) if self.config.head != "none" else None
+
+    def draft_token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Indices into the drafting vocabulary (any shape, int64) -> token ids: ``draft_vocab[index]``, or
+        ``index`` itself without a draft vocabulary."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
 
     # ---------------------------------------------------------------- context
 
@@ -172,27 +235,33 @@ class DSparkDrafter(nn.Module):
             x = layer(x, ctx_k=k, ctx_v=v, cos=cos, sin=sin, mask=attn_mask)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
-    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """normed hidden [..., Dm] -> U [..., V] float32 through the frozen tied LM head."""
-        return F.linear(hidden.to(self.embed_weight.dtype), self.embed_weight).float()
+    def base_logits(self, hidden: torch.Tensor, *, draft: bool = False) -> torch.Tensor:
+        """normed hidden [..., Dm] -> U [..., V] float32 through the frozen tied LM head; with ``draft`` and a
+        draft vocabulary, U [..., V'] over its ids only (column j is token ``draft_vocab[j]``)."""
+        weight = self.draft_embed if draft and self.draft_vocab is not None else self.embed_weight
+        return F.linear(hidden.to(weight.dtype), weight).float()
 
     # ---------------------------------------------------------------- sequential head
 
     def head_step(
-        self, base: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None
+        self, base: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None,
+        *, draft: bool = False,
     ) -> HeadStep:
-        """Draft k's logits and confidence logit: base [B, V], hidden [B, Dm], prev x_{k-1} [B], state [B, r]|None."""
+        """Draft k's logits and confidence logit: base [B, V], hidden [B, Dm], prev x_{k-1} [B] (token ids),
+        state [B, r] | None. With ``draft`` and a draft vocabulary, base and the logits are [B, V'] (the W2 bias
+        of the draft ids only); the confidence does not depend on the vocabulary."""
         c = self.config
         if c.head == "none":
             return HeadStep(logits=base, conf_logit=self.conf(hidden).squeeze(-1).float(), state=None)
+        w2 = self.draft_w2 if draft and self.draft_vocab is not None else self.w2.weight
         e = self.w1(prev).to(hidden.dtype)  # [B, r]
         if c.head == "markov":
-            return HeadStep(logits=base + self.w2(e).float(),
+            return HeadStep(logits=base + F.linear(e, w2).float(),
                             conf_logit=self.conf(torch.cat([hidden, e], -1)).squeeze(-1).float(), state=None)
         if state is None:
             state = hidden.new_zeros(hidden.shape[0], c.rank)
         state = self.cell(torch.cat([hidden, e], -1), state)
-        return HeadStep(logits=base + self.w2(state).float(),
+        return HeadStep(logits=base + F.linear(state, w2).float(),
                         conf_logit=self.conf(torch.cat([hidden, state], -1)).squeeze(-1).float(), state=state)
 
     def teacher_forced(

@@ -11,7 +11,11 @@ Context alignment (matches training exactly): after a prefill the engine returns
 the rows of the pending token and the accepted drafts. So the context always covers tokens 0..T-1 and the anchor
 is token T, at position T.
 
-Shape symbols: B requests, K block size, V vocab, T context, Hkv, Dh as in ``dspark.py``.
+With a draft vocabulary (``DSparkDrafter.set_draft_vocab``) the logits, argmax and sampling run over its V' ids
+only; drafts are mapped back to token ids and the draft distributions are scattered into the full [K, V] the
+engine verifies against (zero outside V': those tokens are never proposed, so sampling stays lossless).
+
+Shape symbols: B requests, K block size, V vocab, V' draft vocabulary, T context, Hkv, Dh as in ``dspark.py``.
 """
 
 from __future__ import annotations
@@ -79,10 +83,12 @@ def draw(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft per request: argmax of ``logits`` [B, V] for greedy rows; for the sampled ``rows`` [S], the
     inverse CDF of q = softmax(logits / T) at ``uniform`` [S] (the first token whose cumulative mass exceeds
-    u * total, a draw from q with one uniform instead of V exponentials).
+    u * total, a draw from q with one uniform instead of V exponentials). Over a draft vocabulary the logits are
+    [B, V'] and the tokens are indices into it.
 
     Returns:
-        tokens [B] int64, and q [B, V] float32 when any row samples (None otherwise).
+        tokens [B] int64 (column indices of ``logits``), and q [B, V] float32 ([B, V'] over a draft vocabulary)
+        when any row samples (None otherwise).
     """
     tok = logits.argmax(-1)
     if rows.numel() == 0:
@@ -94,17 +100,32 @@ def draw(
     return tok, q
 
 
+def full_vocab_probs(probs: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft distributions over a draft vocabulary, ``probs`` [..., V'] (column j is token ``vocab[j]``), ->
+    [..., V] float32 on the same device, zero outside ``vocab`` [V'] (sorted distinct ids < ``vocab_size``)."""
+    full = probs.new_zeros(*probs.shape[:-1], vocab_size, dtype=torch.float32)
+    return full.index_copy_(-1, vocab, probs.float())
+
+
 def make_proposal(
     request_ids: Sequence[str], states: Sequence[SamplingState], tokens: list[torch.Tensor],
     probs: list[torch.Tensor | None], conf_logits: list[torch.Tensor], calibration: Calibration,
+    *, vocab: torch.Tensor | None = None, vocab_size: int | None = None,
 ) -> DraftProposal:
-    """Per-step drafts (``tokens``: K x [B], ``probs``: K x ([B, V] or None), ``conf_logits``: K x [B]) -> the
-    round's ``DraftProposal``; sampled requests carry their draft distributions, greedy ones a point mass."""
+    """Per-step drafts (``tokens``: K x [B] token ids, ``probs``: K x ([B, V] or None), ``conf_logits``: K x [B])
+    -> the round's ``DraftProposal``; sampled requests carry their draft distributions [K, V], greedy ones a point
+    mass. With a draft vocabulary ``vocab`` [V'], ``probs`` are K x [B, V'] and are scattered into the full
+    ``vocab_size`` (``full_vocab_probs``)."""
     tokens_t = torch.stack(tokens, 1).cpu()
     probs_t = None if probs[0] is None else torch.stack(probs, 1)
     logits_t = torch.stack(conf_logits, 1).float().cpu()
+
+    def block_probs(b: int) -> torch.Tensor:
+        q = probs_t[b] if vocab is None else full_vocab_probs(probs_t[b], vocab, vocab_size)
+        return q.float().cpu()
+
     blocks = [
-        DraftBlock(rid, tokens_t[b], probs_t[b].float().cpu() if s.temperature > 0 else None)
+        DraftBlock(rid, tokens_t[b], block_probs(b) if s.temperature > 0 else None)
         for b, (rid, s) in enumerate(zip(request_ids, states))
     ]
     greedy = torch.tensor([s.temperature == 0 for s in states])[:, None]
@@ -219,20 +240,21 @@ class DSparkProposer(RequestProposerBase):
         mask = torch.cat([ctx_valid[:, None, :].expand(-1, k, -1),
                           torch.ones(len(states), k, k, dtype=torch.bool, device=device)], dim=2)
         hidden = d.backbone(d.block_inputs(anchors), positions=positions, ctx=ctx, mask=mask)
-        base = d.base_logits(hidden[:, : self.gamma])  # [B, gamma, V]
+        base = d.base_logits(hidden[:, : self.gamma], draft=True)  # [B, gamma, V'] (V' = V without a draft vocab)
         temps = torch.tensor([s.temperature for s in states], device=device)
         rows, uniform = round_uniforms(states, self.gamma, device)
         prev, state = anchors[:, 0], None
         tokens, probs, conf = [], [], []
         for i in range(self.gamma):
-            step = d.head_step(base[:, i], hidden[:, i], prev, state)
+            step = d.head_step(base[:, i], hidden[:, i], prev, state, draft=True)
             state = step.state
-            tok, q = draw(step.logits, temps, rows, uniform[:, i])
-            tokens.append(tok)
+            index, q = draw(step.logits, temps, rows, uniform[:, i])  # index into V', q [B, V'] | None
+            prev = d.draft_token_ids(index)
+            tokens.append(prev)
             probs.append(q)
             conf.append(step.conf_logit)
-            prev = tok
-        self.last_proposal = make_proposal(request_ids, states, tokens, probs, conf, self.calibration)
+        self.last_proposal = make_proposal(request_ids, states, tokens, probs, conf, self.calibration,
+                                           vocab=d.draft_vocab, vocab_size=d.config.vocab_size)
         return self.last_proposal.blocks
 
     # ---------------------------------------------------------------- helpers

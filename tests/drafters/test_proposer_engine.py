@@ -1,4 +1,5 @@
-"""The committed DSpark checkpoint driving the real engine: lossless greedy outputs, sampled runs complete.
+"""The committed DSpark checkpoint driving the real engine: lossless greedy outputs, sampled runs complete, also
+with a draft vocabulary.
 
 Uses the session-scoped ``engine`` fixture of ``tests/conftest.py``.
 """
@@ -13,7 +14,9 @@ from app.drafters.proposer import DSparkProposer
 from app.engine.decode import generate
 from app.engine.types import DraftBlock, SamplingParams
 from app.eval.evaluate import DEFAULT_CHECKPOINT
+from tests.engine.near_tie import check_same_or_near_tie
 
+DRAFT_VOCAB = 8192  # V' = the ids below it (the special ids 0-2 included); many answer tokens lie above
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Janet has 3 apples and buys 5 more. How many apples does she have? Think step by step.",
@@ -26,6 +29,35 @@ def drafter(engine):
     if not (DEFAULT_CHECKPOINT / "model.safetensors").exists():
         pytest.skip(f"no committed checkpoint at {DEFAULT_CHECKPOINT}")
     return load_checkpoint(DEFAULT_CHECKPOINT, engine.model.embed_tokens.weight)
+
+
+@pytest.fixture(scope="module")
+def vocab_drafter(engine, drafter):
+    """Another copy of the committed checkpoint, drafting over the DRAFT_VOCAB lowest token ids."""
+    model, calibration, _ = load_checkpoint(DEFAULT_CHECKPOINT, engine.model.embed_tokens.weight)
+    model.set_draft_vocab(torch.arange(DRAFT_VOCAB))
+    return model, calibration
+
+
+class DraftLog:
+    """Proposer hooks passed through to ``inner``, keeping every block it proposed."""
+
+    def __init__(self, inner: DSparkProposer) -> None:
+        self.inner, self.blocks = inner, []
+
+    def start(self, request_id, prompt_ids, first) -> None:
+        self.inner.start(request_id, prompt_ids, first)
+
+    def propose(self, request_ids):
+        blocks = self.inner.propose(request_ids)
+        self.blocks += blocks
+        return blocks
+
+    def update(self, outputs) -> None:
+        self.inner.update(outputs)
+
+    def finish(self, request_id) -> None:
+        self.inner.finish(request_id)
 
 
 def test_greedy_speculative_output_equals_plain_greedy(engine, drafter):
@@ -75,3 +107,32 @@ def test_updates_of_skipped_rounds_arrive_together(engine, drafter):
     (a,), (b,) = one_by_one.propose(["skip"]), together.propose(["skip"])
     assert torch.equal(a.tokens, b.tokens)
     assert torch.allclose(one_by_one.last_proposal.confidences, together.last_proposal.confidences)
+
+
+def test_greedy_with_a_draft_vocab_equals_plain_greedy(engine, vocab_drafter):
+    model, calibration = vocab_drafter
+    ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    params = SamplingParams(max_tokens=48)
+    plain, _ = generate(engine, ids, params)
+    assert any(t >= DRAFT_VOCAB for r in plain for t in r.token_ids)  # the target does emit tokens outside V'
+    log = DraftLog(DSparkProposer(model, calibration, gamma=7))
+    spec, _ = generate(engine, ids, params, proposer=log)
+    for prompt, p, s in zip(ids, plain, spec):
+        check_same_or_near_tie(engine, prompt, p.token_ids, s.token_ids)
+    drafted = torch.cat([b.tokens for b in log.blocks])
+    assert drafted.numel() > 0 and int(drafted.max()) < DRAFT_VOCAB
+    assert sum(r.num_accepted for r in spec) > 0
+
+
+def test_sampled_with_a_draft_vocab_proposes_inside_it(engine, vocab_drafter):
+    model, calibration = vocab_drafter
+    ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=32, temperature=1.0, seed=i) for i in range(len(ids))]
+    log = DraftLog(DSparkProposer(model, calibration, temperature=1.0, seed=0))
+    results, _ = generate(engine, ids, params, proposer=log)
+    for r in results:
+        assert r.finish_reason is not None and 1 <= len(r.token_ids) <= 32
+    for block in log.blocks:
+        assert block.probs.shape == (7, engine.vocab_size) and int(block.tokens.max()) < DRAFT_VOCAB
+        assert (block.probs[:, DRAFT_VOCAB:] == 0).all()
+        assert torch.allclose(block.probs.sum(-1), torch.ones(7), atol=1e-4)

@@ -66,18 +66,20 @@ def test_pipeline_writes_a_calibrated_checkpoint_and_report(tmp_path):
         "--per-set", "gsm8k-train=6", "mbpp=2", "chat=2", "--max-tokens", "12", "--max-batch", "4",
         "--samples", "2", "--temperature", "1.0", "--config", json.dumps(drafter_config), "--steps", "4",
         "--train-minutes", "5", "--batch-seqs", "2", "--anchors", "4", "--eval-limit", "2", "--eval-max-tokens", "8",
+        "--draft-vocab", "64",
     ])
     assert json.loads((out / "data-greedy" / "meta.json").read_text())["sequences"] == 10
     assert json.loads((out / "data-sampled" / "meta.json").read_text())["sequences"] == 20
     doc = json.loads((out / "checkpoint" / "config.json").read_text())
     assert doc["metadata"]["train"]["steps_done"] == 4
     assert len(doc["calibration"]["temperatures"]["greedy"]) == 4
+    assert doc["metadata"]["draft_vocab"]["size"] == 64
     target = load_target(str(tmp_path / "target"), device="cpu").model
     drafter, calibration, _ = load_checkpoint(out / "checkpoint", target.embed_tokens.weight)
-    assert drafter.config.block_size == 4 and calibration is not None
+    assert drafter.config.block_size == 4 and calibration is not None and drafter.draft_vocab.numel() == 64
     assert list(out.glob("eval/*.json")) and list(out.glob("eval/*.md"))
     assert set(json.loads((out / "pipeline.json").read_text())["seconds"]) == {
-        "datagen-greedy", "datagen-sampled", "train", "calibrate", "evaluate"}
+        "datagen-greedy", "datagen-sampled", "train", "calibrate", "draft-vocab", "evaluate"}
 
 
 def test_trainer_names_an_unknown_config_field(tmp_path, capsys):

@@ -1,13 +1,15 @@
-"""One command from a target to a calibrated, evaluated drafter checkpoint: datagen -> train -> calibrate -> eval.
+"""One command from a target to a calibrated, evaluated drafter checkpoint: datagen -> train -> calibrate ->
+draft vocabulary -> eval.
 
 Owns: running the four stages in one process under one wall-clock budget per stage and the folder layout below;
 each stage is the module of its own name with the same flags (``datagen.py``, ``trainer.py``, ``calibrate.py``,
-``app/eval/evaluate.py``), so a stage can be re-run alone on the same folders. Device picked automatically.
+``draft_vocab.py``, ``app/eval/evaluate.py``), so a stage can be re-run alone on the same folders. Device picked automatically.
 
 Layout under ``--out``:
     data-greedy/     greedy answers to every training prompt (``datagen.py``)
     data-sampled/    ``--samples`` sampled answers per prompt, only while the datagen budget lasts
-    checkpoint/      the trained, calibrated drafter (``config.json`` + ``model.safetensors``)
+    checkpoint/      the trained, calibrated drafter (``config.json`` + ``model.safetensors``, with the
+                     ``--draft-vocab`` most frequent answer tokens of data-greedy/ as its draft vocabulary)
     eval/            ``evaluate.py``'s JSON and Markdown report (with ``--eval-limit``)
 
 Usage (the committed SmolLM2-135M checkpoint's GPU recipe is in ``docs/drafter.md``):
@@ -22,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from app.drafters.train import calibrate, datagen, trainer
+from app.drafters.train import calibrate, datagen, draft_vocab, trainer
 from app.eval import evaluate
 from app.eval.datasets import DEFAULT_DATASETS_DIR
 
@@ -54,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--batch-seqs", type=int, default=16)
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--draft-vocab", type=int, default=8192,
+                    help="draft vocabulary size V' (draft_vocab.py; DSpark kind only); 0 keeps the full vocabulary")
     ap.add_argument("--eval-limit", type=int, default=None, help="evaluate on the first N prompts of each set")
     ap.add_argument("--eval-max-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
@@ -81,6 +85,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             str(args.batch_seqs), "--anchors", str(args.anchors), "--lr", str(args.lr), "--seed", str(args.seed)],
            timings)
     _stage("calibrate", calibrate.main, ["--checkpoint", str(ckpt), "--data", *data_args], timings)
+    if args.draft_vocab and args.kind == "dspark":
+        _stage("draft-vocab", draft_vocab.main,
+               ["--data", data_args[0], "--checkpoint", str(ckpt), "--size", str(args.draft_vocab)], timings)
     if args.eval_limit:
         _stage("evaluate", evaluate.main,
                ["--checkpoint", str(ckpt), "--out", str(args.out / "eval"), "--limit", str(args.eval_limit),

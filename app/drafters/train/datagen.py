@@ -1,10 +1,10 @@
 """Training data for the drafter: the target answers training prompts itself (self-distillation).
 
-Owns: choosing training prompts (``app/eval/datasets.py`` training sets only), plain decoding through
-the engine (greedy, or sampled with ``--temperature``), and writing each sequence's token ids and per-token target features to safetensors shards. The
-features come for free from decoding: the prefill returns the prompt's rows, each verify step the rows of the
-tokens that entered the cache. Row j of a sequence is the target's hidden state at token j (it predicted token
-j+1); the final token never enters the cache, so its row is zero and never used.
+Owns: choosing training prompts (``app/eval/datasets.py`` training sets only), plain decoding through the engine
+(greedy, or sampled with ``--temperature``), and writing each sequence's token ids and per-token target features
+to safetensors shards. The features come for free from decoding: the prefill returns the prompt's rows, each
+verify step the rows of the tokens that entered the cache. Row j of a sequence is the target's hidden state at
+token j (it predicted token j+1); the final token never enters the cache, so its row is zero and never used.
 
 Shard layout (``shard-XXXX.safetensors``; S sequences, L_s tokens each, sum over the shard = Ltot):
     tokens      [Ltot] int32   prompt + response ids, sequences concatenated
@@ -131,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ids = [x for x in ids if len(x) + args.max_tokens + engine.config.max_draft_len <= engine.config.max_model_len]
     ids = [x for x in ids for _ in range(args.samples)]
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                             seed=None if args.temperature == 0 else args.seed * 1_000_003 + j) for j in range(len(ids))]
+                             seed=None if args.temperature == 0 else args.seed * 1_000_003 + j)
+              for j in range(len(ids))]
     if args.max_shards is not None:
         ids = ids[: args.max_shards * args.shard_size]
     bar = tqdm(total=len(ids), desc="datagen", unit="answer")
@@ -149,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
     bar.close()
     meta = {"model": args.model, "per_set": per_set, "max_tokens": args.max_tokens, "seed": args.seed,
-            "samples": args.samples, "temperature": args.temperature, "sequences": done, "new_tokens": new_tokens, "feature_layers": list(engine.model.feature_layers),
+            "samples": args.samples, "temperature": args.temperature, "sequences": done, "new_tokens": new_tokens,
+            "feature_layers": list(engine.model.feature_layers),
             "seconds": round(time.perf_counter() - start, 1)}
     (args.out / "meta.json").write_text(json.dumps(meta, indent=2))
     print(json.dumps(meta))

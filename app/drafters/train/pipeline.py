@@ -3,7 +3,8 @@ draft vocabulary -> eval.
 
 Owns: running the four stages in one process under one wall-clock budget per stage and the folder layout below;
 each stage is the module of its own name with the same flags (``datagen.py``, ``trainer.py``, ``calibrate.py``,
-``draft_vocab.py``, ``app/eval/evaluate.py``), so a stage can be re-run alone on the same folders. Device picked automatically.
+``draft_vocab.py``, ``app/eval/evaluate.py``), so a stage can be re-run alone on the same folders. Device picked
+automatically.
 
 Layout under ``--out``:
     data-greedy/     greedy answers to every training prompt (``datagen.py``)

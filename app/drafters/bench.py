@@ -38,7 +38,7 @@ import torch
 
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.dspark import DSparkDrafter
-from app.drafters.proposer import DSparkProposer, draw, make_proposal, round_uniforms
+from app.drafters.proposer import DSparkProposer, draw, make_proposal, round_sampling
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.types import DraftBlock, SamplingParams
 from app.eval.evaluate import DEFAULT_CHECKPOINT
@@ -64,8 +64,7 @@ def time_round(proposer: DSparkProposer, ids: list[str]) -> tuple[dict[str, floa
     t2 = time.perf_counter()
     base = d.base_logits(hidden[:, :gamma], draft=True)
     t3 = time.perf_counter()
-    temps = torch.tensor([s.temperature for s in states])
-    draws, uniform = round_uniforms(states, gamma, torch.device("cpu"))
+    temps, draws, uniform = round_sampling(states, gamma, torch.device("cpu"))
     prev, state, tokens, probs, conf = anchors[:, 0], None, [], [], []
     head_s = sample_s = 0.0
     for i in range(gamma):

@@ -27,7 +27,7 @@ from app.drafters.proposer import (
     draw,
     make_proposal,
     request_generator,
-    round_uniforms,
+    round_sampling,
 )
 from app.engine.types import DraftBlock, StepOutput
 
@@ -84,8 +84,7 @@ class EagleProposer(RequestProposerBase):
         device = d.embed_weight.device
         past_k, past_v, valid = self._batch_context(states)
         lengths = torch.tensor([s.length for s in states], device=device)
-        temps = torch.tensor([s.temperature for s in states], device=device)
-        rows, uniform = round_uniforms(states, self.gamma, device)
+        temps, rows, uniform = round_sampling(states, self.gamma, device)
         h = torch.stack([s.last_hidden for s in states])  # [B, Dm]
         ones = valid.new_ones(len(states), 1)
         tokens, probs, conf = [], [], []

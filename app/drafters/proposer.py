@@ -67,15 +67,17 @@ def request_generator(seed: int, request_id: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def round_uniforms(
+def round_sampling(
     states: Sequence[SamplingState], gamma: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampled requests' rows [S] and one uniform per draft [S, gamma], each from its request's generator."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A round's sampling inputs for ``draw``: temperatures [B], the sampled requests' rows [S] and one uniform per
+    draft [S, gamma], each from its request's generator."""
+    temps = torch.tensor([s.temperature for s in states], device=device)
     sampled = [b for b, s in enumerate(states) if s.temperature > 0]
     rows = torch.tensor(sampled, dtype=torch.long, device=device)
     if not sampled:
-        return rows, torch.zeros(0, gamma, device=device)
-    return rows, torch.stack([torch.rand(gamma, generator=states[b].generator) for b in sampled]).to(device)
+        return temps, rows, torch.zeros(0, gamma, device=device)
+    return temps, rows, torch.stack([torch.rand(gamma, generator=states[b].generator) for b in sampled]).to(device)
 
 
 def draw(
@@ -241,8 +243,7 @@ class DSparkProposer(RequestProposerBase):
                           torch.ones(len(states), k, k, dtype=torch.bool, device=device)], dim=2)
         hidden = d.backbone(d.block_inputs(anchors), positions=positions, ctx=ctx, mask=mask)
         base = d.base_logits(hidden[:, : self.gamma], draft=True)  # [B, gamma, V'] (V' = V without a draft vocab)
-        temps = torch.tensor([s.temperature for s in states], device=device)
-        rows, uniform = round_uniforms(states, self.gamma, device)
+        temps, rows, uniform = round_sampling(states, self.gamma, device)
         prev, state = anchors[:, 0], None
         tokens, probs, conf = [], [], []
         for i in range(self.gamma):

@@ -6,7 +6,8 @@ points at, then binds the undecorated deployment classes with ``serve.deployment
     Ingress (FastAPI) -> Target replicas  -> Drafter replicas (one call per round, sticky per target replica)
                       \\-> Router (one replica: load reports in, target choice and snapshot out)
 
-Target and Drafter replicas each ask for their own resource group (``target`` / ``drafter_replicas``
+With ``drafter_placement: colocated`` there is no Drafter deployment: each target replica drafts on its own
+torch thread. Target and Drafter replicas each ask for their own resource group (``target`` / ``drafter_replicas``
 placement: CPUs, GPUs, custom resources), so a cluster config can pin them to different nodes. With
 ``autoscaling.enabled`` both get a Ray Serve ``autoscaling_config`` instead of a fixed ``num_replicas``; the
 SLO policy that moves them is the application-level ``autoscaling_policy`` of the YAML (``autoscale/``).
@@ -44,7 +45,7 @@ def build_app(args: dict) -> Application:
         ray_actor_options={"num_cpus": config.router_num_cpus, "resources": dict(config.router_resources)},
     ).bind(config)
     drafter = None
-    if config.speculates:
+    if config.speculates and config.drafter_placement == "separate":
         drafter = serve.deployment(
             DrafterReplica, name="Drafter", **_scaling(config, "drafter"),
             ray_actor_options=config.drafter_replicas.actor_options(),

@@ -100,6 +100,12 @@ class AppConfig(BaseModel):
         "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-2-threads.json",
         description="Throughput profile JSON of the target (verify-step and draft-step times).",
     )
+    drafter_placement: Literal["separate", "colocated"] = Field(
+        "separate",
+        description="'separate': Drafter replicas on their own resource group (drafter_replicas), one call between "
+        "replicas per round; 'colocated': the drafter runs inside each target replica, on its torch thread (no "
+        "Drafter deployment; drafter_replicas is unused). Colocated is faster on a small CPU host (docs/serving.md).",
+    )
     drafter_timeout_s: float = Field(
         5.0, gt=0, description="A drafter call slower than this fails over to plain decoding for its requests."
     )
@@ -134,6 +140,7 @@ class AppConfig(BaseModel):
     # ------------------------------------------------------------------ test knobs
     mock_step_ms: float = Field(0.0, ge=0, description="Mock engine: sleep per verify step (ms), for timing tests.")
     mock_vocab_size: int = Field(512, ge=16, description="Mock engine: vocabulary size.")
+    mock_drafter_fails: bool = Field(False, description="Mock drafter: raise in every propose (fail-over tests).")
 
     @field_validator("policy")
     @classmethod

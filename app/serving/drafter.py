@@ -1,11 +1,17 @@
-"""The Drafter deployment: holds a proposer and its per-request state; drafts a target replica's batch per call.
+"""The drafter side of a round: ``DrafterCore`` (a proposer and its per-request state, one call per target batch
+per round) and the Drafter deployment that hosts it on its own resource group.
 
 Any ``Proposer`` (``app/engine/decode.py``: ``start``, ``propose``, ``update``, ``finish``) plugs in, provided
 it leaves the round's confidences ``[B, K]`` in ``last_proposal.confidences`` (every trained drafter, n-gram and
 the mock do). One ``draft`` call per round carries the target batch's new requests, last round's outputs (only the
 newly committed tokens' features), finished requests and the ids to draft, in that order, exactly as the
-offline loop drives the hooks. A target replica always reaches the same drafter replica
-(``PinnedReplicaRouter``), so a request's state lives on one drafter replica for its life.
+offline loop drives the hooks.
+
+Placement (``AppConfig.drafter_placement``): ``separate`` (default) runs ``DrafterCore`` in Drafter replicas; a
+target replica always reaches the same drafter replica (``PinnedReplicaRouter``), so a request's state lives on
+one drafter replica for its life. ``colocated`` runs a ``DrafterCore`` inside each target replica, on the
+engine's torch thread (no Drafter deployment, no call between processes: on a small CPU host each drafter call
+between replicas costs more than drafting itself, see docs/serving.md).
 
 Does not own: deciding how much of a draft is verified (the target replica's scheduler).
 
@@ -49,7 +55,7 @@ def make_proposer(config: AppConfig) -> Proposer:
     if config.drafter == "mock":
         from app.serving.mock import MockProposer
 
-        return MockProposer(vocab_size=config.mock_vocab_size, gamma=config.gamma)
+        return MockProposer(vocab_size=config.mock_vocab_size, gamma=config.gamma, fails=config.mock_drafter_fails)
     return load_checkpoint_proposer(config)
 
 
@@ -65,29 +71,45 @@ def load_checkpoint_proposer(config: AppConfig) -> Proposer:
     return load_proposer(config.drafter_checkpoint, embed, gamma=config.gamma)
 
 
-class DrafterReplica:
-    """The Drafter deployment class (bound undecorated by ``builder.py``)."""
+class DrafterCore:
+    """The configured proposer and the set of requests it holds state for; not thread-safe (one torch thread).
 
-    def __init__(self, config: AppConfig) -> None:
+    Args:
+        config: the application config (drafter kind, checkpoint, gamma, policy label).
+        replica: the hosting replica's id (metrics label).
+    Raises:
+        FileNotFoundError: drafter 'dspark' without a checkpoint at ``drafter_checkpoint``.
+    """
+
+    def __init__(self, config: AppConfig, *, replica: str) -> None:
         self.config = config
-        self._torch = TorchThread("drafter", config.torch_threads)
-        self.proposer = self._torch.call(make_proposer, config)
+        self.proposer = make_proposer(config)
         self._live: set[str] = set()
-        self.metrics = DrafterMetrics(policy=config.policy,
-                                      replica=serve.get_replica_context().replica_id.unique_id)
+        self.metrics = DrafterMetrics(policy=config.policy, replica=replica)
 
-    async def draft(self, call: DraftCall, replica_key: str | None = None) -> DraftRound:
+    @property
+    def num_states(self) -> int:
+        """Requests this core holds drafter state for (leak checks)."""
+        return len(self._live)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop the state of these requests (finished, cancelled or failed over; unknown ids are ignored)."""
+        for rid in request_ids:
+            if rid in self._live:
+                self._live.discard(rid)
+                self.proposer.finish(rid)
+
+    def draft(self, call: DraftCall) -> DraftRound:
         """Apply the hooks gathered since the last call, then draft ``call.propose``.
 
         A call may carry several rounds (the target skips the drafter while its draft gate is closed), so a
         request can start, step and finish within one call: starts are applied first, then the steps in
         order, then the finishes; a request that starts and finishes in the same call is never started.
-        Runs on the replica's torch thread (calls are applied one at a time, in arrival order).
-        ``replica_key`` only steers routing.
-        """
-        return await self._torch.run(self._draft, call)
 
-    def _draft(self, call: DraftCall) -> DraftRound:
+        Returns:
+            blocks and confidences ``[B, K]`` for the proposed ids this core holds state for; the others are
+            listed in ``missing``.
+        """
         t0 = time.perf_counter()
         finished = set(call.finished)
         for s in call.starts:
@@ -98,10 +120,7 @@ class DrafterReplica:
             self.proposer.start(s.request_id, s.prompt_ids, s.first)
             self._live.add(s.request_id)
         self.proposer.update([out for out in call.updates if out.request_id in self._live])
-        for rid in call.finished:
-            if rid in self._live:
-                self._live.discard(rid)
-                self.proposer.finish(rid)
+        self.forget(call.finished)
         missing = [rid for rid in call.propose if rid not in self._live]
         ids = [rid for rid in call.propose if rid in self._live]
         blocks = self.proposer.propose(ids) if ids else []
@@ -109,6 +128,22 @@ class DrafterReplica:
         self.metrics.call(ms=(time.perf_counter() - t0) * 1000, batch=len(ids))
         return DraftRound(blocks=blocks, confidences=confidences.float(), missing=missing)
 
+
+class DrafterReplica:
+    """The Drafter deployment class (bound undecorated by ``builder.py``): a ``DrafterCore`` on a torch thread."""
+
+    def __init__(self, config: AppConfig) -> None:
+        self._torch = TorchThread("drafter", config.torch_threads)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.core = self._torch.call(lambda: DrafterCore(config, replica=replica))
+
+    async def draft(self, call: DraftCall, replica_key: str | None = None) -> DraftRound:
+        """``DrafterCore.draft`` on the replica's torch thread (calls applied one at a time, in arrival order).
+
+        ``replica_key`` only steers routing.
+        """
+        return await self._torch.run(self.core.draft, call)
+
     def debug_state(self) -> dict:
         """Requests this replica holds drafter state for (leak checks) and where it runs (placement checks)."""
-        return {"states": len(self._live), "node_id": ray.get_runtime_context().get_node_id()}
+        return {"states": self.core.num_states, "node_id": ray.get_runtime_context().get_node_id()}

@@ -158,6 +158,7 @@ class MockProposer:
     vocab_size: int
     gamma: int
     miss_at: int = 3
+    fails: bool = False  # raise in every propose (drafter-failure tests)
     last_proposal: DraftRound | None = field(default=None, init=False)
     _anchor: dict[str, int] = field(default_factory=dict, init=False)
 
@@ -173,6 +174,8 @@ class MockProposer:
         self._anchor.pop(request_id, None)
 
     def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
+        if self.fails:
+            raise RuntimeError("mock drafter failure (mock_drafter_fails)")
         blocks, conf = [], torch.full((len(request_ids), self.gamma), MOCK_HIT_CONFIDENCE)
         for i, rid in enumerate(request_ids):
             tok, draft = self._anchor[rid], []

@@ -9,8 +9,8 @@ Load-aware capacity (DSpark Sec. 3.3, the asynchronous variant, evaluated per re
 and recent per-draft acceptance rate alpha, the expected committed tokens for verify length l are
 ``tau(l) = B (1 + alpha + ... + alpha^l)`` and the step rate ``SPS(B (1 + l))`` (drafter step included when
 l > 0) comes from the profile; the capacity is ``B * l*`` slots with ``l* = argmax_l tau(l) SPS``
-(``app.scheduling.policies.best_uniform_length``; 0 when drafting does not pay). It shrinks as the batch grows (verification
-waste costs more when the target is busy) and grows with acceptance.
+(``app.scheduling.policies.best_uniform_length``; 0 when drafting does not pay). It shrinks as the batch grows
+(verification waste costs more when the target is busy) and grows with acceptance.
 
 ``PinnedReplicaRouter`` is a Ray Serve request router: a call with ``replica_key=<replica unique id>`` goes to
 that replica (the Router's choice of target); any other key is mapped by rendezvous hashing to one replica,

@@ -2,10 +2,11 @@
 
 Owns: the replica's waiting queue (bounded: beyond ``max_queued_requests`` a request answers 503), admission
 between rounds (prefill into a free KV slot), the round (drafter call -> verify-length policy over the whole
-batch -> one ragged verify), streaming each request's committed text back, cancellation (a client that goes
-away frees its KV slot and, next round, its drafter state), drafter fail-over (a failed or slow drafter call
-moves the affected requests to plain decoding for the rest of their life, counted in ``drafter_failures``)
-and load reports to the Router, off the per-token path.
+batch -> one ragged verify; the drafter is a Drafter replica or, with ``drafter_placement: colocated``, a
+``DrafterCore`` on this replica's torch thread), streaming each request's committed text back, cancellation (a
+client that goes away frees its KV slot and, next round, its drafter state), drafter fail-over (a failed or
+slow drafter call moves the affected requests to plain decoding for the rest of their life, counted in
+``drafter_failures``) and load reports to the Router, off the per-token path.
 
 The engine is built and driven on one dedicated thread (``TorchThread``: it is not thread-safe, and torch work
 spread over several threads is slower, see ``torch_thread.py``), so the replica's event loop stays free to
@@ -35,6 +36,7 @@ from app.scheduling.policies import make_policy
 from app.scheduling.profile import load_profile
 from app.scheduling.scheduler import VerifyScheduler
 from app.serving.config import AppConfig
+from app.serving.drafter import DrafterCore
 from app.serving.protocol import (
     DraftCall, DraftRound, DraftStart, ErrorItem, GenerateRequest, SpecStats, TextChunk, strip_for_drafter,
 )
@@ -45,9 +47,16 @@ from app.serving.torch_thread import TorchThread
 log = logging.getLogger("ray.serve")
 
 STATS_EMA = 0.2  # weight of the newest round in the step-time / tokens / acceptance EMAs
+
+
+class ColocatedDrafterError(RuntimeError):
+    """The colocated drafter raised (the cause is chained)."""
+
+
 # A drafter call fails over to plain decoding on these (replica died or was restarted, call timed out or was
 # rejected, or the drafter raised).
-DRAFTER_FAILURES = (RayActorError, RayTaskError, asyncio.TimeoutError, BackPressureError, RequestCancelledError)
+DRAFTER_FAILURES = (RayActorError, RayTaskError, asyncio.TimeoutError, BackPressureError, RequestCancelledError,
+                    ColocatedDrafterError)
 
 
 class Engine(Protocol):
@@ -99,14 +108,17 @@ class TargetReplica:
         self.config = config
         self._torch = TorchThread("engine", config.torch_threads)
         self.engine = self._torch.call(make_engine, config)
-        self.drafter = drafter if config.speculates else None
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.speculates = config.speculates
+        self.drafter = drafter if self.speculates and config.drafter_placement == "separate" else None
+        self.colocated = self._torch.call(lambda: DrafterCore(config, replica=self.replica_id)) \
+            if self.speculates and config.drafter_placement == "colocated" else None
         self.router = router
         self.policy = make_policy(config.policy)
         self.scheduler = VerifyScheduler(
             self.policy, load_profile(config.profile), max_batch=config.max_num_seqs, gamma=config.gamma,
             draft_gate=config.draft_gate,
-        ) if config.speculates else None
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        ) if self.speculates else None
         self.telemetry = TargetTelemetry(slo=config.autoscaling, policy=config.policy, replica=self.replica_id,
                                          gamma=config.gamma, max_num_seqs=config.max_num_seqs)
         self._waiting: collections.deque[_Stream] = collections.deque()
@@ -157,6 +169,7 @@ class TargetReplica:
         """Counts of held request state (leak checks and the autoscaler)."""
         held = getattr(self.engine, "num_active", None)
         return {"active": len(self._active), "waiting": len(self._waiting), "engine_active": held,
+                "colocated_drafter_states": None if self.colocated is None else self.colocated.num_states,
                 "cancelled_pending": len(self._cancelled), "node_id": ray.get_runtime_context().get_node_id(),
                 **self._stats}
 
@@ -185,7 +198,7 @@ class TargetReplica:
             await self._admit()
             if self._active:
                 await self._round()
-            elif self._draft_finished and self.drafter is not None:
+            elif self._draft_finished and self.speculates:
                 await self._call_drafter([])  # tell the drafter to forget cancelled requests
 
     async def _drop_cancelled(self) -> None:
@@ -221,7 +234,7 @@ class TargetReplica:
             if stream.done:
                 continue
             self._active[req.request_id] = stream
-            if self.drafter is not None:
+            if self.speculates:
                 self._draft_starts.append(DraftStart(req.request_id, stream.prompt_ids,
                                                      strip_for_drafter(first), req.params))
                 stream.on_drafter = True
@@ -231,7 +244,7 @@ class TargetReplica:
         ids = list(self._active)
         blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
         num_drafted, drafter_called = 0, False
-        speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.drafter is not None else []
+        speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.speculates else []
         draft_ms = 0.0
         if speculative and self.scheduler.should_draft(len(speculative), draft_ms=self._stats["draft_ms"] or None,
                                                        verify_scale=self._stats["verify_scale"]):
@@ -277,18 +290,36 @@ class TargetReplica:
         call = DraftCall(starts=self._draft_starts, updates=self._draft_updates,
                          finished=self._draft_finished, propose=propose)
         self._draft_starts, self._draft_updates, self._draft_finished = [], [], []
-        response = self.drafter.draft.remote(call, replica_key=f"target:{self.replica_id}")
         try:
-            result = await asyncio.wait_for(response, timeout=self.config.drafter_timeout_s)
+            result = await self._draft(call)
         except DRAFTER_FAILURES as err:
-            response.cancel()
             moved = self._fail_over(propose + [s.request_id for s in call.starts], err)
-            if isinstance(err, asyncio.TimeoutError):  # the replica may still hold their state: forget it next call
+            if isinstance(err, ColocatedDrafterError):  # the call may have raised half-way: drop their state now
+                await self._run(self.colocated.forget, call.finished + moved)
+            elif isinstance(err, asyncio.TimeoutError):  # the replica may still hold their state: forget it next call
                 self._draft_finished.extend(call.finished + moved)
             return None
         if result.missing:
             self._fail_over(result.missing, RuntimeError("drafter replica holds no state for them"))
         return result
+
+    async def _draft(self, call: DraftCall) -> DraftRound:
+        """The round's drafter call, colocated or to this replica's pinned Drafter replica.
+
+        Raises:
+            One of ``DRAFTER_FAILURES``.
+        """
+        if self.colocated is not None:
+            try:
+                return await self._run(self.colocated.draft, call)
+            except Exception as err:  # a drafter bug must not take the batch's requests down with it
+                raise ColocatedDrafterError(f"{type(err).__name__}: {err}") from err
+        response = self.drafter.draft.remote(call, replica_key=f"target:{self.replica_id}")
+        try:
+            return await asyncio.wait_for(response, timeout=self.config.drafter_timeout_s)
+        except DRAFTER_FAILURES:
+            response.cancel()
+            raise
 
     def _fail_over(self, request_ids: list[str], err: BaseException) -> list[str]:
         """Move active requests to plain decoding; returns the ids moved."""

@@ -231,3 +231,43 @@ class _Lines:
 
     def iter_lines(self):
         return iter(self._lines)
+
+
+COLOCATED = {**ARGS, "drafter_placement": "colocated"}
+
+
+def _app_target_state(app: str) -> dict:
+    return serve.get_deployment_handle("Target", app).debug_state.remote().result()
+
+
+def test_colocated_drafter_speculates_exactly_and_frees_state(url):
+    """``drafter_placement: colocated``: no Drafter deployment, the target drafts itself, lossless, no leaks."""
+    serve.run(build_app(COLOCATED), name="colocated", route_prefix="/colocated")
+    assert "Drafter" not in serve.status().applications["colocated"].deployments
+    base = f"{url}/colocated"
+    r = httpx.post(f"{base}/v1/chat/completions", json=chat(max_tokens=40, spec_stats=True), headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == expected_text("hi", 40)
+    assert body["spec_stats"]["accepted_tokens"] > 0 and not body["spec_stats"]["fallback"]
+    for _ in range(5):  # leave mid-stream
+        with httpx.stream("POST", f"{base}/v1/chat/completions", headers=AUTH, timeout=30,
+                          json=chat(max_tokens=200, stream=True)) as s:
+            next(line for line in s.iter_lines() if '"content"' in line)
+    wait_until(lambda: (s := _app_target_state("colocated"))["active"] == 0 and s["engine_active"] == 0
+               and s["colocated_drafter_states"] == 0)
+    serve.delete("colocated")
+
+
+def test_colocated_drafter_failure_falls_back_to_plain_decoding(url):
+    """A colocated drafter that raises: the request completes exactly with plain decoding, its state dropped."""
+    serve.run(build_app({**COLOCATED, "mock_drafter_fails": True}), name="failing", route_prefix="/failing")
+    r = httpx.post(f"{url}/failing/v1/chat/completions", json=chat(max_tokens=30, spec_stats=True), headers=AUTH,
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == expected_text("hi", 30)
+    assert body["spec_stats"]["fallback"] is True and body["spec_stats"]["accepted_tokens"] == 0
+    state = _app_target_state("failing")
+    assert state["drafter_failures"] >= 1 and state["colocated_drafter_states"] == 0
+    serve.delete("failing")

@@ -21,6 +21,7 @@ from app.serving.router import verification_capacity
     ({"target": {"num_cpus": -1}}, "target.num_cpus"),
     ({"target": {"gpus": 1}}, "target.gpus"),
     ({"drafter": "eagle"}, "drafter"),
+    ({"drafter_placement": "remote"}, "drafter_placement"),
 ])
 def test_bad_config_names_the_field(args, field):
     with pytest.raises(ValidationError) as info:
@@ -49,15 +50,18 @@ def test_api_key_from_environment(monkeypatch):
     assert AppConfig(api_key="").resolved_api_key is None
 
 
-@pytest.mark.parametrize("name", ["dspark.yaml", "dspark-cluster.yaml"])
+@pytest.mark.parametrize("name", ["dspark.yaml", "dspark-colocated.yaml", "dspark-cluster.yaml"])
 def test_yaml_args_validate(name):
     doc = yaml.safe_load((REPO_ROOT / "deployments" / name).read_text())
     (app,) = doc["applications"]
     assert app["import_path"] == "app.serving.builder:build_app"
     config = AppConfig.model_validate(app["args"])
-    if name == "dspark.yaml":
+    if name != "dspark-cluster.yaml":
         assert doc["http_options"]["host"] == "127.0.0.1"
-        total = config.target.num_cpus + config.drafter_replicas.num_cpus + config.ingress.num_cpus
+        separate = config.drafter_placement == "separate"
+        assert separate == (name == "dspark.yaml")
+        drafter = config.drafter_replicas.num_cpus if separate else 0.0
+        total = config.target.num_cpus + drafter + config.ingress.num_cpus
         assert total + config.router_num_cpus <= 2 and config.target.num_gpus == 0
     else:
         assert config.target.resources and config.drafter_replicas.resources

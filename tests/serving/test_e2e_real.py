@@ -1,5 +1,6 @@
 """End to end through HTTP with the real default target: greedy output of the served speculative path equals
-plain greedy decoding for 10 concurrent prompts (near-ties allowed), and streaming equals non-streaming.
+plain greedy decoding for 10 concurrent prompts (near-ties allowed), and streaming equals non-streaming; with the
+drafter in its own replica and colocated in the target replica.
 
 Uses the DSpark checkpoint when it is present, else the n-gram drafter (the serving path is the same).
 """
@@ -25,11 +26,12 @@ CHECKPOINT = Path(AppConfig().drafter_checkpoint)
 DRAFTER = "dspark" if (CHECKPOINT / "config.json").is_file() else "ngram"
 
 
-@pytest.fixture(scope="module")
-def url():
+@pytest.fixture(scope="module", params=["separate", "colocated"])
+def url(request):
     with local_serve(num_cpus=2) as base:
         serve.run(build_app({
-            "drafter": DRAFTER, "policy": "dspark", "gamma": 7 if DRAFTER == "dspark" else 5, "device": "cpu",
+            "drafter": DRAFTER, "drafter_placement": request.param, "policy": "dspark",
+            "gamma": 7 if DRAFTER == "dspark" else 5, "device": "cpu",
             "max_model_len": 1024, "max_num_seqs": 10, "torch_threads": 2,
             "target": {"num_cpus": 0.5}, "drafter_replicas": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.1},
         }), name="real", route_prefix="/")

@@ -107,7 +107,8 @@ class AppConfig(BaseModel):
         "Drafter deployment; drafter_replicas is unused). Colocated is faster on a small CPU host (docs/serving.md).",
     )
     drafter_timeout_s: float = Field(
-        5.0, gt=0, description="A drafter call slower than this fails over to plain decoding for its requests."
+        5.0, gt=0, description="A call to a Drafter replica slower than this fails over to plain decoding for its "
+        "requests (separate placement; a colocated drafter runs on the engine's thread and has no timeout).",
     )
 
     # ------------------------------------------------------------------ placement
@@ -140,7 +141,10 @@ class AppConfig(BaseModel):
     # ------------------------------------------------------------------ test knobs
     mock_step_ms: float = Field(0.0, ge=0, description="Mock engine: sleep per verify step (ms), for timing tests.")
     mock_vocab_size: int = Field(512, ge=16, description="Mock engine: vocabulary size.")
-    mock_drafter_fails: bool = Field(False, description="Mock drafter: raise in every propose (fail-over tests).")
+    mock_drafter_fails: Literal["none", "propose", "all"] = Field(
+        "none", description="Mock drafter: 'propose' raises in every propose; 'all' also in start and finish (a "
+        "drafter that cannot even drop its state); fail-over tests.",
+    )
 
     @field_validator("policy")
     @classmethod

@@ -42,8 +42,9 @@ class TakesParams(Protocol):
     def set_params(self, request_id: str, params: SamplingParams) -> None: ...
 
 
-def make_proposer(config: AppConfig) -> Proposer:
-    """Build the configured drafter.
+def make_proposer(config: AppConfig, embed_weight: torch.Tensor | None = None) -> Proposer:
+    """Build the configured drafter; a trained one shares ``embed_weight`` [V, Dm] (the target's input embedding,
+    loaded read-only from ``config.model`` when None).
 
     Raises:
         FileNotFoundError: drafter 'dspark' without a checkpoint at ``drafter_checkpoint``.
@@ -56,34 +57,38 @@ def make_proposer(config: AppConfig) -> Proposer:
         from app.serving.mock import MockProposer
 
         return MockProposer(vocab_size=config.mock_vocab_size, gamma=config.gamma, fails=config.mock_drafter_fails)
-    return load_checkpoint_proposer(config)
+    return load_checkpoint_proposer(config, embed_weight)
 
 
-def load_checkpoint_proposer(config: AppConfig) -> Proposer:
+def load_checkpoint_proposer(config: AppConfig, embed_weight: torch.Tensor | None = None) -> Proposer:
     """The trained drafter at ``drafter_checkpoint``, of any kind (DSpark, DFlash-style, EAGLE-3-style, MTP-1),
-    on the target's embedding / LM head loaded read-only here; it drafts at most ``gamma`` tokens per round."""
+    on the target's embedding / LM head (``embed_weight``, else loaded read-only here); it drafts at most
+    ``gamma`` tokens per round."""
     from app.drafters.registry import load_proposer
     from app.engine.loader import load_target
 
     config.check_files()
-    target = load_target(config.model, dtype=config.dtype, device=config.device, fp32_lm_head=False)
-    embed = target.model.embed_tokens.weight.detach()
-    return load_proposer(config.drafter_checkpoint, embed, gamma=config.gamma)
+    if embed_weight is None:
+        target = load_target(config.model, dtype=config.dtype, device=config.device, fp32_lm_head=False)
+        embed_weight = target.model.embed_tokens.weight
+    return load_proposer(config.drafter_checkpoint, embed_weight.detach(), gamma=config.gamma)
 
 
 class DrafterCore:
-    """The configured proposer and the set of requests it holds state for; not thread-safe (one torch thread).
+    """The configured proposer and the set of requests it holds state for. Not thread-safe: build it and call
+    ``draft`` / ``forget`` on one torch thread (``num_states`` is a plain read).
 
     Args:
         config: the application config (drafter kind, checkpoint, gamma, policy label).
         replica: the hosting replica's id (metrics label).
+        embed_weight: the target's input embedding [V, Dm] when it is already loaded in this process.
     Raises:
         FileNotFoundError: drafter 'dspark' without a checkpoint at ``drafter_checkpoint``.
     """
 
-    def __init__(self, config: AppConfig, *, replica: str) -> None:
+    def __init__(self, config: AppConfig, *, replica: str, embed_weight: torch.Tensor | None = None) -> None:
         self.config = config
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config, embed_weight)
         self._live: set[str] = set()
         self.metrics = DrafterMetrics(policy=config.policy, replica=replica)
 
@@ -93,11 +98,14 @@ class DrafterCore:
         return len(self._live)
 
     def forget(self, request_ids: list[str]) -> None:
-        """Drop the state of these requests (finished, cancelled or failed over; unknown ids are ignored)."""
+        """Drop the state of these requests (finished, cancelled or failed over; unknown ids are ignored).
+
+        An id stays counted in ``num_states`` until the proposer has dropped it, so a leak stays visible.
+        """
         for rid in request_ids:
             if rid in self._live:
-                self._live.discard(rid)
                 self.proposer.finish(rid)
+                self._live.discard(rid)
 
     def draft(self, call: DraftCall) -> DraftRound:
         """Apply the hooks gathered since the last call, then draft ``call.propose``.
@@ -115,10 +123,10 @@ class DrafterCore:
         for s in call.starts:
             if s.request_id in finished:
                 continue
+            self._live.add(s.request_id)  # before start: a start that raises half-way is still forgotten
             if isinstance(self.proposer, TakesParams):
                 self.proposer.set_params(s.request_id, s.params)
             self.proposer.start(s.request_id, s.prompt_ids, s.first)
-            self._live.add(s.request_id)
         self.proposer.update([out for out in call.updates if out.request_id in self._live])
         self.forget(call.finished)
         missing = [rid for rid in call.propose if rid not in self._live]

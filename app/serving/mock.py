@@ -158,12 +158,13 @@ class MockProposer:
     vocab_size: int
     gamma: int
     miss_at: int = 3
-    fails: bool = False  # raise in every propose (drafter-failure tests)
+    fails: str = "none"  # 'propose': propose raises; 'all': start, propose and finish raise (fail-over tests)
     last_proposal: DraftRound | None = field(default=None, init=False)
     _anchor: dict[str, int] = field(default_factory=dict, init=False)
 
     def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
         self._anchor[request_id] = first.new_token_ids[-1]
+        self._fail("all")
 
     def update(self, outputs: Sequence[StepOutput]) -> None:
         for out in outputs:
@@ -171,11 +172,15 @@ class MockProposer:
                 self._anchor[out.request_id] = out.new_token_ids[-1]
 
     def finish(self, request_id: str) -> None:
+        self._fail("all")
         self._anchor.pop(request_id, None)
 
+    def _fail(self, *modes: str) -> None:
+        if self.fails in modes:
+            raise RuntimeError(f"mock drafter failure (mock_drafter_fails={self.fails!r})")
+
     def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
-        if self.fails:
-            raise RuntimeError("mock drafter failure (mock_drafter_fails)")
+        self._fail("propose", "all")
         blocks, conf = [], torch.full((len(request_ids), self.gamma), MOCK_HIT_CONFIDENCE)
         for i, rid in enumerate(request_ids):
             tok, draft = self._anchor[rid], []

@@ -109,9 +109,9 @@ class TargetReplica:
         self._torch = TorchThread("engine", config.torch_threads)
         self.engine = self._torch.call(make_engine, config)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.speculates = config.speculates
+        self.speculates = config.speculates  # turned off for good if a colocated drafter cannot drop its state
         self.drafter = drafter if self.speculates and config.drafter_placement == "separate" else None
-        self.colocated = self._torch.call(lambda: DrafterCore(config, replica=self.replica_id)) \
+        self.colocated = self._torch.call(self._colocated_drafter, config) \
             if self.speculates and config.drafter_placement == "colocated" else None
         self.router = router
         self.policy = make_policy(config.policy)
@@ -131,6 +131,12 @@ class TargetReplica:
         self._tasks: list[asyncio.Task] = []
         self._stats = {"step_ms": 0.0, "tokens_per_step": 0.0, "acceptance": 0.0, "drafter_failures": 0,
                        "draft_ms": 0.0, "drafted_rounds": 0, "rounds": 0, "verify_scale": 1.0}
+
+    def _colocated_drafter(self, config: AppConfig) -> DrafterCore:
+        """The colocated drafter, sharing the engine's input embedding (runs on the torch thread)."""
+        model = getattr(self.engine, "model", None)  # the mock engine has none
+        embed = model.embed_tokens.weight if model is not None else None
+        return DrafterCore(config, replica=self.replica_id, embed_weight=embed)
 
     # ------------------------------------------------------------------ requests
 
@@ -295,13 +301,24 @@ class TargetReplica:
         except DRAFTER_FAILURES as err:
             moved = self._fail_over(propose + [s.request_id for s in call.starts], err)
             if isinstance(err, ColocatedDrafterError):  # the call may have raised half-way: drop their state now
-                await self._run(self.colocated.forget, call.finished + moved)
+                await self._forget_colocated(call.finished + moved, err)
             elif isinstance(err, asyncio.TimeoutError):  # the replica may still hold their state: forget it next call
                 self._draft_finished.extend(call.finished + moved)
             return None
         if result.missing:
             self._fail_over(result.missing, RuntimeError("drafter replica holds no state for them"))
         return result
+
+    async def _forget_colocated(self, request_ids: list[str], cause: ColocatedDrafterError) -> None:
+        """Drop failed-over requests' state from the colocated drafter; if that raises too, stop drafting on this
+        replica: every request continues with plain decoding (counted in ``drafter_failures``)."""
+        try:
+            await self._run(self.colocated.forget, request_ids)
+        except Exception:
+            log.exception("colocated drafter could not drop its state; this replica stops drafting")
+            self._fail_over([rid for rid, s in self._active.items() if s.on_drafter], cause)
+            self.speculates = False
+            self._draft_starts, self._draft_updates, self._draft_finished = [], [], []
 
     async def _draft(self, call: DraftCall) -> DraftRound:
         """The round's drafter call, colocated or to this replica's pinned Drafter replica.
@@ -331,8 +348,10 @@ class TargetReplica:
                 stream.spec = replace(stream.spec, fallback=True)
                 moved.append(rid)
         self._stats["drafter_failures"] += len(moved)
+        # a colocated drafter's exception is a bug in this process: keep its traceback in the log
+        trace = err if isinstance(err, ColocatedDrafterError) else None
         log.warning("drafter call failed (%s: %s); %d requests continue with plain decoding",
-                    type(err).__name__, err, len(moved))
+                    type(err).__name__, err, len(moved), exc_info=trace)
         return moved
 
     def _schedule(self, drafted: DraftRound) -> dict[str, DraftBlock]:

@@ -261,7 +261,7 @@ def test_colocated_drafter_speculates_exactly_and_frees_state(url):
 
 def test_colocated_drafter_failure_falls_back_to_plain_decoding(url):
     """A colocated drafter that raises: the request completes exactly with plain decoding, its state dropped."""
-    serve.run(build_app({**COLOCATED, "mock_drafter_fails": True}), name="failing", route_prefix="/failing")
+    serve.run(build_app({**COLOCATED, "mock_drafter_fails": "propose"}), name="failing", route_prefix="/failing")
     r = httpx.post(f"{url}/failing/v1/chat/completions", json=chat(max_tokens=30, spec_stats=True), headers=AUTH,
                    timeout=30)
     assert r.status_code == 200, r.text
@@ -271,3 +271,18 @@ def test_colocated_drafter_failure_falls_back_to_plain_decoding(url):
     state = _app_target_state("failing")
     assert state["drafter_failures"] >= 1 and state["colocated_drafter_states"] == 0
     serve.delete("failing")
+
+
+def test_colocated_drafter_that_cannot_drop_state_stops_drafting_on_its_replica(url):
+    """start, propose and finish all raise: requests complete exactly with plain decoding, the replica stops
+    drafting (no hang, no retry loop) and the state it could not drop stays counted."""
+    serve.run(build_app({**COLOCATED, "mock_drafter_fails": "all"}), name="broken", route_prefix="/broken")
+    for n in (12, 9):  # the second request arrives after the replica stopped drafting
+        r = httpx.post(f"{url}/broken/v1/chat/completions", json=chat(max_tokens=n, spec_stats=True), headers=AUTH,
+                       timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == expected_text("hi", n)
+        assert r.json()["spec_stats"]["accepted_tokens"] == 0
+    state = _app_target_state("broken")
+    assert state["drafter_failures"] == 1 and state["colocated_drafter_states"] == 1
+    serve.delete("broken")

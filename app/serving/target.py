@@ -4,9 +4,9 @@ Owns: the replica's waiting queue (bounded: beyond ``max_queued_requests`` a req
 between rounds (prefill into a free KV slot), the round (drafter call -> verify-length policy over the whole
 batch -> one ragged verify; the drafter is a Drafter replica or, with ``drafter_placement: colocated``, a
 ``DrafterCore`` on this replica's torch thread), streaming each request's committed text back, cancellation (a
-client that goes away frees its KV slot and, next round, its drafter state), drafter fail-over (a failed or
-slow drafter call moves the affected requests to plain decoding for the rest of their life, counted in
-``drafter_failures``) and load reports to the Router, off the per-token path.
+client that goes away frees its KV slot at once and its drafter state with the next drafter call), drafter
+fail-over (a failed or slow drafter call moves the affected requests to plain decoding for the rest of their
+life, counted in ``drafter_failures``) and load reports to the Router, off the per-token path.
 
 The engine is built and driven on one dedicated thread (``TorchThread``: it is not thread-safe, and torch work
 spread over several threads is slower, see ``torch_thread.py``), so the replica's event loop stays free to

@@ -226,7 +226,7 @@ class TargetReplica:
             stream = self._waiting.popleft()
             req = stream.request
             try:
-                first = await self._run(self.engine.add_request, req.request_id, stream.prompt_ids, req.params)
+                first, for_drafter = await self._run(self._add_request, stream)
             except CapacityError as err:
                 self._waiting.appendleft(stream)
                 log.warning("admission deferred: %s", err)
@@ -241,9 +241,23 @@ class TargetReplica:
                 continue
             self._active[req.request_id] = stream
             if self.speculates:
-                self._draft_starts.append(DraftStart(req.request_id, stream.prompt_ids,
-                                                     strip_for_drafter(first), req.params))
+                self._draft_starts.append(DraftStart(req.request_id, stream.prompt_ids, for_drafter, req.params))
                 stream.on_drafter = True
+
+    # The next two run on the torch thread: copying features for the drafter is torch work too, and a prompt's
+    # rows are enough to start a parallel region. Started on the event loop thread, it gives the process a second
+    # OpenMP pool and slows every later engine step (torch_thread.py; tests/serving/test_target_threads.py).
+
+    def _add_request(self, stream: _Stream) -> tuple[StepOutput, StepOutput | None]:
+        """Prefill ``stream``; returns its first output and, when speculating, that output for the drafter."""
+        req = stream.request
+        first = self.engine.add_request(req.request_id, stream.prompt_ids, req.params)
+        return first, strip_for_drafter(first) if self.speculates else None
+
+    def _verify(self, blocks: list[DraftBlock]) -> tuple[list[StepOutput], list[StepOutput | None]]:
+        """One verify step; returns the outputs and, when speculating, each output for the drafter."""
+        outputs = self.engine.verify(blocks)
+        return outputs, [strip_for_drafter(out) if self.speculates else None for out in outputs]
 
     async def _round(self) -> None:
         t0 = time.perf_counter()
@@ -263,13 +277,13 @@ class TargetReplica:
                 blocks.update(self._schedule(drafted))
                 num_drafted = sum(b.tokens.shape[0] for b in drafted.blocks)
         t_verify = time.perf_counter()
-        outputs = await self._run(self.engine.verify, [blocks[rid] for rid in ids])
+        outputs, for_drafter = await self._run(self._verify, [blocks[rid] for rid in ids])
         verify_ms = (time.perf_counter() - t_verify) * 1000
         drafted_outputs = [out for out in outputs if blocks[out.request_id].tokens.numel()]
         if drafted_outputs:
             self.scheduler.observe([o.num_draft for o in drafted_outputs], [o.num_accepted for o in drafted_outputs])
         committed, verified, accepted = 0, 0, 0
-        for out in outputs:
+        for out, stripped in zip(outputs, for_drafter):
             stream = self._active[out.request_id]
             stream.spec = replace(stream.spec, rounds=stream.spec.rounds + 1,
                                   draft_tokens=stream.spec.draft_tokens + out.num_draft,
@@ -283,7 +297,7 @@ class TargetReplica:
                 if stream.on_drafter:
                     self._draft_finished.append(out.request_id)
             elif stream.on_drafter:
-                self._draft_updates.append(strip_for_drafter(out))
+                self._draft_updates.append(stripped)
         round_ms = (time.perf_counter() - t0) * 1000
         self._observe(round_ms, committed, verified, accepted)
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it

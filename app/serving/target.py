@@ -127,6 +127,7 @@ class TargetReplica:
         self._draft_starts: list[DraftStart] = []
         self._draft_updates: list[StepOutput] = []
         self._draft_finished: list[str] = []
+        self._drafted_last_round = False
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._stats = {"step_ms": 0.0, "tokens_per_step": 0.0, "acceptance": 0.0, "drafter_failures": 0,
@@ -268,14 +269,19 @@ class TargetReplica:
         draft_ms = 0.0
         if speculative and self.scheduler.should_draft(len(speculative), draft_ms=self._stats["draft_ms"] or None,
                                                        verify_scale=self._stats["verify_scale"]):
+            # Right after a drafted round and with no new request, a call carries one round of context: what
+            # drafting every round costs, the figure the draft gate weighs. A probe after rounds without drafting
+            # also catches up on their context, and a new request's prompt is projected: both cost more once.
+            steady = self._drafted_last_round and not self._draft_starts
             t_draft, drafter_called = time.perf_counter(), True
             drafted = await self._call_drafter(speculative)
             draft_ms = (time.perf_counter() - t_draft) * 1000
             if drafted is not None:
-                self._observe_draft(draft_ms)
+                self._observe_draft(draft_ms, steady=steady)
             if drafted is not None and drafted.blocks:
                 blocks.update(self._schedule(drafted))
                 num_drafted = sum(b.tokens.shape[0] for b in drafted.blocks)
+        self._drafted_last_round = drafter_called
         t_verify = time.perf_counter()
         outputs, for_drafter = await self._run(self._verify, [blocks[rid] for rid in ids])
         verify_ms = (time.perf_counter() - t_verify) * 1000
@@ -395,10 +401,12 @@ class TargetReplica:
             spec=stream.spec if out.finished else None,
         ))
 
-    def _observe_draft(self, draft_ms: float) -> None:
+    def _observe_draft(self, draft_ms: float, *, steady: bool) -> None:
+        """Count a drafted round; only a steady call (see ``_round``) moves the drafter-call EMA ``draft_ms``."""
         s = self._stats
-        s["draft_ms"] = STATS_EMA * draft_ms + (1 - STATS_EMA) * s["draft_ms"] if s["draft_ms"] else draft_ms
         s["drafted_rounds"] += 1
+        if steady:
+            s["draft_ms"] = STATS_EMA * draft_ms + (1 - STATS_EMA) * s["draft_ms"] if s["draft_ms"] else draft_ms
 
     def _observe_verify_scale(self, ms: float, *, tokens: int, batch: int) -> None:
         """EMA of this round's time without the drafter call over the profile's verify time for the same step.

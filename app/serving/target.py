@@ -324,6 +324,8 @@ class TargetReplica:
                 await self._forget_colocated(call.finished + moved, err)
             elif isinstance(err, asyncio.TimeoutError):  # the replica may still hold their state: forget it next call
                 self._draft_finished.extend(call.finished + moved)
+            elif isinstance(err, RayTaskError):  # it raised half-way and may hold the moved requests' state: the
+                self._draft_finished.extend(moved)  # next call drops it (once: a finish that raises is not retried)
             return None
         if result.missing:
             self._fail_over(result.missing, RuntimeError("drafter replica holds no state for them"))

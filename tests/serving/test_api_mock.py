@@ -223,6 +223,21 @@ def test_drafter_failure_falls_back_to_plain_decoding(url):
     wait_until(lambda: drafter_states() == 0)
 
 
+def test_drafter_that_raises_falls_back_and_its_replica_drops_the_state(url):
+    """The Drafter replica raises half-way through a call (after ``start``, in ``propose``): the request completes
+    exactly with plain decoding, and the state the call left on the replica is dropped."""
+    serve.run(build_app({**ARGS, "mock_drafter_fails": "propose"}), name="raising", route_prefix="/raising")
+    r = httpx.post(f"{url}/raising/v1/chat/completions", json=chat(max_tokens=30, spec_stats=True), headers=AUTH,
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == expected_text("hi", 30)
+    assert body["spec_stats"]["fallback"] is True
+    assert serve.get_deployment_handle("Target", "raising").debug_state.remote().result()["drafter_failures"] >= 1
+    wait_until(lambda: serve.get_deployment_handle("Drafter", "raising").debug_state.remote().result()["states"] == 0)
+    serve.delete("raising")
+
+
 class _Lines:
     """Adapter so ``sse_events`` can parse already-read lines."""
 

@@ -7,7 +7,8 @@ wakes its workers through the kernel. On the 2-core machine this project is meas
 cost of the small per-token kernels (a bf16 ``[1, 576] x [576, 1536]`` matmul: 120 -> 230 us) and made a
 served plain-decoding step about 20 % slower than the same engine driven from one thread. A Serve replica's
 constructor runs on Serve's user-code thread, synchronous methods on a thread pool and ``run_in_executor``
-calls on yet another thread, so a replica must route all torch work through one ``TorchThread`` itself.
+calls on yet another thread, so a replica must route all torch work through one ``TorchThread`` itself, tensor
+copies included: a copy of a prompt's drafter features on the event loop thread was enough (target.py).
 
 Does not own: what the work is (the replicas' engine and proposer calls).
 """

@@ -149,16 +149,12 @@ class TargetEngine:
         if not self._free_slots:
             raise CapacityError(f"all {self.config.max_num_seqs} KV cache slots are in use")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        req = _Request(
-            request_id=request_id,
-            slot=heapq.heappop(self._free_slots),
-            params=params,
-            prompt_len=len(ids),
-            detok=IncrementalDetokenizer(self.tokenizer, params.stop),
-            generator=torch.Generator().manual_seed(seed),
-        )
+        generator = torch.Generator().manual_seed(seed)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        req = _Request(request_id=request_id, slot=heapq.heappop(self._free_slots), params=params,
+                       prompt_len=len(ids), detok=detok, generator=generator)
         self._requests[request_id] = req
-        try:
+        try:  # from here on the slot is taken: any failure gives it back
             with torch.inference_mode():
                 layout = StepLayout.build(
                     slots=[req.slot], starts=[0], lengths=[len(ids)], groups=self._groups, device=self.device
@@ -167,12 +163,12 @@ class TargetEngine:
                     ids.to(self.device), cache=self.cache, layout=layout,
                     logits_index=torch.tensor([len(ids) - 1], device=self.device),
                 )
+            req.num_cached = len(ids)
+            first = self._sample(req, logits)
+            return self._commit(req, [first], num_draft=0, num_accepted=0, features=features)
         except BaseException:
             self.release(request_id)
             raise
-        req.num_cached = len(ids)
-        first = self._sample(req, logits)
-        return self._commit(req, [first], num_draft=0, num_accepted=0, features=features)
 
     def release(self, request_id: str) -> None:
         """Free a request's slot (client gone, or cleanup after an error).

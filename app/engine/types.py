@@ -34,16 +34,20 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens reached
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings, validated on construction.
 
     Attributes:
         max_tokens: most tokens to generate (>= 1).
-        temperature: 0 selects greedy (argmax) decoding; > 0 samples.
+        temperature: 0 selects greedy (argmax) decoding; > 0 samples. Values below ``GREEDY_TEMPERATURE``
+            (1e-5, vLLM's threshold) are greedy too: dividing logits by them overflows float32.
         top_p: nucleus mass in (0, 1]; the target distribution is truncated to it before sampling and
             before speculative acceptance, so acceptance stays lossless against the truncated target.
-        seed: seed of this request's own random generator (None: drawn from the OS).
+        seed: seed of this request's own random generator, a signed 64-bit integer (None: drawn from the OS).
         stop: stop strings; the output ends before the first occurrence (excluded, as OpenAI does).
         ignore_eos: keep generating past EOS (benchmarks).
 
@@ -63,6 +67,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
+        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63):
+            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):

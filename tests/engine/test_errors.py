@@ -19,11 +19,30 @@ from app.engine.types import DraftBlock, SamplingParams
         ({"top_p": 1.5}, "top_p"),
         ({"temperature": float("nan")}, "temperature"),
         ({"stop": ("",)}, "stop"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_temperature_too_small_to_divide_by_is_greedy():
+    assert SamplingParams(temperature=1e-300).greedy and SamplingParams(temperature=1e-6).temperature == 0.0
+    assert not SamplingParams(temperature=1e-3).greedy
+
+
+def test_a_failure_after_the_slot_is_taken_gives_it_back(engine, monkeypatch):
+    free = engine.num_free_slots
+
+    def broken_sample(req, logits):
+        raise RuntimeError("injected sampling failure")
+
+    monkeypatch.setattr(engine, "_sample", broken_sample)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.add_request("s", [1, 2, 3], SamplingParams())
+    assert engine.num_free_slots == free and not engine.has_request("s")
 
 
 def test_empty_prompt(engine):

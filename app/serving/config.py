@@ -145,6 +145,10 @@ class AppConfig(BaseModel):
         "none", description="Mock drafter: 'propose' raises in every propose; 'all' also in start and finish (a "
         "drafter that cannot even drop its state); fail-over tests.",
     )
+    mock_verify_fails_after: int = Field(
+        0, ge=0, description="Mock engine: a verify step raises once a request in it has this many tokens (0: "
+        "never); tests of a failing step.",
+    )
 
     @field_validator("policy")
     @classmethod

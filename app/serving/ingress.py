@@ -170,6 +170,9 @@ class Ingress:
         try:
             while not finished:
                 last = await stream.__anext__()
+                if isinstance(last, ErrorItem):  # the target failed the request after its first chunk
+                    finished = True
+                    return error_response(last, self.config.retry_after_s)
                 text.append(last.text)
                 token_ids.extend(last.token_ids)
                 finished = last.finish_reason is not None
@@ -203,6 +206,11 @@ class Ingress:
                     finished = True
                     break
                 chunk = await stream.__anext__()
+                if isinstance(chunk, ErrorItem):  # failed mid-stream: an error event ends the stream (as vLLM)
+                    finished = True
+                    yield event(error_body(chunk))
+                    yield "data: [DONE]\n\n"
+                    return
             final = chunk_body(chat=chat, request_id=request_id, model=model, text=None if chat else "",
                                finish_reason=last.finish_reason)
             if spec_stats and last.spec is not None:

@@ -41,6 +41,7 @@ class MockEngineConfig:
     max_draft_len: int = 4
     vocab_size: int = 512
     step_ms: float = 0.0  # sleep per verify step
+    fails_after: int = 0  # verify raises once a request in the step has this many tokens (0: never)
 
 
 @dataclass
@@ -107,6 +108,9 @@ class MockEngine:
                 raise InvalidRequestError(f"draft of {b.length} tokens exceeds max_draft_len")
         if self.config.step_ms:
             time.sleep(self.config.step_ms / 1000)
+        if self.config.fails_after and any(self._requests[b.request_id].generated >= self.config.fails_after
+                                           for b in blocks):
+            raise RuntimeError(f"mock verify failure (a request reached {self.config.fails_after} tokens)")
         outputs = []
         for b in blocks:
             req = self._requests[b.request_id]

@@ -45,7 +45,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="A signed 64-bit integer.")
     ignore_eos: bool = False
     spec_stats: bool = Field(False, description="Extension: add speculative statistics to the response.")
     return_token_ids: bool = Field(False, description="Extension: add the completion's token ids (non-streamed).")

@@ -78,7 +78,7 @@ def make_engine(config: AppConfig) -> Engine:
 
         return MockEngine(MockEngineConfig(
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, max_draft_len=config.gamma,
-            vocab_size=config.mock_vocab_size, step_ms=config.mock_step_ms,
+            vocab_size=config.mock_vocab_size, step_ms=config.mock_step_ms, fails_after=config.mock_verify_fails_after,
         ))
     from app.engine.engine import EngineConfig, TargetEngine
 
@@ -201,12 +201,50 @@ class TargetReplica:
             if not (self._waiting or self._active or self._cancelled or self._draft_finished):
                 self._wakeup.clear()
                 await self._wakeup.wait()
-            await self._drop_cancelled()
-            await self._admit()
-            if self._active:
-                await self._round()
-            elif self._draft_finished and self.speculates:
-                await self._call_drafter([])  # tell the drafter to forget cancelled requests
+            try:
+                await self._drop_cancelled()
+                await self._admit()
+                if self._active:
+                    await self._round()
+                elif self._draft_finished and self.speculates:
+                    await self._call_drafter([])  # tell the drafter to forget cancelled requests
+                elif self._waiting:  # nothing running, yet no slot free: the engine lost track of a slot
+                    err = RuntimeError(f"no free KV slot with no request running ({len(self._waiting)} waiting)")
+                    log.error("target step loop: %s; failing the waiting requests", err)
+                    waiting, self._waiting = list(self._waiting), collections.deque()
+                    await self._fail(waiting, err)
+            except Exception as err:  # a bug must cost the requests it touched, not the replica's step loop
+                log.exception("target step loop: unexpected error; failing the running requests")
+                await self._fail(list(self._active.values()), err)
+
+    async def _fail(self, streams: list[_Stream], err: Exception) -> None:
+        """End these requests with a 500 error and free their state (the step loop goes on)."""
+        for stream in streams:
+            self._active.pop(stream.request.request_id, None)
+        for stream in streams:
+            rid = stream.request.request_id
+            stream.done = True
+            stream.queue.put_nowait(ErrorItem(500, f"internal error: {type(err).__name__}: {err}",
+                                              type="server_error", code="internal_error"))
+            self.telemetry.dropped(rid)
+            if stream.on_drafter:
+                self._draft_finished.append(rid)
+            try:
+                if self.engine.has_request(rid):
+                    await self._run(self.engine.release, rid)
+            except Exception:
+                log.exception("could not release request %s", rid)
+
+    def check_health(self) -> None:
+        """Serve's health check: unhealthy (the replica is replaced) once the step loop or load reports stopped.
+
+        Raises:
+            RuntimeError: a background task ended.
+        """
+        for task in self._tasks:
+            if task.done():
+                cause = "cancelled" if task.cancelled() else repr(task.exception())
+                raise RuntimeError(f"target background task {task.get_coro().__name__} stopped: {cause}")
 
     async def _drop_cancelled(self) -> None:
         for rid in list(self._cancelled):
@@ -237,6 +275,12 @@ class TargetReplica:
                 code = "context_length_exceeded" if isinstance(err, ContextLengthError) else None
                 stream.queue.put_nowait(ErrorItem(400, str(err), code=code))
                 continue
+            except Exception as err:  # a bug in prefill or sampling fails this request only (its slot is freed)
+                log.exception("admission of %s failed", req.request_id)
+                stream.done = True
+                stream.queue.put_nowait(ErrorItem(500, f"internal error: {type(err).__name__}: {err}",
+                                                  type="server_error", code="internal_error"))
+                continue
             self._emit(stream, first)
             if stream.done:
                 continue
@@ -247,7 +291,7 @@ class TargetReplica:
 
     # The next two run on the torch thread: copying features for the drafter is torch work too, and a prompt's
     # rows are enough to start a parallel region. Started on the event loop thread, it gives the process a second
-    # OpenMP pool and slows every later engine step (torch_thread.py; tests/serving/test_target_threads.py).
+    # OpenMP pool and slows every later engine step (torch_thread.py; tests/serving/test_target_replica.py).
 
     def _add_request(self, stream: _Stream) -> tuple[StepOutput, StepOutput | None]:
         """Prefill ``stream``; returns its first output and, when speculating, that output for the drafter."""
@@ -324,8 +368,10 @@ class TargetReplica:
                 await self._forget_colocated(call.finished + moved, err)
             elif isinstance(err, asyncio.TimeoutError):  # the replica may still hold their state: forget it next call
                 self._draft_finished.extend(call.finished + moved)
-            elif isinstance(err, RayTaskError):  # it raised half-way and may hold the moved requests' state: the
-                self._draft_finished.extend(moved)  # next call drops it (once: a finish that raises is not retried)
+            elif isinstance(err, RayTaskError) and (call.starts or call.updates or call.propose):
+                # it raised half-way, maybe before applying the finishes: the next call drops the state (a call
+                # of finishes only that raises is not retried, so a broken drafter cannot loop)
+                self._draft_finished.extend(call.finished + moved)
             return None
         if result.missing:
             self._fail_over(result.missing, RuntimeError("drafter replica holds no state for them"))

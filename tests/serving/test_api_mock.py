@@ -4,6 +4,7 @@ disconnect cleanup and drafter fail-over. One local Ray and one application for 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -113,6 +114,7 @@ BAD = [
     ("top_p zero", chat(top_p=0), 400),
     ("top_p high", chat(top_p=1.5), 400),
     ("n > 1", chat(n=2), 400),
+    ("seed over 64 bits", chat(seed=10**23), 400),
     ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("not an object", b"[1, 2]", 400),
     ("body over max_request_bytes", chat("x" * 100_000, max_tokens=5), 413),
@@ -236,6 +238,24 @@ def test_drafter_that_raises_falls_back_and_its_replica_drops_the_state(url):
     assert serve.get_deployment_handle("Target", "raising").debug_state.remote().result()["drafter_failures"] >= 1
     wait_until(lambda: serve.get_deployment_handle("Drafter", "raising").debug_state.remote().result()["states"] == 0)
     serve.delete("raising")
+
+
+def test_a_failing_step_ends_its_requests_with_an_error_and_the_server_goes_on(url):
+    """A verify step that raises: a streamed request gets an error event after its first tokens, a non-streamed
+    one a 500 JSON error, and later requests are served (the step loop survives)."""
+    serve.run(build_app({**ARGS, "mock_verify_fails_after": 6}), name="failing-step", route_prefix="/failing-step")
+    base = f"{url}/failing-step/v1/chat/completions"
+    with httpx.stream("POST", base, headers=AUTH, timeout=30, json=chat(max_tokens=20, stream=True)) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and '"content"' in lines[1], lines
+    assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "internal_error", lines
+    r = httpx.post(base, headers=AUTH, timeout=30, json=chat(max_tokens=20))
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    for _ in range(2):
+        r = httpx.post(base, headers=AUTH, timeout=30, json=chat(max_tokens=5))
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected_text("hi", 5)
+    serve.delete("failing-step")
 
 
 class _Lines:

@@ -21,7 +21,7 @@ from ray import serve
 from app.engine.types import SamplingParams
 from app.serving import target as target_module
 from app.serving.config import AppConfig
-from app.serving.protocol import GenerateRequest
+from app.serving.protocol import ErrorItem, GenerateRequest, TextChunk
 
 
 class _Router:
@@ -44,22 +44,33 @@ def replica(monkeypatch):
     return target_module.TargetReplica(config, drafter=None, router=_Router())
 
 
-def run_requests(replica, max_tokens: list[int]) -> list[list]:
-    """Send requests concurrently through ``replica.generate``; returns each one's items."""
+def run_requests(replica, max_tokens: list[int], delays_s: list[float] | None = None) -> list[list]:
+    """Send requests concurrently through ``replica.generate`` (request i after ``delays_s[i]`` seconds); returns
+    each one's items. The replica's health check must pass at the end."""
 
-    async def run(i: int, n: int) -> list:
+    async def run(i: int, n: int, delay_s: float) -> list:
+        await asyncio.sleep(delay_s)
         request = GenerateRequest(request_id=f"r{i}", messages=[{"role": "user", "content": "hi"}],
                                   params=SamplingParams(max_tokens=n, temperature=0.0))
         return [item async for item in replica.generate(request)]
 
     async def main() -> list[list]:
         try:
-            return await asyncio.gather(*[run(i, n) for i, n in enumerate(max_tokens)])
+            delays = delays_s or [0.0] * len(max_tokens)
+            results = await asyncio.wait_for(  # a dead step loop leaves requests waiting for ever
+                asyncio.gather(*[run(i, n, d) for i, (n, d) in enumerate(zip(max_tokens, delays))]), timeout=30)
+            replica.check_health()
+            return results
         finally:
             for task in replica._tasks:
                 task.cancel()
 
     return asyncio.run(main())
+
+
+def num_tokens(items: list) -> int:
+    assert all(isinstance(item, TextChunk) for item in items), items
+    return sum(len(item.token_ids) for item in items)
 
 
 def test_features_for_the_drafter_are_copied_on_the_torch_thread(replica, monkeypatch):
@@ -80,16 +91,62 @@ def test_features_for_the_drafter_are_copied_on_the_torch_thread(replica, monkey
 
 
 def test_draft_gate_weighs_steady_drafter_calls_only(replica, monkeypatch):
+    """Slow calls: the first, a second request's first (mid-way) and one catching up on two skipped rounds."""
     slow_ms, steady_ms = 60.0, 5.0
-    draft = replica.colocated.draft
+    draft, should_draft = replica.colocated.draft, replica.scheduler.should_draft
+    estimates, rounds = [], iter(range(10**6))
 
     def timed_draft(call):
+        estimates.append(replica._stats["draft_ms"])  # the EMA after every earlier call
         rounds_behind = max((sum(u.request_id == rid for u in call.updates) for rid in call.propose), default=0)
         time.sleep((slow_ms if call.starts or rounds_behind > 1 else steady_ms) / 1000)
         return draft(call)
 
+    def scripted_gate(batch, **kwargs):  # the gate closes for rounds 6 and 7, so round 8's call catches up
+        should_draft(batch, **kwargs)
+        return next(rounds) not in (6, 7)
+
     monkeypatch.setattr(replica.colocated, "draft", timed_draft)
-    run_requests(replica, [24])
-    assert replica._stats["drafted_rounds"] >= 3
-    # the first call also projects the prompt (slow): counted in the EMA it would still weigh ~30 ms
-    assert replica._stats["draft_ms"] < 2 * steady_ms, replica._stats
+    monkeypatch.setattr(replica.scheduler, "should_draft", scripted_gate)
+    run_requests(replica, [80, 40], delays_s=[0.0, 0.15])
+    assert replica._stats["drafted_rounds"] >= 8
+    estimates.append(replica._stats["draft_ms"])
+    # any slow call counted would lift the EMA to >= 0.2 x 60 + 0.8 x 5 = 16 ms for at least one call
+    assert max(estimates) < 2 * steady_ms, estimates
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(replica, monkeypatch):
+    verify = replica.engine.verify
+    calls = iter(range(10**6))
+
+    def verify_failing_once(blocks):
+        if next(calls) == 0:
+            raise RuntimeError("injected verify failure")
+        return verify(blocks)
+
+    monkeypatch.setattr(replica.engine, "verify", verify_failing_once)
+    first, later = run_requests(replica, [12, 12], delays_s=[0.0, 0.2])
+    assert len(first) == 2 and isinstance(first[-1], ErrorItem) and first[-1].status == 500, first
+    assert "injected verify failure" in first[-1].message
+    assert num_tokens(later) == 12
+    assert replica.engine.num_free_slots == replica.config.max_num_seqs and not replica._active
+
+
+def test_a_failing_prefill_fails_that_request_only(replica, monkeypatch):
+    add_request = replica.engine.add_request
+
+    def add_request_failing_for_r0(request_id, prompt_ids, params):
+        if request_id == "r0":
+            raise ValueError("injected prefill failure")
+        return add_request(request_id, prompt_ids, params)
+
+    monkeypatch.setattr(replica.engine, "add_request", add_request_failing_for_r0)
+    failed, served = run_requests(replica, [12, 12])
+    assert [type(item) for item in failed] == [ErrorItem] and failed[0].status == 500
+    assert num_tokens(served) == 12
+
+
+def test_health_check_fails_once_the_step_loop_stopped(replica):
+    assert num_tokens(run_requests(replica, [4])[0]) == 4  # cancels the loop at the end
+    with pytest.raises(RuntimeError, match="_loop stopped: cancelled"):
+        replica.check_health()

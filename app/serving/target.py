@@ -72,6 +72,11 @@ class Engine(Protocol):
     def release(self, request_id: str) -> None: ...
 
 
+def internal_error(err: Exception) -> ErrorItem:
+    """The 500 answer of a request that a bug in this replica ended."""
+    return ErrorItem(500, f"internal error: {type(err).__name__}: {err}", type="server_error", code="internal_error")
+
+
 def make_engine(config: AppConfig) -> Engine:
     if config.engine == "mock":
         from app.serving.mock import MockEngine, MockEngineConfig
@@ -224,8 +229,7 @@ class TargetReplica:
         for stream in streams:
             rid = stream.request.request_id
             stream.done = True
-            stream.queue.put_nowait(ErrorItem(500, f"internal error: {type(err).__name__}: {err}",
-                                              type="server_error", code="internal_error"))
+            stream.queue.put_nowait(internal_error(err))
             self.telemetry.dropped(rid)
             if stream.on_drafter:
                 self._draft_finished.append(rid)
@@ -278,8 +282,7 @@ class TargetReplica:
             except Exception as err:  # a bug in prefill or sampling fails this request only (its slot is freed)
                 log.exception("admission of %s failed", req.request_id)
                 stream.done = True
-                stream.queue.put_nowait(ErrorItem(500, f"internal error: {type(err).__name__}: {err}",
-                                                  type="server_error", code="internal_error"))
+                stream.queue.put_nowait(internal_error(err))
                 continue
             self._emit(stream, first)
             if stream.done:

@@ -225,21 +225,6 @@ def test_drafter_failure_falls_back_to_plain_decoding(url):
     wait_until(lambda: drafter_states() == 0)
 
 
-def test_drafter_that_raises_falls_back_and_its_replica_drops_the_state(url):
-    """The Drafter replica raises half-way through a call (after ``start``, in ``propose``): the request completes
-    exactly with plain decoding, and the state the call left on the replica is dropped."""
-    serve.run(build_app({**ARGS, "mock_drafter_fails": "propose"}), name="raising", route_prefix="/raising")
-    r = httpx.post(f"{url}/raising/v1/chat/completions", json=chat(max_tokens=30, spec_stats=True), headers=AUTH,
-                   timeout=30)
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["choices"][0]["message"]["content"] == expected_text("hi", 30)
-    assert body["spec_stats"]["fallback"] is True
-    assert serve.get_deployment_handle("Target", "raising").debug_state.remote().result()["drafter_failures"] >= 1
-    wait_until(lambda: serve.get_deployment_handle("Drafter", "raising").debug_state.remote().result()["states"] == 0)
-    serve.delete("raising")
-
-
 def test_a_failing_step_ends_its_requests_with_an_error_and_the_server_goes_on(url):
     """A verify step that raises: a streamed request gets an error event after its first tokens, a non-streamed
     one a 500 JSON error, and later requests are served (the step loop survives)."""
@@ -294,18 +279,26 @@ def test_colocated_drafter_speculates_exactly_and_frees_state(url):
     serve.delete("colocated")
 
 
-def test_colocated_drafter_failure_falls_back_to_plain_decoding(url):
-    """A colocated drafter that raises: the request completes exactly with plain decoding, its state dropped."""
-    serve.run(build_app({**COLOCATED, "mock_drafter_fails": "propose"}), name="failing", route_prefix="/failing")
-    r = httpx.post(f"{url}/failing/v1/chat/completions", json=chat(max_tokens=30, spec_stats=True), headers=AUTH,
+@pytest.mark.parametrize("placement", ["separate", "colocated"])
+def test_drafter_that_raises_falls_back_and_its_state_is_dropped(url, placement):
+    """A drafter that raises half-way through a call (after ``start``, in ``propose``), in its own replica or
+    colocated: the request completes exactly with plain decoding, and the state the call left is dropped."""
+    app = f"raising-{placement}"
+    serve.run(build_app({**ARGS, "drafter_placement": placement, "mock_drafter_fails": "propose"}), name=app,
+              route_prefix=f"/{app}")
+    r = httpx.post(f"{url}/{app}/v1/chat/completions", json=chat(max_tokens=30, spec_stats=True), headers=AUTH,
                    timeout=30)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["message"]["content"] == expected_text("hi", 30)
     assert body["spec_stats"]["fallback"] is True and body["spec_stats"]["accepted_tokens"] == 0
-    state = _app_target_state("failing")
-    assert state["drafter_failures"] >= 1 and state["colocated_drafter_states"] == 0
-    serve.delete("failing")
+    state = _app_target_state(app)
+    assert state["drafter_failures"] >= 1
+    if placement == "colocated":
+        assert state["colocated_drafter_states"] == 0
+    else:
+        wait_until(lambda: serve.get_deployment_handle("Drafter", app).debug_state.remote().result()["states"] == 0)
+    serve.delete(app)
 
 
 def test_colocated_drafter_that_cannot_drop_state_stops_drafting_on_its_replica(url):

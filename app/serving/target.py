@@ -227,17 +227,22 @@ class TargetReplica:
         for stream in streams:
             self._active.pop(stream.request.request_id, None)
         for stream in streams:
-            rid = stream.request.request_id
-            stream.done = True
             stream.queue.put_nowait(internal_error(err))
-            self.telemetry.dropped(rid)
-            if stream.on_drafter:
-                self._draft_finished.append(rid)
             try:
-                if self.engine.has_request(rid):
-                    await self._run(self.engine.release, rid)
+                await self._free(stream)
             except Exception:
-                log.exception("could not release request %s", rid)
+                log.exception("could not release request %s", stream.request.request_id)
+
+    async def _free(self, stream: _Stream) -> None:
+        """Forget a request that ended early (already out of ``_active``): its KV slot now, its drafter state with
+        the next drafter call."""
+        rid = stream.request.request_id
+        stream.done = True
+        self.telemetry.dropped(rid)
+        if stream.on_drafter:
+            self._draft_finished.append(rid)
+        if self.engine.has_request(rid):
+            await self._run(self.engine.release, rid)
 
     def check_health(self) -> None:
         """Serve's health check: unhealthy (the replica is replaced) once the step loop or load reports stopped.
@@ -253,16 +258,12 @@ class TargetReplica:
     async def _drop_cancelled(self) -> None:
         for rid in list(self._cancelled):
             self._cancelled.discard(rid)
-            self.telemetry.dropped(rid)
             stream = self._active.pop(rid, None)
             if stream is None:
+                self.telemetry.dropped(rid)
                 self._waiting = collections.deque(s for s in self._waiting if s.request.request_id != rid)
                 continue
-            stream.done = True
-            if self.engine.has_request(rid):
-                await self._run(self.engine.release, rid)
-            if stream.on_drafter:
-                self._draft_finished.append(rid)
+            await self._free(stream)
 
     async def _admit(self) -> None:
         while self._waiting and self.engine.num_free_slots > 0:

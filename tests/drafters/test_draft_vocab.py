@@ -215,17 +215,20 @@ def test_response_token_counts_skip_prompts_and_reject_foreign_ids(tmp_path):
 
 
 def test_cli_writes_the_draft_vocab_with_the_target_special_ids(tmp_path, engine):
-    """End to end on a tiny checkpoint; the special ids come from the real target's tokenizer (EOS included)."""
-    data = tmp_path / "data"
+    """End to end on a tiny checkpoint and two data folders; the special ids come from the real target's tokenizer
+    (EOS included)."""
+    data, more = tmp_path / "data", tmp_path / "more"
     data.mkdir()
-    _shard(data / "shard-0000.safetensors", [([30, 31, 40, 40, 41], 2), ([30, 50, 50, 50], 1)])
+    more.mkdir()
+    _shard(data / "shard-0000.safetensors", [([30, 31, 40, 40, 41], 2), ([30, 50, 50], 1)])
+    _shard(more / "shard-0006.safetensors", [([30, 50], 1)])
     d = tiny("markov")
     save_checkpoint(tmp_path / "c", d, dtype=torch.float32)
-    info = cli.main(["--data", str(data), "--checkpoint", str(tmp_path / "c"), "--size", "6"])
+    info = cli.main(["--data", str(data), str(more), "--checkpoint", str(tmp_path / "c"), "--size", "6"])
     loaded, _, metadata = load_checkpoint(tmp_path / "c", d.embed_weight)
     eos = sorted(engine.eos_token_ids)
     assert set(eos) <= set(info["special_ids"])
-    by_count = [50, 40, 41]  # response tokens 40 40 41 | 50 50 50 (the prompts' 30, 31, 30 are not counted)
+    by_count = [50, 40, 41]  # response tokens 40 40 41 | 50 50 | 50 (the prompts' 30, 31, 30, 30 are not counted)
     assert loaded.draft_vocab.tolist() == sorted(info["special_ids"] + by_count[: 6 - len(info["special_ids"])])
-    assert metadata["draft_vocab"]["response_tokens"] == 6
+    assert metadata["draft_vocab"]["response_tokens"] == 6 and info["shards"] == 2 and info["sequences"] == 3
     assert json.loads((tmp_path / "c" / CONFIG).read_text())["metadata"]["draft_vocab"] == info

@@ -90,3 +90,21 @@ def test_trainer_names_an_unknown_config_field(tmp_path, capsys):
         main(["--data", str(tmp_path), "--out", str(tmp_path / "ckpt"), "--model", str(tmp_path / "target"),
               "--config", '{"hed": "rnn"}'])
     assert exc.value.code == 2 and "hed" in capsys.readouterr().err
+
+
+def test_datagen_first_shard_continues_a_stopped_run(tmp_path):
+    """``--first-shard 1`` writes the second shard of the full run: same prompts, same answers, same file name."""
+    from safetensors.torch import load_file
+
+    from app.drafters.train import datagen
+
+    tiny_target(tmp_path / "target")
+    prompt_files(tmp_path / "datasets")
+    common = ["--model", str(tmp_path / "target"), "--datasets-dir", str(tmp_path / "datasets"),
+              "--per-set", "gsm8k-train=6", "--max-tokens", "6", "--shard-size", "2", "--max-batch", "2"]
+    datagen.main(["--out", str(tmp_path / "full"), "--max-shards", "3", *common])
+    datagen.main(["--out", str(tmp_path / "rest"), "--first-shard", "1", "--max-shards", "1", *common])
+    assert sorted(p.name for p in (tmp_path / "rest").glob("*.safetensors")) == ["shard-0001.safetensors"]
+    full, rest = (load_file(str(tmp_path / d / "shard-0001.safetensors")) for d in ("full", "rest"))
+    assert all(torch.equal(full[k], rest[k]) for k in full)
+    assert json.loads((tmp_path / "rest" / "meta.json").read_text())["sequences"] == 2

@@ -112,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=256, help="response length limit")
     ap.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
     ap.add_argument("--max-shards", type=int, default=None, help="stop after this many shards (a time budget)")
+    ap.add_argument("--first-shard", type=int, default=0,
+                    help="skip the shards before this one: continues a run (same prompt flags and seed) that "
+                         "stopped at its budget, on the prompts it did not reach")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="start no new shard after this wall-clock budget (shards already written are kept)")
     ap.add_argument("--samples", type=int, default=1, help="answers per prompt (> 1 needs --temperature > 0)")
@@ -123,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.samples < 1 or (args.samples > 1 and args.temperature <= 0):
         ap.error("--samples must be >= 1, and > 1 only with --temperature > 0 (greedy answers are all the same)")
+    if args.first_shard < 0:
+        ap.error("--first-shard must be >= 0")
     per_set = {k: int(v) for k, v in (item.split("=", 1) for item in args.per_set)}
     picked = pick_prompts(per_set, seed=args.seed, datasets_dir=args.datasets_dir)
     engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch, max_model_len=1536))
@@ -134,10 +139,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                              seed=None if args.temperature == 0 else args.seed * 1_000_003 + j)
               for j in range(len(ids))]
     if args.max_shards is not None:
-        ids = ids[: args.max_shards * args.shard_size]
-    bar = tqdm(total=len(ids), desc="datagen", unit="answer")
+        ids = ids[: (args.first_shard + args.max_shards) * args.shard_size]
+    first = args.first_shard * args.shard_size
+    bar = tqdm(total=max(0, len(ids) - first), desc="datagen", unit="answer")
     new_tokens, done, start = 0, 0, time.perf_counter()
-    for i in range(0, len(ids), args.shard_size):
+    for i in range(first, len(ids), args.shard_size):
         if args.max_minutes is not None and time.perf_counter() - start > 60 * args.max_minutes:
             break
         chunk = ids[i : i + args.shard_size]
@@ -150,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
     bar.close()
     meta = {"model": args.model, "per_set": per_set, "max_tokens": args.max_tokens, "seed": args.seed,
+            "shard_size": args.shard_size, "first_shard": args.first_shard,
             "samples": args.samples, "temperature": args.temperature, "sequences": done, "new_tokens": new_tokens,
             "feature_layers": list(engine.model.feature_layers),
             "seconds": round(time.perf_counter() - start, 1)}

@@ -7,8 +7,8 @@ kept), and writing the sorted ids into the checkpoint (``checkpoint.write_draft_
 computes its logits over V' only (``DSparkDrafter.set_draft_vocab``); no retraining.
 
 Usage:
-    python -m app.drafters.train.draft_vocab --data runs/dspark-data --checkpoint checkpoints/dspark-smollm2-135m \
-        --size 8192
+    python -m app.drafters.train.draft_vocab --data runs/dspark-data [more folders] \
+        --checkpoint checkpoints/dspark-smollm2-135m --size 8192
 """
 
 from __future__ import annotations
@@ -86,13 +86,15 @@ def special_token_ids(target: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", type=Path, required=True, help="datagen output folder (shard-*.safetensors)")
+    ap.add_argument("--data", type=Path, nargs="+", required=True,
+                    help="datagen output folder(s) (shard-*.safetensors)")
     ap.add_argument("--checkpoint", type=Path, required=True, help="DSpark checkpoint folder, modified in place")
     ap.add_argument("--size", type=int, required=True, help="V': token ids to draft over (special ids included)")
     args = ap.parse_args(argv)
-    shards = sorted(args.data.glob("shard-*.safetensors"))
-    if not shards:
-        ap.error(f"--data: no shard-*.safetensors in {args.data}")
+    shards = [shard for folder in args.data for shard in sorted(folder.glob("shard-*.safetensors"))]
+    empty = [str(folder) for folder in args.data if not any(folder.glob("shard-*.safetensors"))]
+    if empty:
+        ap.error(f"--data: no shard-*.safetensors in {', '.join(empty)}")
     if not (args.checkpoint / CONFIG).is_file():
         ap.error(f"--checkpoint: no checkpoint ({CONFIG}) in {args.checkpoint}")
     doc = json.loads((args.checkpoint / CONFIG).read_text())
@@ -106,9 +108,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     except ValueError as err:
         ap.error(f"--size: {err}")
     total = int(counts.sum())
-    info = {"size": args.size, "data": str(args.data), "shards": len(shards), "sequences": sequences,
-            "response_tokens": total, "distinct_tokens": int((counts > 0).sum()), "special_ids": special,
-            "coverage": round(int(counts[ids].sum()) / max(total, 1), 5)}
+    info = {"size": args.size, "data": [str(folder) for folder in args.data], "shards": len(shards),
+            "sequences": sequences, "response_tokens": total, "distinct_tokens": int((counts > 0).sum()),
+            "special_ids": special, "coverage": round(int(counts[ids].sum()) / max(total, 1), 5)}
     write_draft_vocab(args.checkpoint, ids, info=info)
     print(json.dumps(info))
     return info

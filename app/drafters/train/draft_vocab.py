@@ -91,8 +91,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--checkpoint", type=Path, required=True, help="DSpark checkpoint folder, modified in place")
     ap.add_argument("--size", type=int, required=True, help="V': token ids to draft over (special ids included)")
     args = ap.parse_args(argv)
-    shards = [shard for folder in args.data for shard in sorted(folder.glob("shard-*.safetensors"))]
-    empty = [str(folder) for folder in args.data if not any(folder.glob("shard-*.safetensors"))]
+    by_folder = {folder: sorted(folder.glob("shard-*.safetensors")) for folder in args.data}
+    shards = [shard for found in by_folder.values() for shard in found]
+    empty = [str(folder) for folder, found in by_folder.items() if not found]
     if empty:
         ap.error(f"--data: no shard-*.safetensors in {', '.join(empty)}")
     if not (args.checkpoint / CONFIG).is_file():

@@ -214,7 +214,7 @@ def test_response_token_counts_skip_prompts_and_reject_foreign_ids(tmp_path):
         cli.response_token_counts([tmp_path / "bad.safetensors"], V)
 
 
-def test_cli_writes_the_draft_vocab_with_the_target_special_ids(tmp_path, engine):
+def test_cli_writes_the_draft_vocab_with_the_target_special_ids(tmp_path, engine, capsys):
     """End to end on a tiny checkpoint and two data folders; the special ids come from the real target's tokenizer
     (EOS included)."""
     data, more = tmp_path / "data", tmp_path / "more"
@@ -232,3 +232,7 @@ def test_cli_writes_the_draft_vocab_with_the_target_special_ids(tmp_path, engine
     assert loaded.draft_vocab.tolist() == sorted(info["special_ids"] + by_count[: 6 - len(info["special_ids"])])
     assert metadata["draft_vocab"]["response_tokens"] == 6 and info["shards"] == 2 and info["sequences"] == 3
     assert json.loads((tmp_path / "c" / CONFIG).read_text())["metadata"]["draft_vocab"] == info
+    with pytest.raises(SystemExit) as exc:  # a folder twice would count its answers twice
+        cli.main(["--data", str(data), str(tmp_path / ".." / tmp_path.name / "data"), "--checkpoint",
+                  str(tmp_path / "c"), "--size", "6"])
+    assert exc.value.code == 2 and "is given twice" in capsys.readouterr().err

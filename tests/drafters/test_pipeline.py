@@ -92,7 +92,7 @@ def test_trainer_names_an_unknown_config_field(tmp_path, capsys):
     assert exc.value.code == 2 and "hed" in capsys.readouterr().err
 
 
-def test_datagen_first_shard_continues_a_stopped_run(tmp_path):
+def test_datagen_first_shard_continues_a_stopped_run(tmp_path, capsys):
     """``--first-shard 1`` writes the second shard of the full run: same prompts, same answers, same file name."""
     from safetensors.torch import load_file
 
@@ -108,3 +108,9 @@ def test_datagen_first_shard_continues_a_stopped_run(tmp_path):
     full, rest = (load_file(str(tmp_path / d / "shard-0001.safetensors")) for d in ("full", "rest"))
     assert all(torch.equal(full[k], rest[k]) for k in full)
     assert json.loads((tmp_path / "rest" / "meta.json").read_text())["sequences"] == 2
+    for bad, message in [(["--first-shard", "3"], "only 3 shards of 2 answers"),
+                         (["--first-shard", "1", "--max-shards", "0"], "--max-shards must be > 0")]:
+        with pytest.raises(SystemExit) as exc:
+            datagen.main(["--out", str(tmp_path / "bad"), *bad, *common])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "bad" / "meta.json").exists()

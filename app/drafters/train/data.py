@@ -64,18 +64,35 @@ class Batch:
     topk_probs: torch.Tensor | None = None
 
 
+def shard_paths(folders: Path | str | list[Path] | list[str]) -> list[Path]:
+    """``folder/shard-*.safetensors`` for each folder, in folder then shard order.
+
+    Raises:
+        FileNotFoundError: a folder without shards (or no folder at that path).
+        ValueError: a folder given twice (compared after resolving the path): its sequences would count twice, and
+            the held-out split (every n-th sequence) would then hold out one copy and train on the other.
+    """
+    folders = [Path(f) for f in (folders if isinstance(folders, list) else [folders])]
+    seen: set[Path] = set()
+    paths = []
+    for folder in folders:
+        if folder.resolve() in seen:
+            raise ValueError(f"data folder {folder} is given twice")
+        seen.add(folder.resolve())
+        found = sorted(folder.glob("shard-*.safetensors"))
+        if not found:
+            raise FileNotFoundError(f"no shard-*.safetensors in {folder}")
+        paths += found
+    return paths
+
+
 def load_shards(folders: Path | str | list[Path] | list[str]) -> list[Sequence_]:
     """All sequences of ``folder/shard-*.safetensors`` for each folder, in folder then shard order.
 
     Raises:
-        FileNotFoundError: a folder without shards.
+        FileNotFoundError / ValueError: from :func:`shard_paths`.
     """
-    paths = []
-    for folder in folders if isinstance(folders, list) else [folders]:
-        found = sorted(Path(folder).glob("shard-*.safetensors"))
-        if not found:
-            raise FileNotFoundError(f"no shard-*.safetensors in {folder}")
-        paths += found
+    paths = shard_paths(folders)
     seqs = []
     for path in paths:
         shard = load_file(str(path))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -110,11 +111,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--per-set", nargs="+", default=["gsm8k-train=160", "math500=80", "mbpp=100", "chat=200"],
                     help="NAME=COUNT prompts drawn from each training set")
     ap.add_argument("--max-tokens", type=int, default=256, help="response length limit")
-    ap.add_argument("--shard-size", type=int, default=64, help="prompts per shard")
+    ap.add_argument("--shard-size", type=int, default=64, help="answers per shard")
     ap.add_argument("--max-shards", type=int, default=None, help="stop after this many shards (a time budget)")
     ap.add_argument("--first-shard", type=int, default=0,
-                    help="skip the shards before this one: continues a run (same prompt flags and seed) that "
-                         "stopped at its budget, on the prompts it did not reach")
+                    help="skip the shards before this one: continues a run that stopped at its budget, on the "
+                         "prompts it did not reach; needs that run's --per-set, --seed, --max-tokens, --samples, "
+                         "--shard-size and --model, and N = its first_shard + ceil(sequences / shard_size) from its "
+                         "meta.json (a shard holds --shard-size answers)")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="start no new shard after this wall-clock budget (shards already written are kept)")
     ap.add_argument("--samples", type=int, default=1, help="answers per prompt (> 1 needs --temperature > 0)")
@@ -128,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         ap.error("--samples must be >= 1, and > 1 only with --temperature > 0 (greedy answers are all the same)")
     if args.first_shard < 0:
         ap.error("--first-shard must be >= 0")
+    for name in ("shard_size", "max_shards", "max_minutes"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
     per_set = {k: int(v) for k, v in (item.split("=", 1) for item in args.per_set)}
     picked = pick_prompts(per_set, seed=args.seed, datasets_dir=args.datasets_dir)
     engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch, max_model_len=1536))
@@ -141,7 +148,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.max_shards is not None:
         ids = ids[: (args.first_shard + args.max_shards) * args.shard_size]
     first = args.first_shard * args.shard_size
-    bar = tqdm(total=max(0, len(ids) - first), desc="datagen", unit="answer")
+    if first >= len(ids):
+        ap.error(f"--first-shard {args.first_shard}: these flags give only "
+                 f"{math.ceil(len(ids) / args.shard_size)} shards of {args.shard_size} answers")
+    bar = tqdm(total=len(ids) - first, desc="datagen", unit="answer")
     new_tokens, done, start = 0, 0, time.perf_counter()
     for i in range(first, len(ids), args.shard_size):
         if args.max_minutes is not None and time.perf_counter() - start > 60 * args.max_minutes:

@@ -23,6 +23,7 @@ from safetensors import safe_open
 
 from app.drafters.checkpoint import CONFIG, write_draft_vocab
 from app.drafters.config import DrafterConfig
+from app.drafters.train.data import shard_paths
 
 
 def response_token_counts(shards: Iterable[Path], vocab_size: int) -> tuple[torch.Tensor, int]:
@@ -91,11 +92,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--checkpoint", type=Path, required=True, help="DSpark checkpoint folder, modified in place")
     ap.add_argument("--size", type=int, required=True, help="V': token ids to draft over (special ids included)")
     args = ap.parse_args(argv)
-    by_folder = {folder: sorted(folder.glob("shard-*.safetensors")) for folder in args.data}
-    shards = [shard for found in by_folder.values() for shard in found]
-    empty = [str(folder) for folder, found in by_folder.items() if not found]
-    if empty:
-        ap.error(f"--data: no shard-*.safetensors in {', '.join(empty)}")
+    try:
+        shards = shard_paths(args.data)
+    except (FileNotFoundError, ValueError) as err:
+        ap.error(f"--data: {err}")
     if not (args.checkpoint / CONFIG).is_file():
         ap.error(f"--checkpoint: no checkpoint ({CONFIG}) in {args.checkpoint}")
     doc = json.loads((args.checkpoint / CONFIG).read_text())

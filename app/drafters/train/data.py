@@ -76,9 +76,10 @@ def shard_paths(folders: Path | str | list[Path] | list[str]) -> list[Path]:
     seen: set[Path] = set()
     paths = []
     for folder in folders:
-        if folder.resolve() in seen:
+        resolved = folder.resolve()
+        if resolved in seen:
             raise ValueError(f"data folder {folder} is given twice")
-        seen.add(folder.resolve())
+        seen.add(resolved)
         found = sorted(folder.glob("shard-*.safetensors"))
         if not found:
             raise FileNotFoundError(f"no shard-*.safetensors in {folder}")

@@ -198,10 +198,12 @@ def best_uniform_length(
     step is paid whatever lengths are verified, so speculation must beat plain decoding including it.
     With a_j = prod_{i <= j} acceptance_i, Theta(l) = B (1 + sum_{j <= l} a_j) / (verify_ms(B (1 + l)) +
     draft_ms) and Theta(0) = B / verify_ms(B) (no draft step); DSpark Sec. 3 (Theta = tau * SPS) restricted
-    to equal lengths, which the per-slot Theta-greedy can only improve on when confidences differ.
+    to equal lengths, which the per-slot Theta-greedy can only improve on when confidences differ. Given one
+    acceptance row per request, a_j is their mean (the expected accepted tokens of an average request).
 
     Args:
-        acceptance: [K] float, per-position conditional acceptance P(draft j accepted | drafts < j accepted).
+        acceptance: [K] or [R, K] float, per-position conditional acceptance P(draft j accepted | drafts < j
+            accepted), for every request alike or per request.
         batch: B >= 1 requests (clamped to the profile's largest batch).
         draft_ms: drafter time per round (ms); None takes the profile's ``draft_time_ms(B)``.
         verify_scale: measured / profiled verify time on this replica (> 0): a served step also pays the
@@ -209,17 +211,20 @@ def best_uniform_length(
     Returns:
         (l*, Theta(l*) / Theta(0)): l* in [0, K] (0: do not draft), the expected speed-up over plain decoding.
     Raises:
-        ValueError: ``batch`` < 1, ``verify_scale`` <= 0 or acceptance not a [K] tensor in [0, 1].
+        ValueError: ``batch`` < 1, ``verify_scale`` <= 0 or acceptance not a [K] or [R >= 1, K] tensor in [0, 1].
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     if not verify_scale > 0:
         raise ValueError(f"verify_scale must be > 0, got {verify_scale}")
-    if acceptance.dim() != 1 or not bool(((acceptance >= 0) & (acceptance <= 1)).all()):
-        raise ValueError(f"acceptance must be a [K] tensor in [0, 1], got {acceptance.tolist()}")
+    if (acceptance.dim() not in (1, 2) or acceptance.numel() == 0
+            or not bool(((acceptance >= 0) & (acceptance <= 1)).all())):
+        raise ValueError(f"acceptance must be a [K] or [R, K] tensor in [0, 1], got {acceptance.tolist()}")
     b = min(batch, profile.max_batch_size)
-    gamma = min(acceptance.numel(), profile.max_verify_len)
-    survival = torch.cumprod(acceptance[:gamma].double(), dim=0)
+    gamma = min(acceptance.shape[-1], profile.max_verify_len)
+    survival = torch.cumprod(acceptance[..., :gamma].double(), dim=-1)
+    if survival.dim() == 2:
+        survival = survival.mean(0)
     tau = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + torch.cumsum(survival, dim=0)])  # [K + 1]
     tokens = b * torch.arange(1, gamma + 2, dtype=torch.float64)
     ms = verify_scale * profile.verify_time_ms(tokens, batch=b)

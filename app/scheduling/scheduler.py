@@ -15,17 +15,21 @@ EMA and held unless the EMA moves by more than a hysteresis band, then scaled by
 
 Draft gate. The drafter's step is paid before any length is chosen, so a round whose best verify lengths
 cannot pay for it should not draft at all (on a CPU with a weak drafter, or under heavy load, plain
-decoding is faster). :class:`DraftGate` estimates the per-position acceptance from recent rounds' outcomes
-and drafts only when :func:`~app.scheduling.policies.best_uniform_length` expects a speed-up; while closed
-it still drafts a probe round to keep the estimate fresh, after ``PROBE_EVERY`` rounds, then after twice as
-many each time the probe leaves it closed (up to ``PROBE_MAX``). Its decision depends on earlier
-rounds only, and a round that verifies no drafts is plain decoding: lossless either way.
+decoding is faster). :class:`DraftGate` estimates each request's per-position acceptance from its own recent
+rounds (acceptance depends on the request: one chat answer the drafter cannot predict must not close the gate
+for the arithmetic answers that follow; a new request starts from the prior) and drafts only when
+:func:`~app.scheduling.policies.best_uniform_length` expects a speed-up for the batch. The counts decay every
+round, slowly while the gate is closed, so a closed gate drifts back towards the prior and re-tries. Where
+even the prior does not pay (a slow drafter, a large batch), a closed gate still drafts a probe round to
+re-measure, after ``PROBE_EVERY`` rounds, then after twice as many each time the probe leaves it closed (up
+to ``PROBE_MAX``). Its decision depends on earlier rounds only, and a round that verifies no drafts is plain
+decoding: lossless either way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
-from typing import Sequence
 
 import torch
 
@@ -40,7 +44,8 @@ from app.scheduling.profile import ThroughputProfile
 
 EMA_SMOOTHING = 0.5  # weight of the newest observation in the capacity EMA (1.0: no smoothing)
 HYSTERESIS = 0.25  # slots per request the EMA must move before the capacity in use changes
-GATE_DECAY = 0.9  # per-round decay of the draft gate's acceptance counts (~10 rounds of memory)
+GATE_DECAY = 0.9  # decay of the draft gate's acceptance counts per drafted round (~10 rounds of memory)
+GATE_IDLE_DECAY = 0.97  # ... and per round without drafts (half-life ~23 rounds: forgets, slowly, while closed)
 GATE_PRIOR = (0.5, 1.0)  # pseudo-counts (accepted, tried) per position before any observation
 GATE_MIN_GAIN = 1.02  # expected speed-up over plain decoding the gate asks for before drafting
 PROBE_EVERY = 8  # a closed gate drafts again after this many rounds ...
@@ -78,20 +83,25 @@ def position_outcomes(
     Args:
         num_draft: [B] int, drafts verified per block (l); num_accepted: [B] int, drafts accepted.
     Returns:
-        (accepted, tried): [K] float64 counts per position.
+        (accepted, tried): [B, K] float64 indicators per block and position.
     """
     j = torch.arange(1, gamma + 1)
     tried = (j <= num_draft[:, None]) & (j <= num_accepted[:, None] + 1)
     accepted = j <= num_accepted[:, None]
-    return accepted.sum(0).double(), tried.sum(0).double()
+    return accepted.double(), tried.double()
 
 
 class DraftGate:
     """Whether the next round should draft at all (module docstring, "Draft gate").
 
+    Holds per-request decayed counts (accepted, tried) per position, prior ``GATE_PRIOR``; a request's counts
+    are dropped the first round it is no longer in the batch.
+
     Args:
         profile: the replica's throughput profile; gamma: K, the block size.
-        decay, min_gain, probe_every, probe_max: see the module constants.
+        decay, idle_decay, min_gain, probe_every, probe_max: see the module constants.
+    Raises:
+        ValueError: a decay outside (0, 1], or not 1 <= probe_every <= probe_max.
     """
 
     def __init__(
@@ -100,56 +110,99 @@ class DraftGate:
         *,
         gamma: int,
         decay: float = GATE_DECAY,
+        idle_decay: float = GATE_IDLE_DECAY,
         min_gain: float = GATE_MIN_GAIN,
         probe_every: int = PROBE_EVERY,
         probe_max: int = PROBE_MAX,
     ) -> None:
-        if not 0.0 < decay <= 1.0 or not 1 <= probe_every <= probe_max:
-            raise ValueError(f"need 0 < decay <= 1 and 1 <= probe_every <= probe_max, got {decay}, "
-                             f"{probe_every}, {probe_max}")
+        if not (0.0 < decay <= 1.0 and 0.0 < idle_decay <= 1.0) or not 1 <= probe_every <= probe_max:
+            raise ValueError(f"need 0 < decay, idle_decay <= 1 and 1 <= probe_every <= probe_max, got {decay}, "
+                             f"{idle_decay}, {probe_every}, {probe_max}")
         self.profile, self.gamma = profile, gamma
-        self.decay, self.min_gain, self.probe_every, self.probe_max = decay, min_gain, probe_every, probe_max
+        self.decay, self.idle_decay, self.min_gain = decay, idle_decay, min_gain
+        self.probe_every, self.probe_max = probe_every, probe_max
         self._wait, self._probing = probe_every, False
-        self._accepted = torch.full((gamma,), GATE_PRIOR[0], dtype=torch.float64)
-        self._tried = torch.full((gamma,), GATE_PRIOR[1], dtype=torch.float64)
+        self._requests: list[Hashable] = []
+        self._row: dict[Hashable, int] = {}
+        self._accepted = torch.empty(0, gamma, dtype=torch.float64)  # [R, K], rows in self._requests order
+        self._tried = torch.empty(0, gamma, dtype=torch.float64)
         self._closed_rounds = 0
         self.last_gain = float("nan")
 
-    @property
-    def acceptance(self) -> torch.Tensor:
-        """[K] float64 estimated P(draft j accepted | drafts < j accepted)."""
-        return self._accepted / self._tried
+    def acceptance(self, request: Hashable) -> torch.Tensor:
+        """[K] float64 estimated P(draft j accepted | drafts < j accepted) for ``request`` (the prior if unseen)."""
+        row = self._row.get(request)
+        if row is None:
+            return torch.full((self.gamma,), GATE_PRIOR[0] / GATE_PRIOR[1], dtype=torch.float64)
+        return self._accepted[row] / self._tried[row]
 
-    def should_draft(self, batch: int, *, draft_ms: float | None = None, verify_scale: float = 1.0) -> bool:
-        """Decide for a round of ``batch`` requests.
+    def should_draft(
+        self, requests: Sequence[Hashable], *, draft_ms: float | None = None, verify_scale: float = 1.0
+    ) -> bool:
+        """Decide for a round of ``requests`` (the ids of the requests that would draft; B = their number).
 
         Args:
             draft_ms: the measured drafter time per round (None: the profile's).
             verify_scale: measured / profiled verify time (see ``best_uniform_length``).
         """
-        if batch < 1:
+        self._align(requests)
+        if not self._requests:
             return False
-        _, self.last_gain = best_uniform_length(self.acceptance, batch=batch, profile=self.profile,
-                                                draft_ms=draft_ms, verify_scale=verify_scale)
+        _, self.last_gain = best_uniform_length(self._accepted / self._tried, batch=len(self._requests),
+                                                profile=self.profile, draft_ms=draft_ms, verify_scale=verify_scale)
         if self.last_gain >= self.min_gain:
             self._closed_rounds, self._wait, self._probing = 0, self.probe_every, False
             return True
         if self._probing:  # the last probe round left the gate closed: wait twice as long for the next
             self._wait, self._probing = min(2 * self._wait, self.probe_max), False
+        self._accepted, self._tried = self._decayed(self._accepted, self._tried, self.idle_decay)
         self._closed_rounds += 1
         if self._closed_rounds < self._wait:
             return False
         self._closed_rounds, self._probing = 0, True
         return True
 
-    def observe(self, num_draft: Sequence[int] | torch.Tensor, num_accepted: Sequence[int] | torch.Tensor) -> None:
-        """Fold one drafted round's outcomes (per request: drafts verified, drafts accepted) into the estimate."""
+    def observe(
+        self,
+        requests: Sequence[Hashable],
+        num_draft: Sequence[int] | torch.Tensor,
+        num_accepted: Sequence[int] | torch.Tensor,
+    ) -> None:
+        """Fold one drafted round's outcomes into the estimate.
+
+        Args:
+            requests: ids of the requests whose drafts were verified; num_draft, num_accepted: [n] int, per
+                request, drafts verified and drafts accepted. Ids not in the round's batch start from the prior.
+        """
+        if len(requests) != len(num_draft) or len(requests) != len(num_accepted):
+            raise ValueError(f"need one outcome per request, got {len(requests)} ids, {len(num_draft)} "
+                             f"num_draft, {len(num_accepted)} num_accepted")
+        self._align(list(self._requests) + [r for r in requests if r not in self._row])
         accepted, tried = position_outcomes(torch.as_tensor(num_draft).long(), torch.as_tensor(num_accepted).long(),
                                             self.gamma)
+        rows = torch.tensor([self._row[r] for r in requests], dtype=torch.long)
+        decayed_a, decayed_t = self._decayed(self._accepted[rows], self._tried[rows], self.decay)
+        self._accepted[rows] = decayed_a + accepted
+        self._tried[rows] = decayed_t + tried
+
+    def _align(self, requests: Sequence[Hashable]) -> None:
+        """Make the rows ``requests``, in order: keep known requests' counts, prior for new, drop the rest."""
+        requests = list(requests)
+        if requests == self._requests:
+            return
+        keep = torch.tensor([self._row.get(r, -1) for r in requests], dtype=torch.long)
+        accepted = torch.full((len(requests), self.gamma), GATE_PRIOR[0], dtype=torch.float64)
+        tried = torch.full((len(requests), self.gamma), GATE_PRIOR[1], dtype=torch.float64)
+        known = keep >= 0
+        accepted[known], tried[known] = self._accepted[keep[known]], self._tried[keep[known]]
+        self._requests, self._row = requests, {r: i for i, r in enumerate(requests)}
+        self._accepted, self._tried = accepted, tried
+
+    @staticmethod
+    def _decayed(accepted: torch.Tensor, tried: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Counts aged by one round towards the prior (old rounds fade, the pseudo-counts stay)."""
         prior_a, prior_t = GATE_PRIOR
-        # decay towards the prior, so old rounds fade and the estimate never loses its pseudo-counts
-        self._accepted = prior_a + self.decay * (self._accepted - prior_a) + accepted
-        self._tried = prior_t + self.decay * (self._tried - prior_t) + tried
+        return prior_a + decay * (accepted - prior_a), prior_t + decay * (tried - prior_t)
 
 
 class VerifyScheduler:
@@ -190,16 +243,23 @@ class VerifyScheduler:
         self._held: float | None = None
         self.gate = DraftGate(profile, gamma=gamma) if draft_gate and policy.adaptive else None
 
-    def should_draft(self, batch: int, *, draft_ms: float | None = None, verify_scale: float = 1.0) -> bool:
-        """Whether the next round of ``batch`` requests should run the drafter (always, without a gate)."""
+    def should_draft(
+        self, requests: Sequence[Hashable], *, draft_ms: float | None = None, verify_scale: float = 1.0
+    ) -> bool:
+        """Whether the next round of ``requests`` (their ids) should run the drafter (always, without a gate)."""
         if self.gate is None:
             return True
-        return self.gate.should_draft(batch, draft_ms=draft_ms, verify_scale=verify_scale)
+        return self.gate.should_draft(requests, draft_ms=draft_ms, verify_scale=verify_scale)
 
-    def observe(self, num_draft: Sequence[int] | torch.Tensor, num_accepted: Sequence[int] | torch.Tensor) -> None:
-        """Outcomes of a drafted round, per drafted request (feeds the draft gate)."""
+    def observe(
+        self,
+        requests: Sequence[Hashable],
+        num_draft: Sequence[int] | torch.Tensor,
+        num_accepted: Sequence[int] | torch.Tensor,
+    ) -> None:
+        """Outcomes of a drafted round, per drafted request (feeds the draft gate; see :meth:`DraftGate.observe`)."""
         if self.gate is not None:
-            self.gate.observe(num_draft, num_accepted)
+            self.gate.observe(requests, num_draft, num_accepted)
 
     @property
     def capacity_per_request(self) -> float | None:

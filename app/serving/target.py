@@ -315,7 +315,7 @@ class TargetReplica:
         num_drafted, drafter_called = 0, False
         speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.speculates else []
         draft_ms = 0.0
-        if speculative and self.scheduler.should_draft(len(speculative), draft_ms=self._stats["draft_ms"] or None,
+        if speculative and self.scheduler.should_draft(speculative, draft_ms=self._stats["draft_ms"] or None,
                                                        verify_scale=self._stats["verify_scale"]):
             # Right after a drafted round and with no new request, a call carries one round of context: what
             # drafting every round costs, the figure the draft gate weighs. A probe after rounds without drafting
@@ -335,7 +335,8 @@ class TargetReplica:
         verify_ms = (time.perf_counter() - t_verify) * 1000
         drafted_outputs = [out for out in outputs if blocks[out.request_id].tokens.numel()]
         if drafted_outputs:
-            self.scheduler.observe([o.num_draft for o in drafted_outputs], [o.num_accepted for o in drafted_outputs])
+            self.scheduler.observe([o.request_id for o in drafted_outputs], [o.num_draft for o in drafted_outputs],
+                                   [o.num_accepted for o in drafted_outputs])
         committed, verified, accepted = 0, 0, 0
         for out, stripped in zip(outputs, for_drafter):
             stream = self._active[out.request_id]

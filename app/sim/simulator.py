@@ -108,6 +108,7 @@ class _Replica:
         self.total = np.zeros(slots, dtype=np.int64)  # output length of the request in the slot
         self.admitted = np.zeros(slots)  # admission time (s)
         self.difficulty = np.zeros(slots)  # delta_r of the acceptance model
+        self.request_id = np.zeros(slots, dtype=np.int64)  # run-wide id of the request in the slot
         self.busy = False
         self.pending: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None  # idx, committed, wasted, B
 
@@ -138,6 +139,7 @@ class _Run:
         self.seq = 0
         self.now = 0.0
         self.rounds = 0
+        self.admitted_requests = 0
         self.log_rounds: list[tuple[float, int, int, int, int]] = []  # (end, committed, wasted, verified, B)
         self.log_requests: list[tuple[float, float, int]] = []  # (finish, admitted, tokens)
 
@@ -158,6 +160,8 @@ class _Run:
             rep.total[free] = lengths
             rep.admitted[free] = self.now
             rep.difficulty[free] = self.acceptance.draw_difficulty(self.rng, free.size)
+            rep.request_id[free] = self.admitted_requests + np.arange(free.size)
+            self.admitted_requests += free.size
         if rep.active.any():
             self.start_round(rep_id)
 
@@ -166,7 +170,8 @@ class _Run:
         idx = np.flatnonzero(rep.active)
         batch = idx.size
         max_len = np.minimum(rep.remaining[idx] - 1, self.config.gamma)
-        drafts = self.policy.speculates and rep.scheduler.should_draft(batch)
+        ids = rep.request_id[idx].tolist()
+        drafts = self.policy.speculates and rep.scheduler.should_draft(ids)
         if drafts:
             conf, run = self.acceptance.sample_round(self.rng, rep.difficulty[idx], self.mu)
             lengths = rep.scheduler.schedule(
@@ -175,7 +180,9 @@ class _Run:
                 max_len=torch.from_numpy(max_len),
             ).numpy()
             accepted = np.minimum(run, lengths)
-            rep.scheduler.observe(torch.from_numpy(lengths), torch.from_numpy(accepted))
+            verified = np.flatnonzero(lengths)  # as served: only requests that verified drafts report outcomes
+            rep.scheduler.observe([ids[i] for i in verified], torch.from_numpy(lengths[verified]),
+                                  torch.from_numpy(accepted[verified]))
         else:
             lengths = accepted = np.zeros(batch, dtype=np.int64)
         tokens = batch + int(lengths.sum())

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 
 from app.scheduling.policies import best_uniform_length, make_policy
-from app.scheduling.scheduler import PROBE_EVERY, PROBE_MAX, DraftGate, VerifyScheduler, position_outcomes
+from app.scheduling.scheduler import (
+    GATE_MIN_GAIN,
+    PROBE_EVERY,
+    PROBE_MAX,
+    DraftGate,
+    VerifyScheduler,
+    position_outcomes,
+)
 from tests.scheduling.helpers import make_profile
 
 # verify cost: 40 ms + 1 ms per token; drafter 10 ms per round
@@ -43,7 +52,15 @@ def test_best_uniform_length_matches_brute_force():
         assert gain == pytest.approx(max(theta) / plain)
 
 
-@pytest.mark.parametrize("bad", [torch.tensor([1.5]), torch.tensor([[0.5]]), torch.tensor([-0.1])])
+def test_best_uniform_length_averages_per_request_survival():
+    good, bad = torch.full((7,), 0.9), torch.full((7,), 0.1)
+    survival = (torch.cumprod(good, 0) + torch.cumprod(bad, 0)) / 2
+    theta = [2 / 42.0] + [2 * (1 + float(survival[:l].sum())) / (40.0 + 2 * (1 + l) + 10.0) for l in range(1, 8)]
+    length, gain = best_uniform_length(torch.stack([good, bad]), batch=2, profile=PROFILE)
+    assert length == max(range(8), key=theta.__getitem__) and gain == pytest.approx(max(theta) / theta[0])
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([1.5]), torch.zeros(1, 1, 1), torch.zeros(0, 7), torch.tensor([-0.1])])
 def test_best_uniform_length_rejects_bad_acceptance(bad):
     with pytest.raises(ValueError, match="acceptance"):
         best_uniform_length(bad, batch=1, profile=PROFILE)
@@ -52,32 +69,90 @@ def test_best_uniform_length_rejects_bad_acceptance(bad):
 def test_position_outcomes():
     # blocks: 3 drafts 1 accepted; 2 drafts 2 accepted; 0 drafts; 4 drafts 0 accepted
     accepted, tried = position_outcomes(torch.tensor([3, 2, 0, 4]), torch.tensor([1, 2, 0, 0]), 4)
-    assert accepted.tolist() == [2, 1, 0, 0]
-    assert tried.tolist() == [3, 2, 0, 0]  # draft 3 of the first block follows a rejection: not tried
+    assert accepted.shape == tried.shape == (4, 4)
+    assert accepted.sum(0).tolist() == [2, 1, 0, 0]
+    assert tried.sum(0).tolist() == [3, 2, 0, 0]  # draft 3 of the first block follows a rejection: not tried
+    assert tried[0].tolist() == [1, 1, 0, 0] and tried[3].tolist() == [1, 0, 0, 0]
 
 
-def test_gate_closes_on_rejections_and_probes_less_and_less_often():
-    gate = DraftGate(PROFILE, gamma=7)
-    assert gate.should_draft(1)  # prior 0.5: (1 + 0.5 + ...) pays for a 10 ms draft at 41 ms a token
-    for _ in range(30):
-        gate.observe([7, 7], [0, 0])
-    assert gate.acceptance[0] < 0.1
-    decisions = [gate.should_draft(2) for _ in range(PROBE_EVERY * 15 + PROBE_MAX * 3)]
+def run_gate(
+    gate: DraftGate, rounds: int, *, accepted: int, draft_ms: float | None = None, request: str = "r"
+) -> list[bool]:
+    """Drive ``gate`` for ``rounds`` rounds of one request; each drafted round verifies 7 drafts and accepts
+    ``accepted`` of them. Returns the per-round decisions."""
+    decisions = []
+    for _ in range(rounds):
+        decisions.append(gate.should_draft([request], draft_ms=draft_ms))
+        if decisions[-1]:
+            gate.observe([request], [7], [accepted])
+    return decisions
+
+
+def test_gate_probes_less_and_less_often_where_even_the_prior_does_not_pay():
+    slow = 60.0  # ms a drafter call: at 41 ms a token, a prior 0.5 cannot pay for it; all-accepted drafts can
+    assert best_uniform_length(torch.full((7,), 0.5), batch=1, profile=PROFILE, draft_ms=slow)[1] < GATE_MIN_GAIN
+    assert best_uniform_length(torch.ones(7), batch=1, profile=PROFILE, draft_ms=slow)[1] > GATE_MIN_GAIN
+    decisions = run_gate(DraftGate(PROFILE, gamma=7), PROBE_EVERY * 15 + PROBE_MAX * 3, accepted=0, draft_ms=slow)
     probes = [i + 1 for i, d in enumerate(decisions) if d]
     waits = [b - a for a, b in zip([0] + probes, probes)]
     assert waits[:4] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]
     assert max(waits) == PROBE_MAX == waits[-1]
 
 
+def test_gate_drafts_rarely_for_a_useless_drafter():
+    gate = DraftGate(PROFILE, gamma=7)
+    decisions = run_gate(gate, 400, accepted=0)
+    assert sum(decisions) < 0.1 * len(decisions)  # each drafted round wastes 10 ms + 7 tokens of a 41 ms round
+    drafted = [i for i, d in enumerate(decisions) if d]
+    assert max(b - a for a, b in pairwise(drafted)) <= PROBE_MAX
+    assert gate.acceptance("r")[0] < 0.25
+
+
+def test_gate_reopens_at_the_first_good_probe_after_a_long_closed_stretch():
+    """Within a request acceptance changes (prose, then code): the counts fade while the gate is closed, so
+    after a long closed stretch the first probe whose drafts are accepted reopens it."""
+    gate = DraftGate(PROFILE, gamma=7)
+    run_gate(gate, 300, accepted=0, draft_ms=30.0)  # probes only: the prior barely pays at 30 ms
+    decisions = run_gate(gate, 100, accepted=7, draft_ms=30.0)
+    first = decisions.index(True)
+    assert first <= PROBE_MAX
+    assert all(decisions[first:])
+
+
+def test_a_new_request_starts_from_the_prior_and_a_finished_one_is_forgotten():
+    """One chat answer the drafter cannot predict must not close the gate for the requests after it."""
+    gate = DraftGate(PROFILE, gamma=7)
+    for _ in range(30):
+        gate.observe(["chat"], [7], [0])
+    assert not gate.should_draft(["chat"])
+    assert gate.should_draft(["math"])  # prior 0.5 pays for a 10 ms drafter at batch 1
+    assert gate.acceptance("chat").tolist() == [0.5] * 7  # dropped when it left the batch
+    for _ in range(30):
+        gate.observe(["math", "chat"], [7, 7], [7, 0])
+    assert gate.acceptance("math").min() > 0.9 and gate.acceptance("chat")[0] < 0.1
+    assert gate.should_draft(["math", "chat"])  # the batch's mean expected tokens still pay
+
+
+def test_gate_rejects_mismatched_outcomes():
+    with pytest.raises(ValueError, match="one outcome per request"):
+        DraftGate(PROFILE, gamma=7).observe(["a", "b"], [7], [0])
+
+
+@pytest.mark.parametrize("kwargs", [{"decay": 0.0}, {"idle_decay": 1.5}, {"probe_every": 0}, {"probe_every": 65}])
+def test_gate_rejects_bad_settings(kwargs):
+    with pytest.raises(ValueError, match="decay"):
+        DraftGate(PROFILE, gamma=7, **kwargs)
+
+
 def test_gate_reopens_when_drafts_are_accepted():
     gate = DraftGate(PROFILE, gamma=7)
     for _ in range(30):
-        gate.observe([7], [0])
-    assert not gate.should_draft(1)
+        gate.observe(["r"], [7], [0])
+    assert not gate.should_draft(["r"])
     for _ in range(30):
-        gate.observe([7], [7])
-    assert gate.should_draft(1)
-    assert gate.acceptance.min() > 0.9
+        gate.observe(["r"], [7], [7])
+    assert gate.should_draft(["r"])
+    assert gate.acceptance("r").min() > 0.9
 
 
 def test_only_adaptive_policies_are_gated():
@@ -85,10 +160,10 @@ def test_only_adaptive_policies_are_gated():
         scheduler = VerifyScheduler(make_policy(name), PROFILE, max_batch=8, gamma=7)
         assert (scheduler.gate is not None) == gated
         for _ in range(30):
-            scheduler.observe([7], [0])
-        assert scheduler.should_draft(1) != gated  # a gated scheduler stops drafting for a useless drafter
+            scheduler.observe(["r"], [7], [0])
+        assert scheduler.should_draft(["r"]) != gated  # a gated scheduler stops drafting for a useless drafter
     off = VerifyScheduler(make_policy("dspark"), PROFILE, max_batch=8, gamma=7, draft_gate=False)
-    assert off.gate is None and off.should_draft(1)
+    assert off.gate is None and off.should_draft(["r"])
 
 
 def test_verify_scale_makes_a_measured_draft_cost_comparable():

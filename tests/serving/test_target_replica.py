@@ -102,8 +102,8 @@ def test_draft_gate_weighs_steady_drafter_calls_only(replica, monkeypatch):
         time.sleep((slow_ms if call.starts or rounds_behind > 1 else steady_ms) / 1000)
         return draft(call)
 
-    def scripted_gate(batch, **kwargs):  # the gate closes for rounds 6 and 7, so round 8's call catches up
-        should_draft(batch, **kwargs)
+    def scripted_gate(requests, **kwargs):  # the gate closes for rounds 6 and 7, so round 8's call catches up
+        should_draft(requests, **kwargs)
         return next(rounds) not in (6, 7)
 
     monkeypatch.setattr(replica.colocated, "draft", timed_draft)

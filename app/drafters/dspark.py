@@ -253,7 +253,7 @@ class DSparkDrafter(nn.Module):
         c = self.config
         if c.head == "none":
             return HeadStep(logits=base, conf_logit=self.conf(hidden).squeeze(-1).float(), state=None)
-        w2 = self.draft_w2 if draft and self.draft_vocab is not None else self.w2.weight
+        w2 = self._w2(draft)
         e = self.w1(prev).to(hidden.dtype)  # [B, r]
         if c.head == "markov":
             return HeadStep(logits=base + F.linear(e, w2).float(),
@@ -265,26 +265,37 @@ class DSparkDrafter(nn.Module):
                         conf_logit=self.conf(torch.cat([hidden, state], -1)).squeeze(-1).float(), state=state)
 
     def teacher_forced(
-        self, base: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor
+        self, base: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor, *, draft: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """All K steps with known previous tokens: base [N, K, V], hidden [N, K, Dm], prev [N, K] ->
         logits [N, K, V] float32 and confidence logits [N, K]. Same math as K calls of ``head_step``; the
-        stateless heads run all positions at once."""
+        stateless heads run all positions at once. With ``draft`` and a draft vocabulary, base and the logits
+        are [N, K, V'] (training over V': W2's rows of V' get gradients, the others none)."""
         c = self.config
         if c.head == "none":
             return base, self.conf(hidden).squeeze(-1).float()
         if c.head == "markov":
             e = self.w1(prev).to(hidden.dtype)  # [N, K, r]
-            return base + self.w2(e).float(), self.conf(torch.cat([hidden, e], -1)).squeeze(-1).float()
+            return base + F.linear(e, self._w2(draft)).float(), self.conf(torch.cat([hidden, e], -1)).squeeze(-1).float()
         state, logits, conf = None, [], []
         for k in range(base.shape[1]):
-            step = self.head_step(base[:, k], hidden[:, k], prev[:, k], state)
+            step = self.head_step(base[:, k], hidden[:, k], prev[:, k], state, draft=draft)
             state = step.state
             logits.append(step.logits)
             conf.append(step.conf_logit)
         return torch.stack(logits, 1), torch.stack(conf, 1)
 
     # ---------------------------------------------------------------- helpers
+
+    def _w2(self, draft: bool) -> torch.Tensor:
+        """W2 [V, r], or its draft-vocabulary rows [V', r] with ``draft``: the slice cached by ``set_draft_vocab``
+        at inference, a fresh (differentiable) one in training mode or with gradients on (a trainer refreshes the
+        cache with ``set_draft_vocab`` when it is done)."""
+        if not draft or self.draft_vocab is None:
+            return self.w2.weight
+        if self.training or (torch.is_grad_enabled() and self.w2.weight.requires_grad):
+            return self.w2.weight.index_select(0, self.draft_vocab)
+        return self.draft_w2
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, L] -> cos, sin [B, 1, L, Dh]."""

@@ -12,9 +12,10 @@ from safetensors.torch import save_file
 from app.drafters.config import DrafterConfig, EagleConfig
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.eagle import EagleDrafter
+from app.drafters.train.calibrate import collect_outcomes
 from app.drafters.train.data import load_shards, make_batch, with_target_topk
 from app.drafters.train.datagen import generate_shard
-from app.drafters.train.trainer import dspark_loss, forward_batch, train
+from app.drafters.train.trainer import dspark_loss, forward_batch, train, vocab_columns
 from app.engine.engine import TargetEngine
 from app.engine.types import SamplingParams
 
@@ -53,21 +54,79 @@ def test_shard_features_match_the_target_and_labels_align(engine, seqs):
     assert torch.equal(batch.topk_ids[0, 0, :, 0][valid], batch.labels[0, 0][valid])  # top-1 of the target
 
 
-def assert_loss_falls(drafter, seqs, *, block_size: int) -> None:
+def assert_loss_falls(drafter, seqs, *, block_size: int, draft_vocab: bool = False) -> None:
     """12 training steps cut the loss on a fixed batch by more than 20%."""
     gen = torch.Generator().manual_seed(1)
     fixed = make_batch(seqs, block_size=block_size, anchors_per_seq=8, generator=gen)
-    with torch.no_grad():
-        before, _ = dspark_loss(forward_batch(drafter, fixed, CPU), fixed, gamma_decay=4.0, device=CPU)
+    columns = vocab_columns(drafter.draft_vocab, drafter.config.vocab_size) if draft_vocab else None
+
+    def loss() -> float:
+        with torch.no_grad():
+            out = forward_batch(drafter, fixed, CPU, draft_vocab=draft_vocab)
+            return float(dspark_loss(out, fixed, gamma_decay=4.0, device=CPU, columns=columns)[0])
+
+    before = loss()
     history = train(drafter, seqs, steps=12, batch_seqs=2, anchors_per_seq=8, lr=3e-3, gamma_decay=4.0, seed=0,
-                    device=CPU, progress=False)
-    with torch.no_grad():
-        after, _ = dspark_loss(forward_batch(drafter, fixed, CPU), fixed, gamma_decay=4.0, device=CPU)
-    assert float(after) < 0.8 * float(before), (float(before), float(after), history[-1])
+                    device=CPU, progress=False, draft_vocab=draft_vocab)
+    after = loss()
+    assert after < 0.8 * before, (before, after, history[-1])
 
 
 def test_tiny_drafter_loss_falls(engine, seqs):
     assert_loss_falls(tiny_drafter(engine), seqs, block_size=4)
+
+
+def seen_vocab(seqs, vocab_size: int) -> torch.Tensor:
+    """The sequences' tokens (the labels among them) and every 97th id: some of the target's top-k tokens fall
+    outside this draft vocabulary (draft probability 0 in the TV term)."""
+    ids = torch.unique(torch.cat([s.tokens for s in seqs] + [torch.arange(0, vocab_size, 97)]))
+    topk = torch.unique(torch.cat([s.topk_ids.flatten() for s in seqs]))
+    assert not torch.isin(topk, ids).all()
+    return ids
+
+
+def test_draft_vocab_loss_equals_the_full_loss_when_the_draft_vocab_is_everything(engine, seqs):
+    drafter = tiny_drafter(engine)
+    batch = make_batch(seqs, block_size=4, anchors_per_seq=4, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full, _ = dspark_loss(forward_batch(drafter, batch, CPU), batch, gamma_decay=4.0, device=CPU)
+        drafter.set_draft_vocab(torch.arange(drafter.config.vocab_size))
+        columns = vocab_columns(drafter.draft_vocab, drafter.config.vocab_size)
+        restricted, _ = dspark_loss(forward_batch(drafter, batch, CPU, draft_vocab=True), batch, gamma_decay=4.0,
+                                    device=CPU, columns=columns)
+    assert float(restricted) == pytest.approx(float(full), rel=1e-5)
+
+
+def test_draft_vocab_training_trains_only_the_draft_rows_and_the_loss_falls(engine, seqs):
+    drafter = tiny_drafter(engine)
+    vocab = seen_vocab(seqs, drafter.config.vocab_size)
+    drafter.set_draft_vocab(vocab)
+    w2_before = drafter.w2.weight.detach().clone()
+    assert_loss_falls(drafter, seqs, block_size=4, draft_vocab=True)
+    outside = torch.ones(drafter.config.vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.equal(drafter.w2.weight[outside], w2_before[outside])  # no gradient outside V'
+    assert not torch.equal(drafter.w2.weight[vocab], w2_before[vocab])
+    assert torch.equal(drafter.draft_w2, drafter.w2.weight.detach()[vocab])  # the drafting slice is refreshed
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        train(tiny_drafter(engine), seqs, steps=1, batch_seqs=1, anchors_per_seq=2, lr=1e-3, gamma_decay=4.0, seed=0,
+              device=CPU, progress=False, draft_vocab=True)
+
+
+def test_calibration_outcomes_are_measured_over_the_draft_vocabulary(engine, seqs):
+    """With V' = the answers' most frequent token alone, the drafter drafts that token everywhere and hits
+    wherever it is the label; over the full vocabulary an untrained drafter hits (almost) nowhere: calibration
+    must see the drafter as it drafts."""
+    drafter = tiny_drafter(engine)
+    kwargs = {"anchors_per_seq": 12, "seed": 0, "device": CPU}
+    full = collect_outcomes(drafter, engine.model, seqs, **kwargs)
+    answers = torch.cat([s.tokens[s.prompt_len:] for s in seqs])
+    drafter.set_draft_vocab(torch.mode(answers).values.view(1))
+    restricted = collect_outcomes(drafter, engine.model, seqs, **kwargs)
+    valid = full["valid"].bool()
+    assert float(restricted["hit"][valid].mean()) > float(full["hit"][valid].mean()) + 0.02
+    assert not torch.equal(restricted["accept"], full["accept"])
+    assert torch.equal(restricted["conf_logits"], full["conf_logits"])  # the confidence ignores the vocabulary
 
 
 def test_tiny_eagle_drafter_loss_falls_with_training_time_test(engine, seqs):

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from app.drafters.calibration import Calibration, auc, ece, fit_sequential_temperatures, survival
 from app.drafters.checkpoint import CONFIG, Drafter, load_checkpoint, read_checkpoint_config
+from app.drafters.dspark import DSparkDrafter
 from app.drafters.train.data import Sequence_, load_shards, make_batch
 from app.drafters.train.trainer import forward_batch, split_heldout
 from app.engine.loader import load_target, resolve_device
@@ -32,19 +33,26 @@ def collect_outcomes(
     drafter: Drafter, target: TargetModel, seqs: list[Sequence_], *, anchors_per_seq: int, seed: int,
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
-    """Teacher-forced blocks of ``seqs``: conf_logits, greedy hits, acceptance rates 1 - TV, valid (all [N, K])."""
+    """Teacher-forced blocks of ``seqs``: conf_logits, greedy hits, acceptance rates 1 - TV, valid (all [N, K]).
+
+    A DSpark drafter with a draft vocabulary V' is measured as it drafts: softmax and argmax over V' only (the
+    draft probability of every token outside V' is 0)."""
     gen = torch.Generator().manual_seed(seed)
+    draft_vocab = drafter.draft_vocab if isinstance(drafter, DSparkDrafter) else None
     parts: dict[str, list[torch.Tensor]] = {"conf_logits": [], "hit": [], "accept": [], "valid": []}
     for s in tqdm(seqs, desc="calibrate"):
         batch = make_batch([s], block_size=drafter.config.block_size, anchors_per_seq=anchors_per_seq, generator=gen)
-        out = forward_batch(drafter, batch, device)
+        out = forward_batch(drafter, batch, device, draft_vocab=draft_vocab is not None)
         n, k = out.conf_logits.shape
         rows = batch.features[0, batch.target_rows[0]].view(n, k, -1)  # exact target distributions, full vocab
         target_probs = torch.softmax(target.logits_from_final_hidden(rows[..., -target.args.hidden_size :].to(device)), -1)
-        probs = torch.softmax(out.logits, dim=-1)
+        logits = out.logits
+        if draft_vocab is not None:  # [N, K, V'] -> [N, K, V], -inf outside V'
+            logits = logits.new_full((n, k, target_probs.shape[-1]), float("-inf")).index_copy_(-1, draft_vocab, logits)
+        probs = torch.softmax(logits, dim=-1)
         labels = batch.labels.view(n, k).to(device)
         parts["conf_logits"].append(out.conf_logits.float().cpu())
-        parts["hit"].append((out.logits.argmax(-1) == labels).float().cpu())
+        parts["hit"].append((logits.argmax(-1) == labels).float().cpu())
         parts["accept"].append((1.0 - 0.5 * (probs - target_probs).abs().sum(-1)).clamp(0.0, 1.0).float().cpu())
         parts["valid"].append(batch.valid.view(n, k))
     return {k: torch.cat(v) for k, v in parts.items()}

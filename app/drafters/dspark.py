@@ -20,10 +20,11 @@ Architecture (DSpark, arXiv 2607.05147, on the DFlash backbone):
 
 The token embedding and LM head are the target's (passed in, frozen, never saved with the drafter).
 
-Draft vocabulary (inference only, no retraining): ``set_draft_vocab(ids)`` restricts drafting to a sorted subset
-of V' token ids (EAGLE-3's frequent-token head). The embedding rows and W2 columns of those ids are sliced once;
-with ``draft=True``, ``base_logits`` and ``head_step`` then return logits over V' only, and ``draft_token_ids``
-maps an index in V' back to its token id. Training (``teacher_forced``, ``draft=False``) keeps the full V.
+Draft vocabulary: ``set_draft_vocab(ids)`` restricts drafting to a sorted subset of V' token ids (EAGLE-3's
+frequent-token head). The embedding rows and W2 rows of those ids are sliced once; with ``draft=True``,
+``base_logits``, ``head_step`` and ``teacher_forced`` then return logits over V' only, and ``draft_token_ids``
+maps an index in V' back to its token id. Training may use either: ``teacher_forced`` with ``draft=False`` keeps
+the full V, with ``draft=True`` (in training mode) it slices W2 afresh so its V' rows get gradients.
 
 Shape symbols: B batch, T context length, K block size (gamma), Q queries per sequence (M blocks x K),
 V vocab, V' draft vocabulary size (V without one), F feature width, Dm hidden, H heads, Hkv kv heads, Dh head dim,
@@ -174,6 +175,7 @@ class DSparkDrafter(nn.Module):
         self.register_buffer("draft_vocab", None, persistent=False)
         self.register_buffer("draft_embed", None, persistent=False)
         self.register_buffer("draft_w2", None, persistent=False)
+        self.register_load_state_dict_post_hook(DSparkDrafter._reslice_draft_vocab)
 
     # ---------------------------------------------------------------- draft vocabulary
 
@@ -193,6 +195,12 @@ class DSparkDrafter(nn.Module):
         self.draft_vocab = ids
         self.draft_embed = self.embed_weight.index_select(0, ids)
         self.draft_w2 = self.w2.weight.detach().index_select(0, ids) if self.config.head != "none" else None
+
+    @staticmethod
+    def _reslice_draft_vocab(module: nn.Module, _incompatible_keys: object) -> None:
+        """load_state_dict post-hook: the cached draft rows must follow newly loaded weights."""
+        if module.draft_vocab is not None:
+            module.set_draft_vocab(module.draft_vocab)
 
     def draft_token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into the drafting vocabulary (any shape, int64) -> token ids: ``draft_vocab[index]``, or

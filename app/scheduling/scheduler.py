@@ -19,11 +19,11 @@ decoding is faster). :class:`DraftGate` estimates each request's per-position ac
 rounds (acceptance depends on the request: one chat answer the drafter cannot predict must not close the gate
 for the arithmetic answers that follow; a new request starts from the prior) and drafts only when
 :func:`~app.scheduling.policies.best_uniform_length` expects a speed-up for the batch. The counts decay every
-round, slowly while the gate is closed, so a closed gate drifts back towards the prior and re-tries. Where
-even the prior does not pay (a slow drafter, a large batch), a closed gate still drafts a probe round to
-re-measure, after ``PROBE_EVERY`` rounds, then after twice as many each time the probe leaves it closed (up
-to ``PROBE_MAX``). Its decision depends on earlier rounds only, and a round that verifies no drafts is plain
-decoding: lossless either way.
+round, slowly while the gate is closed. A closed gate reopens when a request joins (decided on the
+estimate at once) or on the outcome of a probe round: it drafts one after ``PROBE_EVERY`` closed rounds,
+then after twice as many each time the probe leaves it closed (up to ``PROBE_MAX``); the counts faded
+meanwhile, so the probe's outcome weighs more than the rounds that closed the gate. Its decision depends
+on earlier rounds only, and a round that verifies no drafts is plain decoding: lossless either way.
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ def position_outcomes(
     return accepted.double(), tried.double()
 
 
+def _check_distinct(requests: Sequence[Hashable]) -> None:
+    """Raises ValueError when a request id appears twice."""
+    if len(set(requests)) != len(requests):
+        raise ValueError(f"request ids must be distinct, got {list(requests)}")
+
+
 class DraftGate:
     """Whether the next round should draft at all (module docstring, "Draft gate").
 
@@ -121,7 +127,7 @@ class DraftGate:
         self.profile, self.gamma = profile, gamma
         self.decay, self.idle_decay, self.min_gain = decay, idle_decay, min_gain
         self.probe_every, self.probe_max = probe_every, probe_max
-        self._wait, self._probing = probe_every, False
+        self._wait, self._probing, self._open, self._fresh = probe_every, False, True, False
         self._requests: list[Hashable] = []
         self._row: dict[Hashable, int] = {}
         self._accepted = torch.empty(0, gamma, dtype=torch.float64)  # [R, K], rows in self._requests order
@@ -144,23 +150,33 @@ class DraftGate:
         Args:
             draft_ms: the measured drafter time per round (None: the profile's).
             verify_scale: measured / profiled verify time (see ``best_uniform_length``).
+        Raises:
+            ValueError: an id given twice.
         """
-        self._align(requests)
+        joined = self._align(requests)
         if not self._requests:
             return False
         _, self.last_gain = best_uniform_length(self._accepted / self._tried, batch=len(self._requests),
                                                 profile=self.profile, draft_ms=draft_ms, verify_scale=verify_scale)
-        if self.last_gain >= self.min_gain:
-            self._closed_rounds, self._wait, self._probing = 0, self.probe_every, False
+        if joined:  # a new request brings no evidence against drafting: decide now, restart the back-off
+            self._wait, self._closed_rounds = self.probe_every, 0
+        # A closed gate reopens on new outcomes (a probe's) or a new request, not on counts that merely faded.
+        fresh, self._fresh = self._fresh, False
+        if self.last_gain >= self.min_gain and (self._open or fresh or joined):
+            if self._open:  # open two rounds running: the back-off starts over
+                self._wait = self.probe_every
+            self._probing = not self._open  # a reopening round is on trial, as a probe is
+            self._open, self._closed_rounds = True, 0
             return True
         if self._probing:  # the last probe round left the gate closed: wait twice as long for the next
-            self._wait, self._probing = min(2 * self._wait, self.probe_max), False
-        self._accepted, self._tried = self._decayed(self._accepted, self._tried, self.idle_decay)
+            self._wait = min(2 * self._wait, self.probe_max)
+        self._open, self._probing = False, False
         self._closed_rounds += 1
-        if self._closed_rounds < self._wait:
-            return False
-        self._closed_rounds, self._probing = 0, True
-        return True
+        if self._closed_rounds >= self._wait:
+            self._closed_rounds, self._probing = 0, True
+            return True
+        self._accepted, self._tried = self._decayed(self._accepted, self._tried, self.idle_decay)
+        return False
 
     def observe(
         self,
@@ -173,23 +189,32 @@ class DraftGate:
         Args:
             requests: ids of the requests whose drafts were verified; num_draft, num_accepted: [n] int, per
                 request, drafts verified and drafts accepted. Ids not in the round's batch start from the prior.
+        Raises:
+            ValueError: lengths differ, an id given twice, or not 0 <= num_accepted <= num_draft <= gamma.
         """
-        if len(requests) != len(num_draft) or len(requests) != len(num_accepted):
-            raise ValueError(f"need one outcome per request, got {len(requests)} ids, {len(num_draft)} "
-                             f"num_draft, {len(num_accepted)} num_accepted")
+        num_draft, num_accepted = torch.as_tensor(num_draft).long(), torch.as_tensor(num_accepted).long()
+        if len(requests) != num_draft.numel() or len(requests) != num_accepted.numel():
+            raise ValueError(f"need one outcome per request, got {len(requests)} ids, {num_draft.numel()} "
+                             f"num_draft, {num_accepted.numel()} num_accepted")
+        if not bool(((num_accepted >= 0) & (num_accepted <= num_draft) & (num_draft <= self.gamma)).all()):
+            raise ValueError(f"need 0 <= num_accepted <= num_draft <= gamma={self.gamma}, got num_draft "
+                             f"{num_draft.tolist()}, num_accepted {num_accepted.tolist()}")
+        _check_distinct(requests)
         self._align(list(self._requests) + [r for r in requests if r not in self._row])
-        accepted, tried = position_outcomes(torch.as_tensor(num_draft).long(), torch.as_tensor(num_accepted).long(),
-                                            self.gamma)
+        accepted, tried = position_outcomes(num_draft, num_accepted, self.gamma)
         rows = torch.tensor([self._row[r] for r in requests], dtype=torch.long)
         decayed_a, decayed_t = self._decayed(self._accepted[rows], self._tried[rows], self.decay)
         self._accepted[rows] = decayed_a + accepted
         self._tried[rows] = decayed_t + tried
+        self._fresh = True
 
-    def _align(self, requests: Sequence[Hashable]) -> None:
-        """Make the rows ``requests``, in order: keep known requests' counts, prior for new, drop the rest."""
+    def _align(self, requests: Sequence[Hashable]) -> bool:
+        """Make the rows ``requests``, in order: keep known requests' counts, prior for new, drop the rest.
+        Returns whether a request is new."""
         requests = list(requests)
         if requests == self._requests:
-            return
+            return False
+        _check_distinct(requests)
         keep = torch.tensor([self._row.get(r, -1) for r in requests], dtype=torch.long)
         accepted = torch.full((len(requests), self.gamma), GATE_PRIOR[0], dtype=torch.float64)
         tried = torch.full((len(requests), self.gamma), GATE_PRIOR[1], dtype=torch.float64)
@@ -197,6 +222,7 @@ class DraftGate:
         accepted[known], tried[known] = self._accepted[keep[known]], self._tried[keep[known]]
         self._requests, self._row = requests, {r: i for i, r in enumerate(requests)}
         self._accepted, self._tried = accepted, tried
+        return not bool(known.all())
 
     @staticmethod
     def _decayed(accepted: torch.Tensor, tried: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,6 +62,43 @@ def test_draft_logits_are_the_full_logits_at_the_draft_ids(head):
     assert torch.equal(d.draft_token_ids(torch.tensor([0, 2])), SUBSET[[0, 2]])
 
 
+@pytest.mark.parametrize("head", ["markov", "rnn", "none"])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_teacher_forced_over_the_draft_vocab_is_the_full_at_the_draft_ids_and_trains_only_their_rows(head, mode):
+    d = tiny(head)
+    d.train(mode == "train")
+    hidden, _ = block_forward(d)
+    prev = torch.randint(V, (2, K))
+    full, full_conf = d.teacher_forced(d.base_logits(hidden), hidden, prev)
+    d.set_draft_vocab(SUBSET)
+    logits, conf = d.teacher_forced(d.base_logits(hidden, draft=True), hidden, prev, draft=True)
+    assert logits.shape == (2, K, SUBSET.numel())
+    assert torch.allclose(logits, full[..., SUBSET], atol=1e-5) and torch.allclose(conf, full_conf, atol=1e-6)
+    if head == "none":
+        return
+    d.zero_grad()
+    logits.logsumexp(-1).sum().backward()
+    grad = d.w2.weight.grad
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[SUBSET] = False
+    assert grad[SUBSET].abs().sum() > 0 and not grad[outside].any()
+
+
+def test_loading_weights_reslices_the_draft_rows():
+    """The W2 rows V' drafts with are a slice cached by set_draft_vocab; loading new weights must refresh it."""
+    d, other = tiny("markov"), tiny("markov")
+    with torch.no_grad():
+        other.w2.weight.add_(1.0)
+    d.set_draft_vocab(SUBSET)
+    d.load_state_dict(other.state_dict())
+    hidden, _ = block_forward(d)
+    prev = torch.randint(V, (2, K))
+    with torch.no_grad():
+        full, _ = d.teacher_forced(d.base_logits(hidden), hidden, prev)
+        logits, _ = d.teacher_forced(d.base_logits(hidden, draft=True), hidden, prev, draft=True)
+    assert torch.allclose(logits, full[..., SUBSET], atol=1e-5)
+
+
 @pytest.mark.parametrize("head", ["markov", "rnn"])
 def test_greedy_drafts_are_the_argmax_over_the_draft_vocab(head):
     """Each draft is the best token of V' given the previous *token id* (W1 lookup), not its index in V'."""

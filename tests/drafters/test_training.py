@@ -5,6 +5,9 @@ Uses the session-scoped ``engine`` fixture of ``tests/conftest.py``.
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -15,7 +18,7 @@ from app.drafters.eagle import EagleDrafter
 from app.drafters.train.calibrate import collect_outcomes
 from app.drafters.train.data import load_shards, make_batch, with_target_topk
 from app.drafters.train.datagen import generate_shard
-from app.drafters.train.trainer import dspark_loss, forward_batch, train, vocab_columns
+from app.drafters.train.trainer import BlockOutputs, dspark_loss, forward_batch, train, vocab_columns
 from app.engine.engine import TargetEngine
 from app.engine.types import SamplingParams
 
@@ -83,6 +86,36 @@ def seen_vocab(seqs, vocab_size: int) -> torch.Tensor:
     topk = torch.unique(torch.cat([s.topk_ids.flatten() for s in seqs]))
     assert not torch.isin(topk, ids).all()
     return ids
+
+
+def test_dspark_loss_over_a_draft_vocab_is_the_full_loss_with_zero_probability_outside_it():
+    """Columns map token ids to V' (ids 0, 3, 6, ...: index != id); the reference is the full-vocabulary loss
+    with logits -inf outside V', and, for the cross-entropy, labels outside V' left out."""
+    n, k, vocab_size, top = 6, 4, 50, 5
+    gen = torch.Generator().manual_seed(0)
+    vocab = torch.arange(0, vocab_size, 3)
+    full = torch.randn(n, k, vocab_size, generator=gen)
+    outside = torch.ones(vocab_size, dtype=torch.bool)
+    outside[vocab] = False
+    full[..., outside] = float("-inf")
+    out_full = BlockOutputs(logits=full, conf_logits=torch.randn(n, k, generator=gen))
+    out_draft = BlockOutputs(logits=full[..., vocab], conf_logits=out_full.conf_logits)
+    topk_ids = torch.stack([torch.randperm(vocab_size, generator=gen)[:top] for _ in range(n * k)]).view(n, k, top)
+    topk_probs = torch.softmax(torch.randn(n, k, top, generator=gen), -1) * 0.9
+    labels = topk_ids[..., 0].clone()
+    assert outside[labels].any() and not outside[labels].all() and outside[topk_ids[..., 1:]].any()
+    valid = torch.ones(n, k, dtype=torch.bool)
+    batch = SimpleNamespace(labels=labels, valid=valid, topk_ids=topk_ids, topk_probs=topk_probs)
+    columns = vocab_columns(vocab, vocab_size)
+    loss, parts = dspark_loss(out_draft, batch, gamma_decay=4.0, device=CPU, columns=columns)
+    _, ref = dspark_loss(out_full, batch, gamma_decay=4.0, device=CPU)
+    assert parts["tv"] == pytest.approx(ref["tv"]) and parts["bce"] == pytest.approx(ref["bce"])
+    keep = ~outside[labels]
+    w = torch.exp(-torch.arange(k) / 4.0).expand(n, k)[keep]
+    ce = (torch.logsumexp(full, -1) - full.gather(-1, labels[..., None]).squeeze(-1))[keep]
+    assert parts["ce"] == pytest.approx(float((w * ce).sum() / w.sum()))
+    assert parts["acc1"] == pytest.approx(ref["acc1"]) and parts["tau"] == pytest.approx(ref["tau"])
+    assert math.isfinite(float(loss))
 
 
 def test_draft_vocab_loss_equals_the_full_loss_when_the_draft_vocab_is_everything(engine, seqs):

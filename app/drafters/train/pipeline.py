@@ -1,5 +1,5 @@
-"""One command from a target to a calibrated, evaluated drafter checkpoint: datagen -> train -> calibrate ->
-draft vocabulary -> eval.
+"""One command from a target to a calibrated, evaluated drafter checkpoint: datagen -> train -> draft vocabulary ->
+calibrate -> eval.
 
 Owns: running the four stages in one process under one wall-clock budget per stage and the folder layout below;
 each stage is the module of its own name with the same flags (``datagen.py``, ``trainer.py``, ``calibrate.py``,
@@ -85,10 +85,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.config, "--steps", str(args.steps), "--max-minutes", str(args.train_minutes), "--batch-seqs",
             str(args.batch_seqs), "--anchors", str(args.anchors), "--lr", str(args.lr), "--seed", str(args.seed)],
            timings)
-    _stage("calibrate", calibrate.main, ["--checkpoint", str(ckpt), "--data", *data_args], timings)
-    if args.draft_vocab and args.kind == "dspark":
+    if args.draft_vocab and args.kind == "dspark":  # before calibration, which measures the drafter over its V'
         _stage("draft-vocab", draft_vocab.main,
                ["--data", data_args[0], "--checkpoint", str(ckpt), "--size", str(args.draft_vocab)], timings)
+    _stage("calibrate", calibrate.main, ["--checkpoint", str(ckpt), "--data", *data_args], timings)
     if args.eval_limit:
         _stage("evaluate", evaluate.main,
                ["--checkpoint", str(ckpt), "--out", str(args.out / "eval"), "--limit", str(args.eval_limit),

@@ -32,6 +32,8 @@ stop and the stale capacity both respect this; taking the argmax of Theta over a
 
 from __future__ import annotations
 
+import math
+
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -211,12 +213,15 @@ def best_uniform_length(
     Returns:
         (l*, Theta(l*) / Theta(0)): l* in [0, K] (0: do not draft), the expected speed-up over plain decoding.
     Raises:
-        ValueError: ``batch`` < 1, ``verify_scale`` <= 0 or acceptance not a [K] or [R >= 1, K] tensor in [0, 1].
+        ValueError: ``batch`` < 1, ``verify_scale`` not finite and > 0, ``draft_ms`` not finite and >= 0, or
+            acceptance not a [K] or [R >= 1, K] tensor (K >= 1) in [0, 1].
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    if not verify_scale > 0:
-        raise ValueError(f"verify_scale must be > 0, got {verify_scale}")
+    if not 0 < verify_scale < math.inf:
+        raise ValueError(f"verify_scale must be finite and > 0, got {verify_scale}")
+    if draft_ms is not None and not 0 <= draft_ms < math.inf:
+        raise ValueError(f"draft_ms must be finite and >= 0, got {draft_ms}")
     if (acceptance.dim() not in (1, 2) or acceptance.numel() == 0
             or not bool(((acceptance >= 0) & (acceptance <= 1)).all())):
         raise ValueError(f"acceptance must be a [K] or [R, K] tensor in [0, 1], got {acceptance.tolist()}")

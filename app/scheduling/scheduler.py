@@ -107,7 +107,7 @@ class DraftGate:
         profile: the replica's throughput profile; gamma: K, the block size.
         decay, idle_decay, min_gain, probe_every, probe_max: see the module constants.
     Raises:
-        ValueError: a decay outside (0, 1], or not 1 <= probe_every <= probe_max.
+        ValueError: a decay outside (0, 1], gamma < 1, or not 1 <= probe_every <= probe_max.
     """
 
     def __init__(
@@ -124,6 +124,8 @@ class DraftGate:
         if not (0.0 < decay <= 1.0 and 0.0 < idle_decay <= 1.0) or not 1 <= probe_every <= probe_max:
             raise ValueError(f"need 0 < decay, idle_decay <= 1 and 1 <= probe_every <= probe_max, got {decay}, "
                              f"{idle_decay}, {probe_every}, {probe_max}")
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1, got {gamma}")
         self.profile, self.gamma = profile, gamma
         self.decay, self.idle_decay, self.min_gain = decay, idle_decay, min_gain
         self.probe_every, self.probe_max = probe_every, probe_max
@@ -190,9 +192,13 @@ class DraftGate:
             requests: ids of the requests whose drafts were verified; num_draft, num_accepted: [n] int, per
                 request, drafts verified and drafts accepted. Ids not in the round's batch start from the prior.
         Raises:
-            ValueError: lengths differ, an id given twice, or not 0 <= num_accepted <= num_draft <= gamma.
+            ValueError: lengths differ, an id given twice, outcomes not integers, or not 0 <= num_accepted <=
+                num_draft <= gamma. Requests that verified no drafts are ignored (no evidence).
         """
-        num_draft, num_accepted = torch.as_tensor(num_draft).long(), torch.as_tensor(num_accepted).long()
+        num_draft, num_accepted = torch.as_tensor(num_draft), torch.as_tensor(num_accepted)
+        if num_draft.is_floating_point() or num_accepted.is_floating_point():
+            raise ValueError(f"num_draft and num_accepted must be integers, got {num_draft.dtype}, {num_accepted.dtype}")
+        num_draft, num_accepted = num_draft.long().reshape(-1), num_accepted.long().reshape(-1)
         if len(requests) != num_draft.numel() or len(requests) != num_accepted.numel():
             raise ValueError(f"need one outcome per request, got {len(requests)} ids, {num_draft.numel()} "
                              f"num_draft, {num_accepted.numel()} num_accepted")
@@ -200,6 +206,11 @@ class DraftGate:
             raise ValueError(f"need 0 <= num_accepted <= num_draft <= gamma={self.gamma}, got num_draft "
                              f"{num_draft.tolist()}, num_accepted {num_accepted.tolist()}")
         _check_distinct(requests)
+        verified = num_draft > 0  # a request that verified no drafts brings no evidence
+        requests = [r for r, v in zip(requests, verified.tolist()) if v]
+        if not requests:
+            return
+        num_draft, num_accepted = num_draft[verified], num_accepted[verified]
         self._align(list(self._requests) + [r for r in requests if r not in self._row])
         accepted, tried = position_outcomes(num_draft, num_accepted, self.gamma)
         rows = torch.tensor([self._row[r] for r in requests], dtype=torch.long)

@@ -83,6 +83,34 @@ def test_pipeline_writes_a_calibrated_checkpoint_and_report(tmp_path):
     assert doc["metadata"]["calibration"]["heldout_seqs"] > 0
 
 
+def test_trainer_init_takes_the_checkpoints_architecture_and_train_vocab_draft_needs_it(tmp_path, capsys):
+    """--init alone continues a non-default architecture (no --config repeat); --train-vocab draft and a wrong
+    --kind or missing --init are argparse errors before any model loads; the V' record is carried over."""
+    from app.drafters.train import datagen, draft_vocab, trainer
+
+    target_dir = tmp_path / "target"
+    tiny_target(target_dir)
+    prompt_files(tmp_path / "datasets")
+    data = tmp_path / "data"
+    datagen.main(["--out", str(data), "--model", str(target_dir), "--per-set", "gsm8k-train=4", "--max-tokens", "6",
+                  "--shard-size", "4", "--max-batch", "4", "--datasets-dir", str(tmp_path / "datasets")])
+    common = ["--data", str(data), "--model", str(target_dir), "--steps", "2", "--batch-seqs", "1", "--anchors", "2"]
+    first = tmp_path / "first"
+    trainer.main([*common, "--out", str(first), "--config", '{"block_size": 4, "num_layers": 1}'])
+    draft_vocab.main(["--data", str(data), "--checkpoint", str(first), "--size", "64"])
+    second = tmp_path / "second"
+    trainer.main([*common, "--out", str(second), "--init", str(first), "--train-vocab", "draft"])
+    doc = json.loads((second / "config.json").read_text())
+    assert doc["config"]["block_size"] == 4 and doc["metadata"]["draft_vocab"]["size"] == 64
+    assert doc["metadata"]["init_train"]["steps_done"] == 2
+    for extra, message in [(["--train-vocab", "draft"], "--train-vocab draft"),
+                           (["--init", str(tmp_path / "nowhere")], "--init"),
+                           (["--init", str(first), "--kind", "eagle"], "--kind eagle")]:
+        with pytest.raises(SystemExit) as exc:
+            trainer.main([*common, "--out", str(tmp_path / "x"), *extra])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_trainer_names_an_unknown_config_field(tmp_path, capsys):
     from app.drafters.train.trainer import main
 

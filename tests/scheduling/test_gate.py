@@ -150,6 +150,26 @@ def test_gate_rejects_duplicate_ids_and_impossible_outcomes():
     for num_draft, num_accepted in [([2], [5]), ([8], [0]), ([3], [-1])]:
         with pytest.raises(ValueError, match="num_accepted <= num_draft"):
             gate.observe(["a"], num_draft, num_accepted)
+    with pytest.raises(ValueError, match="integers"):
+        gate.observe(["a"], [2.9], [1.0])
+    with pytest.raises(ValueError, match="gamma"):
+        DraftGate(PROFILE, gamma=0)
+    for kwargs in [{"draft_ms": -100.0}, {"draft_ms": float("nan")}, {"verify_scale": float("inf")}]:
+        with pytest.raises(ValueError, match="finite"):
+            gate.should_draft(["a"], **kwargs)
+
+
+def test_outcomes_without_drafts_are_no_evidence():
+    """A request that verified no drafts must neither age its counts nor count as a fresh probe outcome."""
+    gate = DraftGate(PROFILE, gamma=7)
+    run_gate(gate, 300, accepted=0, draft_ms=60.0)
+    before = gate.acceptance("r").clone()
+    decisions = []
+    for _ in range(40):
+        decisions.append(gate.should_draft(["r"], draft_ms=60.0))
+        gate.observe(["r"], [0], [0])
+    assert sum(decisions) <= 1  # probes PROBE_MAX rounds apart, as without the empty reports
+    assert gate.acceptance("r")[0] <= before[0] + 0.1
 
 
 def test_gate_rejects_mismatched_outcomes():

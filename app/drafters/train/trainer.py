@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from app.drafters.checkpoint import KINDS, Drafter, load_checkpoint, save_checkpoint
+from app.drafters.checkpoint import KINDS, Drafter, load_checkpoint, read_checkpoint_config, save_checkpoint
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.train.data import Batch, Sequence_, load_shards, make_batch, with_target_topk
 from app.engine.loader import load_target, resolve_device
@@ -237,7 +237,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--heldout", type=float, default=0.05, help="fraction of sequences held out for calibration")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="target model reference")
-    ap.add_argument("--init", type=Path, default=None, help="start from this checkpoint's weights (continued training)")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start from this checkpoint's weights and architecture (continued training; --config "
+                         "may only repeat it)")
     ap.add_argument("--train-vocab", choices=("full", "draft"), default="full",
                     help="softmax over the full vocabulary, or over the --init checkpoint's draft vocabulary (the "
                          "one it drafts with; dspark only; on a CPU about 2x faster steps)")
@@ -245,6 +247,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--config", type=json_object, default={},
                     help="JSON overrides of the kind's config fields, e.g. '{\"head\": \"rnn\"}'")
     args = ap.parse_args(argv)
+    init_doc: dict = {}
+    if args.init is not None:  # the architecture comes from the checkpoint; --kind/--config may only agree with it
+        try:
+            init_doc = read_checkpoint_config(args.init)
+        except (FileNotFoundError, ValueError) as e:
+            ap.error(f"--init: {e}")
+        if init_doc.get("kind", "dspark") != args.kind:
+            ap.error(f"--init {args.init} is a {init_doc.get('kind', 'dspark')} checkpoint, not --kind {args.kind}")
+    if args.train_vocab == "draft" and (args.kind != "dspark" or args.init is None):
+        ap.error("--train-vocab draft needs --kind dspark and --init with a checkpoint that has a draft vocabulary")
     torch.manual_seed(args.seed)
     device = resolve_device("auto")
     target = load_target(args.model, device=str(device)).model
@@ -256,13 +268,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             "num_kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "intermediate_size": a.intermediate_size,
             "vocab_size": a.vocab_size, "feature_layers": target.feature_layers, "target_hidden_size": a.hidden_size,
             "rms_norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta, "max_positions": a.max_position_embeddings,
-            **args.config})
+            **(init_doc.get("config", {}) if args.init is not None else {}), **args.config})
     except ValidationError as e:
         ap.error(f"--config: {e}")
     if args.init is not None:
         drafter, _, _ = load_checkpoint(args.init, target.embed_tokens.weight, dtype=torch.float32)
         if drafter.config != config:
-            raise ValueError(f"--init {args.init} has config {drafter.config}, expected {config}")
+            ap.error(f"--init {args.init} has config {drafter.config}; --config asks for {config}")
         drafter.to(device)
     else:
         drafter = drafter_cls(config, target.embed_tokens.weight).to(device)
@@ -284,6 +296,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                       "init": None if args.init is None else str(args.init), "train_seqs": len(seqs),
                       "heldout_seqs": len(heldout), "steps_done": len(history), "seconds": round(time.perf_counter() - start, 1),
                       "final": summary}}
+    if getattr(drafter, "draft_vocab", None) is not None and "draft_vocab" in init_doc.get("metadata", {}):
+        meta["draft_vocab"] = init_doc["metadata"]["draft_vocab"]  # the V' carried from --init, and its record
+    if init_doc:
+        meta["init_train"] = init_doc.get("metadata", {}).get("train")
     save_checkpoint(args.out, drafter, metadata=meta)
     print(json.dumps(meta["train"], default=str))
 

@@ -92,7 +92,7 @@ def test_features_for_the_drafter_are_copied_on_the_torch_thread(replica, monkey
 
 def test_draft_gate_weighs_steady_drafter_calls_only(replica, monkeypatch):
     """Slow calls: the first, a second request's first (mid-way) and one catching up on two skipped rounds."""
-    slow_ms, steady_ms = 60.0, 5.0
+    slow_ms, steady_ms = 150.0, 5.0
     draft, should_draft = replica.colocated.draft, replica.scheduler.should_draft
     estimates, rounds = [], iter(range(10**6))
 
@@ -111,8 +111,9 @@ def test_draft_gate_weighs_steady_drafter_calls_only(replica, monkeypatch):
     run_requests(replica, [80, 40], delays_s=[0.0, 0.15])
     assert replica._stats["drafted_rounds"] >= 8
     estimates.append(replica._stats["draft_ms"])
-    # any slow call counted would lift the EMA to >= 0.2 x 60 + 0.8 x 5 = 16 ms for at least one call
-    assert max(estimates) < 2 * steady_ms, estimates
+    # any slow call counted would lift the EMA to >= 0.2 x 150 + 0.8 x 5 = 34 ms for at least one call; steady calls
+    # measure a few ms above their 5 ms sleep on a loaded 2-core machine
+    assert max(estimates) < 4 * steady_ms, estimates
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(replica, monkeypatch):

@@ -268,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "num_kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "intermediate_size": a.intermediate_size,
             "vocab_size": a.vocab_size, "feature_layers": target.feature_layers, "target_hidden_size": a.hidden_size,
             "rms_norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta, "max_positions": a.max_position_embeddings,
-            **(init_doc.get("config", {}) if args.init is not None else {}), **args.config})
+            **init_doc.get("config", {}), **args.config})
     except ValidationError as e:
         ap.error(f"--config: {e}")
     if args.init is not None:

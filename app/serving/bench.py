@@ -7,14 +7,16 @@ Measures in one run, on the same prompts (the first ``--requests`` first turns o
 greedy, ``max_tokens`` each):
 
 1. the engine alone in this process: plain greedy decoding, one request at a time (ms per verify round = per
-   token), and, when a policy speculates, the configured drafter offline (ms per ``propose`` call, batch 1);
+   token), and, when a policy speculates, the configured drafter offline (ms per steady drafter round at batch 1:
+   ``propose``, then ``update`` with the verified step);
 2. for each policy, the application (``deployments/dspark.yaml``'s args with ``policy`` and ``--set`` applied)
    on a fresh local Ray, driven over HTTP with sequential streamed requests after one warm-up request.
 
 A served request's per-token time is TPOT, ``(end of stream - first text) / (tokens - 1)``; figures are medians
 over requests, and each served figure is also given as a ratio to the engine-alone plain step of the same run
 (the machine is shared and noisy: ratios travel better than absolute numbers). The target replica's own view
-(mean drafter call ms, rounds drafted) comes from its ``debug_state``. Greedy outputs of every policy are
+(EMAs of the drafter call as the target waits for it and of the time spent inside the drafter, rounds drafted)
+comes from its ``debug_state``; the difference between the two is transport and waiting for a thread or core. Greedy outputs of every policy are
 compared with the first policy's, prompt by prompt.
 
 Ray worker processes run at niceness ``$RAY_worker_niceness``, 0 unless set, as ``make serve`` runs them (Ray's
@@ -70,7 +72,8 @@ def engine_alone(config: AppConfig, prompts: list[str], *, max_tokens: int) -> d
 
 
 def drafter_alone(config: AppConfig, prompts: list[str], *, calls: int = 20) -> float:
-    """Median ms of one ``propose`` call of the configured drafter at batch 1 (after ``start`` on a prompt)."""
+    """Median ms of one steady drafter round of the configured drafter at batch 1, in this process: ``propose``,
+    then ``update`` with the verified step's output (what a served drafter call does after a drafted round)."""
     from app.serving.drafter import make_proposer
 
     engine = TargetEngine(EngineConfig(model=config.model, dtype=config.dtype, device=config.device,
@@ -83,9 +86,11 @@ def drafter_alone(config: AppConfig, prompts: list[str], *, calls: int = 20) -> 
     for _ in range(calls):
         t0 = time.perf_counter()
         (block,) = proposer.propose(["bench"])
-        times.append((time.perf_counter() - t0) * 1000)
+        t_propose = time.perf_counter() - t0
         (out,) = engine.verify([block])
+        t1 = time.perf_counter()
         proposer.update([out])
+        times.append((t_propose + time.perf_counter() - t1) * 1000)
         if out.finished:
             break
     return statistics.median(times[1:] or times)
@@ -147,7 +152,8 @@ def served(args: dict, prompts: list[str], *, max_tokens: int, num_cpus: float |
         "tpot_ms": tpot, "tok_s": 1000 / tpot, "ttft_ms": statistics.median(r.ttft_ms for r in records),
         "tokens": [r.output_tokens for r in records], "texts": [t for _, t in runs],
         "accepted_length": statistics.median(accepted) if accepted else None,
-        "draft_call_ms": state["draft_ms"], "drafted_rounds": state["drafted_rounds"], "rounds": state["rounds"],
+        "draft_call_ms": state["draft_ms"], "drafter_ms": state["drafter_ms"],
+        "drafted_rounds": state["drafted_rounds"], "rounds": state["rounds"],
     }
 
 
@@ -181,24 +187,25 @@ def main(argv: list[str] | None = None) -> dict:
 
     step = alone["step_ms"]
     print(f"engine alone: {step:.1f} ms/token ({1000 / step:.1f} tok/s) plain greedy"
-          + (f"; drafter propose {draft_ms:.1f} ms (batch 1)" if draft_ms is not None else ""))
+          + (f"; drafter propose + update {draft_ms:.1f} ms (batch 1)" if draft_ms is not None else ""))
     print(f"\n{'policy':>10} {'ms/token':>9} {'tok/s':>7} {'x engine':>9} {'ttft ms':>8} {'tau':>5} "
-          f"{'draft ms':>9} {'drafted':>9} {'same text':>10}")
+          f"{'call ms':>8} {'inside':>7} {'drafted':>9} {'same text':>10}")
     reference = results[policies[0]]["texts"]
     for p, r in results.items():
         same = sum(a == b for a, b in zip(r["texts"], reference))
         tau = f"{r['accepted_length']:.2f}" if r["accepted_length"] else "-"
         print(f"{p:>10} {r['tpot_ms']:>9.1f} {r['tok_s']:>7.1f} {r['tpot_ms'] / step:>9.2f} {r['ttft_ms']:>8.0f} "
-              f"{tau:>5} {r['draft_call_ms']:>9.1f} {r['drafted_rounds']:>4}/{r['rounds']:<4} "
+              f"{tau:>5} {r['draft_call_ms']:>8.1f} {r['drafter_ms']:>7.1f} {r['drafted_rounds']:>4}/{r['rounds']:<4} "
               f"{same:>6}/{len(prompts)}")
     summary = {
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "worker_niceness": os.environ[NICENESS_ENV],
         "requests": len(prompts), "max_tokens": opts.max_tokens, "prompts": opts.prompts,
-        "engine_step_ms": round(step, 2), "drafter_propose_ms": None if draft_ms is None else round(draft_ms, 2),
+        "engine_step_ms": round(step, 2), "drafter_round_ms": None if draft_ms is None else round(draft_ms, 2),
         "served": {p: {"tpot_ms": round(r["tpot_ms"], 2), "tok_s": round(r["tok_s"], 2),
                        "tpot_over_engine": round(r["tpot_ms"] / step, 3), "ttft_ms": round(r["ttft_ms"], 1),
                        "accepted_length": r["accepted_length"], "draft_call_ms": round(r["draft_call_ms"], 2),
+                       "drafter_ms": round(r["drafter_ms"], 2),
                        "drafted_rounds": r["drafted_rounds"], "rounds": r["rounds"], "tokens": r["tokens"],
                        "same_text_as_first": sum(a == b for a, b in zip(r["texts"], reference)),
                        "same_text_as_engine": sum(a == b for a, b in zip(r["texts"], alone["texts"]))}

@@ -133,8 +133,10 @@ class DrafterCore:
         ids = [rid for rid in call.propose if rid in self._live]
         blocks = self.proposer.propose(ids) if ids else []
         confidences = self.proposer.last_proposal.confidences if ids else torch.zeros(0, self.config.gamma)
-        self.metrics.call(ms=(time.perf_counter() - t0) * 1000, batch=len(ids))
-        return DraftRound(blocks=blocks, confidences=confidences.float(), missing=missing)
+        confidences = confidences.float()
+        ms = (time.perf_counter() - t0) * 1000
+        self.metrics.call(ms=ms, batch=len(ids))
+        return DraftRound(blocks=blocks, confidences=confidences, missing=missing, drafter_ms=ms)
 
 
 class DrafterReplica:

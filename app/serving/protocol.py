@@ -105,6 +105,7 @@ class DraftRound:
     # [B, K] float32 calibrated per-position confidences, rows aligned with ``blocks``
     confidences: torch.Tensor
     missing: list[str] = field(default_factory=list)  # requests this replica holds no state for
+    drafter_ms: float = 0.0  # time inside the drafter for this call (hooks + drafting), without transport (ms)
 
 
 def strip_for_drafter(out: StepOutput) -> StepOutput:

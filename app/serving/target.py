@@ -136,7 +136,7 @@ class TargetReplica:
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._stats = {"step_ms": 0.0, "tokens_per_step": 0.0, "acceptance": 0.0, "drafter_failures": 0,
-                       "draft_ms": 0.0, "drafted_rounds": 0, "rounds": 0, "verify_scale": 1.0}
+                       "draft_ms": 0.0, "drafter_ms": 0.0, "drafted_rounds": 0, "rounds": 0, "verify_scale": 1.0}
 
     def _colocated_drafter(self, config: AppConfig) -> DrafterCore:
         """The colocated drafter, sharing the engine's input embedding (runs on the torch thread)."""
@@ -325,7 +325,7 @@ class TargetReplica:
             drafted = await self._call_drafter(speculative)
             draft_ms = (time.perf_counter() - t_draft) * 1000
             if drafted is not None:
-                self._observe_draft(draft_ms, steady=steady)
+                self._observe_draft(draft_ms, drafted.drafter_ms, steady=steady)
             if drafted is not None and drafted.blocks:
                 blocks.update(self._schedule(drafted))
                 num_drafted = sum(b.tokens.shape[0] for b in drafted.blocks)
@@ -454,12 +454,15 @@ class TargetReplica:
             spec=stream.spec if out.finished else None,
         ))
 
-    def _observe_draft(self, draft_ms: float, *, steady: bool) -> None:
-        """Count a drafted round; only a steady call (see ``_round``) moves the drafter-call EMA ``draft_ms``."""
+    def _observe_draft(self, draft_ms: float, drafter_ms: float, *, steady: bool) -> None:
+        """Count a drafted round; only a steady call (see ``_round``) moves the EMAs of the drafter call as the
+        target waits for it (``draft_ms``) and of the time spent inside the drafter (``drafter_ms``; the rest is
+        transport and waiting for a thread or a core)."""
         s = self._stats
         s["drafted_rounds"] += 1
         if steady:
-            s["draft_ms"] = STATS_EMA * draft_ms + (1 - STATS_EMA) * s["draft_ms"] if s["draft_ms"] else draft_ms
+            for key, ms in (("draft_ms", draft_ms), ("drafter_ms", drafter_ms)):
+                s[key] = STATS_EMA * ms + (1 - STATS_EMA) * s[key] if s[key] else ms
 
     def _observe_verify_scale(self, ms: float, *, tokens: int, batch: int) -> None:
         """EMA of this round's time without the drafter call over the profile's verify time for the same step.

@@ -114,6 +114,8 @@ def test_draft_gate_weighs_steady_drafter_calls_only(replica, monkeypatch):
     # any slow call counted would lift the EMA to >= 0.2 x 150 + 0.8 x 5 = 34 ms for at least one call; steady calls
     # measure a few ms above their 5 ms sleep on a loaded 2-core machine
     assert max(estimates) < 4 * steady_ms, estimates
+    # the sleep is outside the drafter: every steady call waited >= 5 ms longer than the drafter worked
+    assert replica._stats["draft_ms"] - replica._stats["drafter_ms"] >= steady_ms, replica._stats
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(replica, monkeypatch):

@@ -16,9 +16,9 @@ from app.drafters.config import DrafterConfig, EagleConfig
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.eagle import EagleDrafter
 from app.drafters.train.calibrate import collect_outcomes
-from app.drafters.train.data import load_shards, make_batch, with_target_topk
+from app.drafters.train.data import Sequence_, load_shards, make_batch, with_target_topk
 from app.drafters.train.datagen import generate_shard
-from app.drafters.train.trainer import BlockOutputs, dspark_loss, forward_batch, train, vocab_columns
+from app.drafters.train.trainer import BlockOutputs, dspark_loss, forward_batch, split_heldout, train, vocab_columns
 from app.engine.engine import TargetEngine
 from app.engine.types import SamplingParams
 
@@ -188,3 +188,17 @@ def test_trainer_rejects_a_config_that_is_not_a_json_object(text, tmp_path, caps
     with pytest.raises(SystemExit) as exc:
         main(["--data", str(tmp_path), "--out", str(tmp_path / "ckpt"), "--config", text])
     assert exc.value.code == 2 and "--config" in capsys.readouterr().err
+
+
+def test_heldout_split_keeps_all_answers_to_a_prompt_on_one_side():
+    def seq(prompt: list[int], answer: list[int]):
+        tokens = torch.tensor(prompt + answer)
+        return Sequence_(tokens=tokens, features=torch.zeros(len(tokens), 1), prompt_len=len(prompt))
+
+    greedy = [seq([p, p], [9]) for p in range(10)]  # one answer per prompt: every 5th held out
+    train_part, held = split_heldout(greedy, 0.2)
+    assert [int(s.tokens[0]) for s in held] == [0, 5] and len(train_part) == 8
+    sampled = [seq([p, p], [8]) for p in (7, 5, 3, 0)]  # more answers to prompts 0 and 5 (held out) and 3, 7
+    train_part, held = split_heldout(greedy + sampled, 0.2)  # index 10 (prompt 7's answer) is held out too
+    assert sorted(int(s.tokens[0]) for s in held) == [0, 0, 5, 5, 7, 7]
+    assert {int(s.tokens[0]) for s in train_part} == {1, 2, 3, 4, 6, 8, 9}

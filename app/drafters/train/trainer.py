@@ -123,9 +123,18 @@ def dspark_loss(
 
 
 def split_heldout(seqs: list[Sequence_], fraction: float) -> tuple[list[Sequence_], list[Sequence_]]:
-    """Deterministic split: every ``round(1 / fraction)``-th sequence is held out (for calibration)."""
+    """Deterministic split for calibration: every ``round(1 / fraction)``-th sequence is held out, and so is every
+    other answer to the same prompt (several sampled answers per prompt never straddle the split; with one answer
+    a prompt the split is the plain every-n-th one).
+
+    Returns:
+        (training sequences, held-out sequences), each in input order.
+    """
     every = max(2, round(1 / fraction))
-    return [s for i, s in enumerate(seqs) if i % every], [s for i, s in enumerate(seqs) if i % every == 0]
+    prompt = [tuple(s.tokens[: s.prompt_len].tolist()) for s in seqs]
+    held_prompts = {prompt[i] for i in range(0, len(seqs), every)}
+    held = [i % every == 0 or prompt[i] in held_prompts for i in range(len(seqs))]
+    return [s for s, h in zip(seqs, held) if not h], [s for s, h in zip(seqs, held) if h]
 
 
 def train(

@@ -1,9 +1,11 @@
 """Prompt sets of this project and their train / evaluation split.
 
 Owns: reading the shared prompt files (``{"turns": [...]}`` one a line) and the split rule of
-``shared/datasets/README.md``: gsm8k lines 1-700, math500, mbpp and the chat prompts shipped with the drafter
-are for training; mt-bench (first turns), humaneval and gsm8k lines 701+ are for evaluation. No prompt used to
-train a drafter is used to report an acceptance length.
+``shared/datasets/README.md``: gsm8k lines 1-700, math500, mbpp and the three prompt files shipped with the
+drafter (``chat``: 200 template chat prompts; ``chat-mt``: 320 hand-written chat prompts, 40 in each of MT-Bench's
+8 categories; ``code-fn``: 240 hand-written Python function problems in HumanEval's prompt frame, with function
+names disjoint from HumanEval's) are for training; mt-bench (first turns), humaneval and gsm8k lines 701+ are
+for evaluation. No prompt used to train a drafter is used to report an acceptance length.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_DATASETS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
-CHAT_PROMPTS = Path(__file__).resolve().parents[1] / "drafters" / "train" / "chat_prompts.jsonl"
+_TRAIN_DIR = Path(__file__).resolve().parents[1] / "drafters" / "train"
+CHAT_PROMPTS = _TRAIN_DIR / "chat_prompts.jsonl"
+# Lines 1-40 writing, 41-80 roleplay, 81-120 reasoning, 121-160 math, 161-200 coding, 201-240 extraction,
+# 241-280 stem, 281-320 humanities.
+CHAT_MT_PROMPTS = _TRAIN_DIR / "chat_prompts_mt.jsonl"
+CODE_FN_PROMPTS = _TRAIN_DIR / "code_prompts.jsonl"
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,8 @@ TRAIN_SETS = {
     "math500": PromptSet("math500", "math500.jsonl"),
     "mbpp": PromptSet("mbpp", "mbpp.jsonl"),
     "chat": PromptSet("chat", str(CHAT_PROMPTS)),
+    "chat-mt": PromptSet("chat-mt", str(CHAT_MT_PROMPTS)),
+    "code-fn": PromptSet("code-fn", str(CODE_FN_PROMPTS)),
 }
 EVAL_SETS = {
     "mt-bench": PromptSet("mt-bench", "mt-bench.jsonl"),

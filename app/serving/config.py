@@ -73,6 +73,11 @@ class AppConfig(BaseModel):
     torch_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads in target and drafter replicas (None: torch default)."
     )
+    drafter_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads while drafting, colocated or in a Drafter replica (None: "
+        "torch_threads). A drafter's kernels are small; on a small shared host one thread keeps them clear of "
+        "OpenMP stalls when another process holds a core (docs/serving.md)."
+    )
 
     # ------------------------------------------------------------------ speculation
     policy: str = Field(

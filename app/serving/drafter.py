@@ -32,7 +32,7 @@ from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
 from app.serving.metrics import DrafterMetrics
 from app.serving.protocol import DraftCall, DraftRound
-from app.serving.torch_thread import TorchThread
+from app.serving.torch_thread import TorchThread, intra_op_threads
 
 
 @runtime_checkable
@@ -119,21 +119,22 @@ class DrafterCore:
             listed in ``missing``.
         """
         t0 = time.perf_counter()
-        finished = set(call.finished)
-        for s in call.starts:
-            if s.request_id in finished:
-                continue
-            self._live.add(s.request_id)  # before start: a start that raises half-way is still forgotten
-            if isinstance(self.proposer, TakesParams):
-                self.proposer.set_params(s.request_id, s.params)
-            self.proposer.start(s.request_id, s.prompt_ids, s.first)
-        self.proposer.update([out for out in call.updates if out.request_id in self._live])
-        self.forget(call.finished)
-        missing = [rid for rid in call.propose if rid not in self._live]
-        ids = [rid for rid in call.propose if rid in self._live]
-        blocks = self.proposer.propose(ids) if ids else []
-        confidences = self.proposer.last_proposal.confidences if ids else torch.zeros(0, self.config.gamma)
-        confidences = confidences.float()
+        with intra_op_threads(self.config.drafter_threads):
+            finished = set(call.finished)
+            for s in call.starts:
+                if s.request_id in finished:
+                    continue
+                self._live.add(s.request_id)  # before start: a start that raises half-way is still forgotten
+                if isinstance(self.proposer, TakesParams):
+                    self.proposer.set_params(s.request_id, s.params)
+                self.proposer.start(s.request_id, s.prompt_ids, s.first)
+            self.proposer.update([out for out in call.updates if out.request_id in self._live])
+            self.forget(call.finished)
+            missing = [rid for rid in call.propose if rid not in self._live]
+            ids = [rid for rid in call.propose if rid in self._live]
+            blocks = self.proposer.propose(ids) if ids else []
+            confidences = self.proposer.last_proposal.confidences if ids else torch.zeros(0, self.config.gamma)
+            confidences = confidences.float()
         ms = (time.perf_counter() - t0) * 1000
         self.metrics.call(ms=ms, batch=len(ids))
         return DraftRound(blocks=blocks, confidences=confidences, missing=missing, drafter_ms=ms)
@@ -143,7 +144,7 @@ class DrafterReplica:
     """The Drafter deployment class (bound undecorated by ``builder.py``): a ``DrafterCore`` on a torch thread."""
 
     def __init__(self, config: AppConfig) -> None:
-        self._torch = TorchThread("drafter", config.torch_threads)
+        self._torch = TorchThread("drafter", config.drafter_threads or config.torch_threads)
         replica = serve.get_replica_context().replica_id.unique_id
         self.core = self._torch.call(lambda: DrafterCore(config, replica=replica))
 

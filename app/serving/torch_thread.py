@@ -16,6 +16,8 @@ Does not own: what the work is (the replicas' engine and proposer calls).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -42,3 +44,21 @@ class TorchThread:
     async def run(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on the worker thread without blocking the running event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+
+@contextlib.contextmanager
+def intra_op_threads(num_threads: int | None) -> Iterator[None]:
+    """Run the block with ``num_threads`` torch intra-op threads, then restore the previous count (None: leave it).
+
+    Meant for a ``TorchThread``'s worker: OpenMP's thread count is per calling thread, and that worker is the only
+    one that starts parallel regions, so switching the count does not start a second pool.
+    """
+    before = torch.get_num_threads()
+    if num_threads is None or num_threads == before:
+        yield
+        return
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -4,6 +4,7 @@
   rows are enough for torch to start an OpenMP parallel region, and started on the event loop thread that gives
   the process a second OpenMP pool and slowed every later engine step of the served ``dspark`` policy by ~25%
   (43 -> 56 ms per plain step on the 2-core machine; torch_thread.py).
+- Drafting runs with ``drafter_threads`` torch threads, verify with ``torch_threads``.
 - The drafter-call time the draft gate weighs comes from steady calls only, not from calls that also project
   a new prompt or catch up on rounds drafted without.
 """
@@ -16,6 +17,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 from ray import serve
 
 from app.engine.types import SamplingParams
@@ -153,3 +155,25 @@ def test_health_check_fails_once_the_step_loop_stopped(replica):
     assert num_tokens(run_requests(replica, [4])[0]) == 4  # cancels the loop at the end
     with pytest.raises(RuntimeError, match="_loop stopped: cancelled"):
         replica.check_health()
+
+
+def test_drafting_runs_with_drafter_threads_and_verify_with_torch_threads(monkeypatch):
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-0")))
+    config = AppConfig(engine="mock", drafter="mock", drafter_placement="colocated", policy="dspark", gamma=4,
+                       max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=512, torch_threads=2,
+                       drafter_threads=1, draft_gate=False)
+    replica = target_module.TargetReplica(config, drafter=None, router=_Router())
+    seen = {"propose": set(), "verify": set()}
+    propose, verify = replica.colocated.proposer.propose, replica.engine.verify
+
+    def recording(name, fn):
+        def wrapped(*args):
+            seen[name].add(torch.get_num_threads())
+            return fn(*args)
+        return wrapped
+
+    monkeypatch.setattr(replica.colocated.proposer, "propose", recording("propose", propose))
+    monkeypatch.setattr(replica.engine, "verify", recording("verify", verify))
+    assert [num_tokens(items) for items in run_requests(replica, [12, 12])] == [12, 12]
+    assert seen == {"propose": {1}, "verify": {2}}, seen

@@ -33,7 +33,6 @@ stop and the stale capacity both respect this; taking the argmax of Theta over a
 from __future__ import annotations
 
 import math
-
 import re
 from dataclasses import dataclass
 from typing import Protocol

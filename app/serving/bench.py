@@ -16,8 +16,8 @@ A served request's per-token time is TPOT, ``(end of stream - first text) / (tok
 over requests, and each served figure is also given as a ratio to the engine-alone plain step of the same run
 (the machine is shared and noisy: ratios travel better than absolute numbers). The target replica's own view
 (EMAs of the drafter call as the target waits for it and of the time spent inside the drafter, rounds drafted)
-comes from its ``debug_state``; the difference between the two is transport and waiting for a thread or core. Greedy outputs of every policy are
-compared with the first policy's, prompt by prompt.
+comes from its ``debug_state``; the difference between the two is transport and waiting for a thread or core.
+Greedy outputs of every policy are compared with the first policy's, prompt by prompt.
 
 Ray worker processes run at niceness ``$RAY_worker_niceness``, 0 unless set, as ``make serve`` runs them (Ray's
 default, 15, loses the CPU to anything else on a shared machine); the JSON line records it. Prints a table, then

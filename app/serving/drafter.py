@@ -144,7 +144,7 @@ class DrafterReplica:
     """The Drafter deployment class (bound undecorated by ``builder.py``): a ``DrafterCore`` on a torch thread."""
 
     def __init__(self, config: AppConfig) -> None:
-        self._torch = TorchThread("drafter", config.drafter_threads or config.torch_threads)
+        self._torch = TorchThread("drafter", config.torch_threads)
         replica = serve.get_replica_context().replica_id.unique_id
         self.core = self._torch.call(lambda: DrafterCore(config, replica=replica))
 

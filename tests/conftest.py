@@ -19,6 +19,12 @@ def load_prompts(name: str, *, start: int = 0, count: int = 10) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def shared_datasets() -> Path:
+    """``shared/datasets`` (the prompt sets of ``shared/datasets/README.md``)."""
+    return SHARED / "datasets"
+
+
+@pytest.fixture(scope="session")
 def engine():
     from app.engine.engine import EngineConfig, TargetEngine
 

@@ -3,30 +3,30 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 
-from app.eval.datasets import CHAT_MT_PROMPTS, CODE_FN_PROMPTS, DEFAULT_DATASETS_DIR, EVAL_SETS, TRAIN_SETS, load_prompts
+from app.eval.datasets import CHAT_MT_PROMPTS, CODE_FN_PROMPTS, EVAL_SETS, TRAIN_SETS, load_prompts
 
-# Same location rule as tests/conftest.py (DSPARK_SHARED_DIR overrides).
-DATASETS = Path(os.environ["DSPARK_SHARED_DIR"]) / "datasets" if "DSPARK_SHARED_DIR" in os.environ else DEFAULT_DATASETS_DIR
 # HumanEval's prompts (and code-fn's) all open with this frame; it is not part of any one problem.
 CODE_FRAME = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
-DEF_NAME = re.compile(r"^def (\w+)\(", re.M)
+DEF_NAME = re.compile(r"^def (\w+)\(", re.MULTILINE)
 
 NEW_FILES = {"chat-mt": (CHAT_MT_PROMPTS, 320), "code-fn": (CODE_FN_PROMPTS, 240)}
 
-needs_eval_files = pytest.mark.skipif(
-    not all((DATASETS / s.file).exists() for s in EVAL_SETS.values()), reason=f"evaluation prompts not in {DATASETS}"
-)
+@pytest.fixture
+def eval_dir(shared_datasets: Path) -> Path:
+    """The evaluation prompt files' folder; skips the test where they are missing."""
+    if not all((shared_datasets / s.file).exists() for s in EVAL_SETS.values()):
+        pytest.skip(f"evaluation prompts not in {shared_datasets}")
+    return shared_datasets
 
 
 def _norm(text: str) -> str:
     """Frame removed, whitespace collapsed, lowercased."""
-    text = text[len(CODE_FRAME):] if text.startswith(CODE_FRAME) else text
+    text = text.removeprefix(CODE_FRAME)
     return " ".join(text.split()).lower()
 
 
@@ -42,10 +42,9 @@ def test_new_training_file_loads_with_one_non_empty_turn_a_line(name):
     assert load_prompts(TRAIN_SETS[name]) == [t[0] for t in turns]
 
 
-@needs_eval_files
 @pytest.mark.parametrize("name", sorted(NEW_FILES))
-def test_no_training_prompt_contains_an_evaluation_prompts_opening(name):
-    heads = {_norm(p)[:60] for s in EVAL_SETS.values() for p in load_prompts(s, DATASETS)}
+def test_no_training_prompt_contains_an_evaluation_prompts_opening(name, eval_dir):
+    heads = {_norm(p)[:60] for s in EVAL_SETS.values() for p in load_prompts(s, eval_dir)}
     assert len(heads) > 500  # mt-bench 80 + humaneval 164 + gsm8k 619, less any shared openings
     for prompt in load_prompts(TRAIN_SETS[name]):
         text = _norm(prompt)
@@ -59,10 +58,9 @@ def test_code_fn_problems_use_humanevals_frame():
         assert len(DEF_NAME.findall(prompt)) == 1 and ">>> " in prompt
 
 
-@needs_eval_files
-def test_code_fn_function_names_are_unique_and_disjoint_from_humaneval():
+def test_code_fn_function_names_are_unique_and_disjoint_from_humaneval(eval_dir):
     ours = [DEF_NAME.findall(p)[0] for p in load_prompts(TRAIN_SETS["code-fn"])]
     assert len(set(ours)) == len(ours)
-    humaneval = {n for p in load_prompts(EVAL_SETS["humaneval"], DATASETS) for n in DEF_NAME.findall(p)}
+    humaneval = {n for p in load_prompts(EVAL_SETS["humaneval"], eval_dir) for n in DEF_NAME.findall(p)}
     assert len(humaneval) > 150
     assert not set(ours) & humaneval

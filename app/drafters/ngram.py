@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from app.drafters.proposer import DraftProposal
@@ -27,21 +28,47 @@ from app.engine.types import DraftBlock, StepOutput
 NGRAM_CONFIDENCE = 0.6  # per-position acceptance guess of a unigram match; an n-gram match gets 0.6 ** (1/n)
 
 
-def lookup(history: Sequence[int], *, max_ngram: int, gamma: int, min_ngram: int = 1) -> tuple[list[int], int]:
+def lookup(
+    history: Sequence[int], *, max_ngram: int, gamma: int, min_ngram: int = 1, periodic: bool = False
+) -> tuple[list[int], int]:
     """Tokens following the latest earlier occurrence of the longest matching suffix n-gram
     (``min_ngram`` <= n <= ``max_ngram``), and that n; ``([], 0)`` without a match.
+
+    Fewer than ``gamma`` tokens follow an occurrence that ends less than ``gamma`` tokens before the end; with
+    ``periodic`` the draft then continues the period (the token at t + j is drafted as the one at t + j - lag,
+    drafts included), so a loop of period 2 still drafts ``gamma`` tokens.
+
+    Vectorised over the earlier occurrences of the last token (a few numpy passes of length T, not a Python
+    loop over T x n slices): a serving round calls it once per request.
 
     Raises:
         ValueError: ``min_ngram`` < 1 or > ``max_ngram``, or ``gamma`` < 1.
     """
     if not 1 <= min_ngram <= max_ngram or gamma < 1:
         raise ValueError(f"need 1 <= min_ngram <= max_ngram and gamma >= 1, got {min_ngram}, {max_ngram}, {gamma}")
-    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
-        suffix = list(history[-n:])
-        for start in range(len(history) - n - 1, -1, -1):
-            if list(history[start : start + n]) == suffix:
-                return list(history[start + n : start + n + gamma]), n
-    return [], 0
+    h = np.asarray(history, dtype=np.int64)
+    t = len(h)
+    if t < 2:
+        return [], 0
+    # ends[i]: an earlier position whose token equals the last one (the end of a candidate occurrence)
+    ends = np.flatnonzero(h[:-1] == h[-1])
+    n = min(max_ngram, t - 1)
+    match = np.ones(len(ends), dtype=np.int64)  # suffix length matched at each candidate, capped at n
+    alive = np.ones(len(ends), dtype=bool)
+    for m in range(1, n):
+        back = ends - m
+        alive &= back >= 0
+        alive[alive] &= h[back[alive]] == h[t - 1 - m]
+        match += alive
+    if not len(ends) or match.max() < min_ngram:
+        return [], 0
+    best = int(match.max())
+    end = int(ends[np.flatnonzero(match == best)[-1]])  # the most recent occurrence of the longest match
+    follow = h[end + 1 : end + 1 + gamma].tolist()
+    lag = t - 1 - end
+    while periodic and len(follow) < gamma:
+        follow.append(follow[len(follow) - lag])
+    return follow, best
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -20,12 +22,32 @@ from app.engine.types import StepOutput
         ([1, 2, 3, 7, 8, 2, 3, 6, 1, 2, 3], dict(max_ngram=4, min_ngram=2, gamma=3), ([7, 8, 2], 3)),
         # among equal lengths the most recent earlier occurrence wins
         ([1, 2, 5, 1, 2, 6, 1, 2], dict(max_ngram=2, min_ngram=2, gamma=1), ([6], 2)),
-        # fewer than gamma tokens follow the match: propose what there is
+        # fewer than gamma tokens follow the match: propose what there is, or continue the period
         ([3, 4, 3, 4], dict(max_ngram=2, min_ngram=2, gamma=5), ([3, 4], 2)),
+        ([3, 4, 3, 4], dict(max_ngram=2, min_ngram=2, gamma=5, periodic=True), ([3, 4, 3, 4, 3], 2)),
+        ([7, 7], dict(max_ngram=3, gamma=3, periodic=True), ([7, 7, 7], 1)),
     ],
 )
 def test_lookup(history, kwargs, expected):
     assert lookup(history, **kwargs) == expected
+
+
+def brute_force_lookup(history, *, max_ngram, gamma, min_ngram):
+    """The definition, slice by slice: longest suffix n first, then its latest earlier occurrence."""
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == history[-n:]:
+                return history[start + n : start + n + gamma], n
+    return [], 0
+
+
+def test_lookup_matches_its_definition_on_random_histories():
+    rng = random.Random(0)
+    for _ in range(3000):
+        history = [rng.randrange(3) for _ in range(rng.randrange(0, 25))]
+        hi = rng.randrange(1, 6)
+        kwargs = {"max_ngram": hi, "min_ngram": rng.randrange(1, hi + 1), "gamma": rng.randrange(1, 8)}
+        assert lookup(history, **kwargs) == brute_force_lookup(history, **kwargs), (history, kwargs)
 
 
 def test_bad_ngram_bounds_are_rejected():

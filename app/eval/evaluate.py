@@ -27,7 +27,8 @@ from tqdm import tqdm
 
 from app.drafters.calibration import auc, ece, survival
 from app.drafters.checkpoint import load_checkpoint, read_checkpoint_config
-from app.drafters.registry import make_proposer
+from app.drafters.lookup import LookupHybridProposer, read_lookup_rates
+from app.drafters.registry import make_proposer, with_lookup
 from app.engine.decode import Proposer, generate
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
@@ -126,13 +127,16 @@ def evaluate_set(
         "verify_ms_per_round": 1e3 * stats.verify_s / max(stats.rounds, 1),
         "draft_share": rec.draft_s / max(rec.draft_s + stats.verify_s, 1e-9),
         "tok_s": sum(len(r.token_ids) for r in results) / stats.wall_s,
+        # request-rounds drafted by prompt lookup (LookupHybridProposer), None without it
+        "lookup_share": (rec.inner.lookup_rounds / max(rec.inner.rounds, 1)
+                         if isinstance(rec.inner, LookupHybridProposer) else None),
         **summarize(rec.records, gamma),
     }
 
 
 def markdown(rows: list[dict], gamma: int) -> str:
     head = (["set", "T", "n", "tau"] + [f"a{k + 1}" for k in range(gamma)]
-            + ["ECE raw", "ECE cal", "AUC raw", "AUC cal", "draft ms/rd", "verify ms/rd", "draft share"])
+            + ["ECE raw", "ECE cal", "AUC raw", "AUC cal", "draft ms/rd", "verify ms/rd", "draft share", "lookup share"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["set"], f"{r['temperature']:g}", str(r["prompts"]), f"{r['tau']:.2f}"]
@@ -140,6 +144,7 @@ def markdown(rows: list[dict], gamma: int) -> str:
         cells += ["-" if r[k] is None else f"{100 * r[k]:.1f}%" for k in ("ece_before", "ece_after")]
         cells += ["-" if r[k] is None else f"{r[k]:.3f}" for k in ("auc_before", "auc_after")]
         cells += [f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}", f"{100 * r['draft_share']:.1f}%"]
+        cells += ["-" if r.get("lookup_share") is None else f"{100 * r['lookup_share']:.0f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -167,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs/eval"))
     ap.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
+    ap.add_argument("--lookup", action="store_true",
+                    help="draft with prompt lookup beside the drafter (app/drafters/lookup.py; needs the "
+                         "checkpoint's lookup table)")
     args = ap.parse_args(argv)
     try:
         doc = read_checkpoint_config(args.checkpoint)
@@ -177,7 +185,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     drafter, calibration, _ = load_checkpoint(args.checkpoint, engine.model.embed_tokens.weight)
 
     def factory(temperature: float) -> Proposer:
-        return make_proposer(drafter, calibration, temperature=temperature, seed=args.seed, gamma=args.gamma)
+        proposer = make_proposer(drafter, calibration, temperature=temperature, seed=args.seed, gamma=args.gamma)
+        return with_lookup(proposer, args.checkpoint) if args.lookup else proposer
+
+    if args.lookup and read_lookup_rates(args.checkpoint) is None:
+        ap.error(f"--lookup: {args.checkpoint} has no lookup table (python -m app.drafters.train.calibrate_lookup)")
 
     gamma = min(args.gamma, drafter.config.block_size)  # MTP-1 drafts one token whatever --gamma says
     rows = []

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app.drafters.checkpoint import load_checkpoint
+from app.drafters.lookup import read_lookup_rates
 from app.drafters.train import pipeline
 from app.engine.loader import load_target
 
@@ -78,8 +79,12 @@ def test_pipeline_writes_a_calibrated_checkpoint_and_report(tmp_path):
     drafter, calibration, _ = load_checkpoint(out / "checkpoint", target.embed_tokens.weight)
     assert drafter.config.block_size == 4 and calibration is not None and drafter.draft_vocab.numel() == 64
     assert list(out.glob("eval/*.json")) and list(out.glob("eval/*.md"))
+    assert json.loads((out / "eval-lookup" / "report.json").read_text())["rows"][0]["lookup_share"] is not None
+    rates = read_lookup_rates(out / "checkpoint")
+    assert set(rates.rates) == {"greedy", "sampled"} and rates.block_size == 4
     assert list(json.loads((out / "pipeline.json").read_text())["seconds"]) == [
-        "datagen-greedy", "datagen-sampled", "train", "draft-vocab", "calibrate", "evaluate"]  # V' before calibrating
+        "datagen-greedy", "datagen-sampled", "train", "draft-vocab", "calibrate", "lookup-table", "evaluate",
+        "evaluate-lookup"]  # V' before calibrating
     assert doc["metadata"]["calibration"]["heldout_seqs"] > 0
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from app.drafters.checkpoint import load_checkpoint
+from app.drafters.lookup import LookupHybridProposer, read_lookup_rates
 from app.drafters.proposer import DSparkProposer
 from app.engine.decode import generate
 from app.engine.types import DraftBlock, SamplingParams
@@ -22,6 +23,7 @@ PROMPTS = [
     "Janet has 3 apples and buys 5 more. How many apples does she have? Think step by step.",
     "Write a Python function that returns the square of a number.",
 ]
+REPEAT = "Write the word 'hello' twenty times."  # lookup drafts the repeats (accepted length 5.2)
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +138,33 @@ def test_sampled_with_a_draft_vocab_proposes_inside_it(engine, vocab_drafter):
         assert block.probs.shape == (7, engine.vocab_size) and int(block.tokens.max()) < DRAFT_VOCAB
         assert (block.probs[:, DRAFT_VOCAB:] == 0).all()
         assert torch.allclose(block.probs.sum(-1), torch.ones(7), atol=1e-4)
+
+
+def test_greedy_with_prompt_lookup_equals_plain_greedy(engine, drafter):
+    """The committed checkpoint's lookup table beside the drafter: lookup drafts are taken (the repeated line) and
+    the output is plain greedy decoding's."""
+    model, calibration, _ = drafter
+    ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in [*PROMPTS, REPEAT]]
+    params = SamplingParams(max_tokens=48)
+    plain, _ = generate(engine, ids, params)
+    hybrid = LookupHybridProposer(DSparkProposer(model, calibration, gamma=7), read_lookup_rates(DEFAULT_CHECKPOINT))
+    log = DraftLog(hybrid)
+    spec, _ = generate(engine, ids, params, proposer=log)
+    for prompt, p, s in zip(ids, plain, spec):
+        check_same_or_near_tie(engine, prompt, p.token_ids, s.token_ids)
+    assert hybrid.lookup_rounds > 0
+    assert spec[-1].accepted_length > 3.0  # the repeats are drafted and accepted
+
+
+def test_sampled_with_prompt_lookup_completes_with_point_mass_lookup_blocks(engine, drafter):
+    model, calibration, _ = drafter
+    ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in [*PROMPTS, REPEAT]]
+    params = [SamplingParams(max_tokens=32, temperature=1.0, seed=i) for i in range(len(ids))]
+    hybrid = LookupHybridProposer(DSparkProposer(model, calibration, temperature=1.0, seed=0),
+                                  read_lookup_rates(DEFAULT_CHECKPOINT))
+    log = DraftLog(hybrid)
+    results, _ = generate(engine, ids, params, proposer=log)
+    for r in results:
+        assert r.finish_reason is not None and 1 <= len(r.token_ids) <= 32
+    # sampled requests carry draft distributions, except lookup drafts (deterministic: a point mass)
+    assert sum(b.probs is None for b in log.blocks) == hybrid.lookup_rounds

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from tqdm import tqdm
 
@@ -103,6 +104,21 @@ def load_shards(folders: Path | str | list[Path] | list[str]) -> list[Sequence_]
             if hi - lo - p >= 2:  # at least one anchor with a label
                 seqs.append(Sequence_(shard["tokens"][lo:hi].long(), shard["features"][lo:hi], p))
     return seqs
+
+
+def token_sequences(folders: Path | str | list[Path] | list[str]) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) of every sequence of the folders' shards, in ``load_shards`` order, reading no
+    features (a pass over the tokens of gigabytes of shards in seconds).
+
+    Raises:
+        FileNotFoundError / ValueError: from :func:`shard_paths`.
+    """
+    out = []
+    for path in shard_paths(folders):
+        with safe_open(str(path), framework="pt") as f:
+            tokens, off, plens = (f.get_tensor(n).tolist() for n in ("tokens", "offsets", "prompt_lens"))
+        out += [(tokens[off[i] : off[i + 1]], p) for i, p in enumerate(plens)]
+    return out
 
 
 @torch.no_grad()

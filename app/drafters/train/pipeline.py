@@ -1,17 +1,19 @@
 """One command from a target to a calibrated, evaluated drafter checkpoint: datagen -> train -> draft vocabulary ->
-calibrate -> eval.
+calibrate -> lookup table -> eval.
 
 Owns: running the four stages in one process under one wall-clock budget per stage and the folder layout below;
 each stage is the module of its own name with the same flags (``datagen.py``, ``trainer.py``, ``calibrate.py``,
-``draft_vocab.py``, ``app/eval/evaluate.py``), so a stage can be re-run alone on the same folders. Device picked
+``draft_vocab.py``, ``calibrate_lookup.py``, ``app/eval/evaluate.py``), so a stage can be re-run alone on the same folders. Device picked
 automatically.
 
 Layout under ``--out``:
     data-greedy/     greedy answers to every training prompt (``datagen.py``)
     data-sampled/    ``--samples`` sampled answers per prompt, only while the datagen budget lasts
     checkpoint/      the trained, calibrated drafter (``config.json`` + ``model.safetensors``, with the
-                     ``--draft-vocab`` most frequent answer tokens of data-greedy/ as its draft vocabulary)
+                     ``--draft-vocab`` most frequent answer tokens of data-greedy/ as its draft vocabulary and
+                     the prompt-lookup acceptance table of data-greedy/ and data-sampled/)
     eval/            ``evaluate.py``'s JSON and Markdown report (with ``--eval-limit``)
+    eval-lookup/     the same with prompt lookup beside the drafter (``evaluate.py --lookup``)
 
 Usage (the committed SmolLM2-135M checkpoint's GPU recipe is in ``docs/drafter.md``):
     python -m app.drafters.train.pipeline --out runs/drafter --datagen-minutes 3 --train-minutes 4 --eval-limit 40
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from app.drafters.train import calibrate, datagen, draft_vocab, trainer
+from app.drafters.train import calibrate, calibrate_lookup, datagen, draft_vocab, trainer
 from app.eval import evaluate
 from app.eval.datasets import DEFAULT_DATASETS_DIR
 
@@ -89,11 +91,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         _stage("draft-vocab", draft_vocab.main,
                ["--data", data_args[0], "--checkpoint", str(ckpt), "--size", str(args.draft_vocab)], timings)
     _stage("calibrate", calibrate.main, ["--checkpoint", str(ckpt), "--data", *data_args], timings)
+    _stage("lookup-table", calibrate_lookup.main,
+           ["--checkpoint", str(ckpt), "--greedy-data", data_args[0], "--sampled-data", *data_args[1:]], timings)
     if args.eval_limit:
-        _stage("evaluate", evaluate.main,
-               ["--checkpoint", str(ckpt), "--out", str(args.out / "eval"), "--limit", str(args.eval_limit),
-                "--max-tokens", str(args.eval_max_tokens), "--max-batch", str(args.max_batch),
-                "--temperatures", "0", "--datasets-dir", str(args.datasets_dir)], timings)
+        for name, extra in (("evaluate", []), ("evaluate-lookup", ["--lookup"])):
+            _stage(name, evaluate.main,
+                   ["--checkpoint", str(ckpt), "--out", str(args.out / name.replace("evaluate", "eval")), "--limit",
+                    str(args.eval_limit), "--max-tokens", str(args.eval_max_tokens), "--max-batch",
+                    str(args.max_batch), "--temperatures", "0", "--datasets-dir", str(args.datasets_dir), *extra],
+                   timings)
     summary = {"out": str(args.out), "seconds": timings, "total_s": round(time.perf_counter() - start, 1)}
     (args.out / "pipeline.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))

@@ -1,0 +1,137 @@
+"""Prompt lookup beside a trained drafter: the acceptance table (validation, fitting, JSON) and the per-request
+choice of ``LookupHybridProposer`` (stub drafter, no model); the real engine runs in test_proposer_engine.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from app.drafters.checkpoint import CONFIG
+from app.drafters.lookup import (
+    LOOKUP_RATES,
+    LookupHybridProposer,
+    LookupRates,
+    expected_accepted,
+    fit_lookup_rates,
+    read_lookup_rates,
+)
+from app.drafters.proposer import DraftProposal
+from app.engine.types import DraftBlock, SamplingParams, StepOutput
+
+K = 4
+
+
+def table(value: float, n: int = 3) -> list[list[float]]:
+    return [[value] * K for _ in range(n)]
+
+
+class StubDrafter:
+    """Drafts token 7 everywhere with fixed confidences; sampled requests (``set_params``) carry draft probs."""
+
+    def __init__(self, conf: float) -> None:
+        self.conf, self.calls, self.sampled = conf, [], set()
+
+    def set_params(self, request_id, params: SamplingParams) -> None:
+        if params.temperature > 0:
+            self.sampled.add(request_id)
+
+    def start(self, request_id, prompt_ids, first) -> None:
+        self.calls.append(("start", request_id))
+
+    def update(self, outputs) -> None:
+        self.calls.append(("update", [o.request_id for o in outputs]))
+
+    def finish(self, request_id) -> None:
+        self.calls.append(("finish", request_id))
+
+    def propose(self, request_ids):
+        blocks = [DraftBlock(r, torch.full((K,), 7), torch.full((K, 10), 0.1) if r in self.sampled else None)
+                  for r in request_ids]
+        conf = torch.full((len(request_ids), K), self.conf)
+        self.last_proposal = DraftProposal(blocks=blocks, confidences=conf, raw_confidences=conf.clone())
+        return blocks
+
+
+def test_rates_validate_and_round_trip():
+    rates = LookupRates({"greedy": table(0.9), "sampled": table(0.5)})
+    assert (rates.max_ngram, rates.block_size) == (3, K)
+    assert LookupRates.from_json(json.loads(json.dumps(rates.to_json()))) == rates
+    with pytest.raises(ValueError, match="modes"):
+        LookupRates({"beam": table(0.9)})
+    with pytest.raises(ValueError, match="N x K"):
+        LookupRates({"greedy": table(0.9), "sampled": table(0.9, n=2)})
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        LookupRates({"greedy": table(1.5)})
+
+
+def test_confidences_cover_the_draft_only_and_fall_back_to_the_other_mode():
+    rates = LookupRates({"greedy": [[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0.7, 0.8]]})
+    assert rates.confidences(2, 3, "greedy", gamma=5).tolist() == pytest.approx([0.5, 0.6, 0.7, 0, 0])
+    assert rates.confidences(1, 9, "sampled", gamma=K).tolist() == pytest.approx([0.1, 0.2, 0.3, 0.4])
+
+
+def test_fit_counts_teacher_forced_acceptance():
+    # a period-3 answer after its prompt: every periodic lookup draft is right, so long matches rate near 1
+    periodic = ([5, 6, 9] * 30, 3)
+    rates = fit_lookup_rates([periodic], max_ngram=4, gamma=K, positions_per_seq=50)
+    assert min(rates[3]) > 0.9
+    # "1 2 x" with a new x each time: after the bigram "1 2" the draft (the previous x) is always wrong, after
+    # the unigram "1" (the bigram "x 1" is new) the draft "2" is always right
+    fresh = ([tok for i in range(40) for tok in (1, 2, 100 + i)], 0)
+    rates = fit_lookup_rates([fresh], max_ngram=2, gamma=K, positions_per_seq=200)
+    assert rates[1][0] < 0.1 and rates[0][0] > 0.9
+
+
+def test_choice_goes_to_the_longer_expected_acceptance():
+    # history ... 1 2 3 | 1 2 -> the 2-gram "1 2" recurs, lookup drafts [3, 1, 2] and continues the period: 3
+    rates = LookupRates({"greedy": table(0.9)})
+    weak = LookupHybridProposer(StubDrafter(conf=0.3), rates)
+    strong = LookupHybridProposer(StubDrafter(conf=0.99), rates)
+    for p in (weak, strong):
+        p.start("a", [1, 2, 3, 1], StepOutput("a", [2]))
+        p.start("b", [4, 5, 6], StepOutput("b", [8]))  # no repeat: always the drafter
+    blocks = weak.propose(["a", "b"])
+    assert blocks[0].tokens.tolist() == [3, 1, 2, 3] and blocks[0].probs is None
+    assert blocks[1].tokens.tolist() == [7] * K
+    conf = weak.last_proposal.confidences
+    assert conf[0].tolist() == pytest.approx([0.9] * K) and conf[1].tolist() == pytest.approx([0.3] * K)
+    assert expected_accepted(conf[0]) > expected_accepted(torch.full((K,), 0.3))
+    assert (weak.lookup_rounds, weak.rounds) == (1, 2)
+    assert [b.tokens.tolist() for b in strong.propose(["a", "b"])] == [[7] * K, [7] * K]
+    assert strong.lookup_rounds == 0
+
+
+def test_sampled_requests_use_the_sampled_table_and_hooks_pass_through():
+    rates = LookupRates({"greedy": table(0.9), "sampled": table(0.1)})
+    stub = StubDrafter(conf=0.3)
+    p = LookupHybridProposer(stub, rates)
+    p.set_params("s", SamplingParams(temperature=1.0))
+    p.start("s", [1, 2, 3, 1], StepOutput("s", [2]))
+    (block,) = p.propose(["s"])
+    assert block.tokens.tolist() == [7] * K and block.probs is not None  # 0.1 per draft does not beat 0.3
+    p.update([StepOutput("s", [3, 1, 2])])  # history now ends "... 1 2 3 1 2": the lookup follows the update
+    assert p._history["s"][-3:] == [3, 1, 2]
+    p.finish("s")
+    assert stub.calls == [("start", "s"), ("update", ["s"]), ("finish", "s")]
+    with pytest.raises(KeyError):
+        p.propose(["s"])
+
+
+def test_min_ngram_is_checked_against_the_table():
+    with pytest.raises(ValueError, match="min_ngram"):
+        LookupHybridProposer(StubDrafter(0.5), LookupRates({"greedy": table(0.9)}), min_ngram=4)
+
+
+def test_read_lookup_rates(tmp_path):
+    doc = {"kind": "dspark", "config": {"target": "t"}}
+    (tmp_path / CONFIG).write_text(json.dumps(doc))
+    assert read_lookup_rates(tmp_path) is None
+    doc[LOOKUP_RATES] = {"greedy": table(0.8)}
+    (tmp_path / CONFIG).write_text(json.dumps(doc))
+    assert read_lookup_rates(tmp_path) == LookupRates({"greedy": table(0.8)})
+    doc[LOOKUP_RATES] = {"greedy": "x"}
+    (tmp_path / CONFIG).write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=LOOKUP_RATES):
+        read_lookup_rates(tmp_path)

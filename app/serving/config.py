@@ -97,6 +97,12 @@ class AppConfig(BaseModel):
         "checkpoints/dspark-smollm2-135m",
         description="Drafter checkpoint directory (model.safetensors + config.json); used when drafter='dspark'.",
     )
+    prompt_lookup: bool = Field(
+        True, description="Drafter 'dspark' only: each round, per request, draft by prompt lookup instead when the "
+        "checkpoint's lookup table expects more accepted tokens than the drafter's calibrated confidences "
+        "(app/drafters/lookup.py; needs the checkpoint's lookup_rates, written by "
+        "app.drafters.train.calibrate_lookup).",
+    )
     ngram_max: int = Field(3, ge=1, le=8, description="Longest suffix n-gram the n-gram drafter matches.")
     ngram_min: int = Field(
         1, ge=1, le=8, description="Shortest suffix n-gram the n-gram drafter matches (<= ngram_max)."
@@ -192,6 +198,7 @@ class AppConfig(BaseModel):
 
         Raises:
             FileNotFoundError: ``profile`` or (for drafter 'dspark') ``drafter_checkpoint`` does not exist.
+            ValueError: ``prompt_lookup`` with a checkpoint that has no lookup table.
         """
         if not Path(self.profile).is_file():
             raise FileNotFoundError(f"profile: no such file {self.profile}")
@@ -201,3 +208,11 @@ class AppConfig(BaseModel):
                 f"drafter_checkpoint: no DSpark checkpoint at {self.drafter_checkpoint} (expected config.json and "
                 "model.safetensors); train one (app/drafters/train) or set drafter: ngram"
             )
+        if self.speculates and self.drafter == "dspark" and self.prompt_lookup:
+            from app.drafters.lookup import read_lookup_rates
+
+            if read_lookup_rates(self.drafter_checkpoint) is None:
+                raise ValueError(
+                    f"prompt_lookup: the checkpoint at {self.drafter_checkpoint} has no lookup table; fit one with "
+                    "python -m app.drafters.train.calibrate_lookup or set prompt_lookup: false"
+                )

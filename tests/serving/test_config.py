@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,14 @@ def test_missing_files_name_the_field(tmp_path):
     with pytest.raises(FileNotFoundError, match="profile"):
         AppConfig(profile=str(tmp_path / "none.json"), drafter="ngram").check_files()
     AppConfig(policy="none", drafter_checkpoint=str(tmp_path / "nothing")).check_files()  # no drafter needed
+
+
+def test_prompt_lookup_needs_the_checkpoints_table(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"kind": "dspark", "config": {"target": "smollm2-135m"}}))
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        AppConfig(drafter_checkpoint=str(tmp_path)).check_files()
+    AppConfig(drafter_checkpoint=str(tmp_path), prompt_lookup=False).check_files()
+    AppConfig().check_files()  # the committed checkpoint carries its table
 
 
 def test_relative_paths_resolve_against_the_repo():

@@ -17,7 +17,10 @@ over requests, and each served figure is also given as a ratio to the engine-alo
 (the machine is shared and noisy: ratios travel better than absolute numbers). The target replica's own view
 (EMAs of the drafter call as the target waits for it and of the time spent inside the drafter, rounds drafted)
 comes from its ``debug_state``; the difference between the two is transport and waiting for a thread or core.
-Greedy outputs of every policy are compared with the first policy's, prompt by prompt.
+Greedy outputs of every policy are compared with plain decoding's (the engine alone), prompt by prompt; an output
+that differs is fetched again with its token ids and judged by the near-tie rule (``app/engine/near_tie.py``):
+the table counts outputs that are the same / differ first at a near-tie / differ otherwise (a bug, also printed
+as a warning).
 
 Ray worker processes run at niceness ``$RAY_worker_niceness``, 0 unless set, as ``make serve`` runs them (Ray's
 default, 15, loses the CPU to anything else on a shared machine); the JSON line records it. Prints a table, then
@@ -40,6 +43,7 @@ import torch
 
 from app.engine.decode import generate
 from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.near_tie import first_divergence
 from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
 from loadtest.prompts import load_prompt_spec
@@ -55,7 +59,8 @@ def engine_alone(config: AppConfig, prompts: list[str], *, max_tokens: int) -> d
 
     Returns:
         ``step_ms``: median over prompts of (verify time / rounds), i.e. ms per output token;
-        ``texts``: the greedy outputs, in prompt order.
+        ``texts``, ``token_ids``, ``prompt_ids``: the greedy outputs and the chat prompts, in prompt order;
+        ``engine``: the engine (``check_outputs`` judges served outputs with its logits).
     """
     engine = TargetEngine(EngineConfig(model=config.model, dtype=config.dtype, device=config.device,
                                        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -63,12 +68,28 @@ def engine_alone(config: AppConfig, prompts: list[str], *, max_tokens: int) -> d
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     chats = [engine.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     generate(engine, chats[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    step_ms, texts = [], []
+    step_ms, texts, token_ids = [], [], []
     for ids in chats:
         (result,), stats = generate(engine, [ids], params)
         step_ms.append(stats.verify_s * 1000 / max(stats.rounds, 1))
         texts.append(result.text)
-    return {"step_ms": statistics.median(step_ms), "texts": texts}
+        token_ids.append(result.token_ids)
+    return {"step_ms": statistics.median(step_ms), "texts": texts, "token_ids": token_ids, "prompt_ids": chats,
+            "engine": engine}
+
+
+def check_outputs(alone: dict, served_ids: dict[int, list[int]]) -> dict:
+    """Judge the served outputs that differ from plain decoding (``served_ids``: prompt index -> token ids) with
+    the near-tie rule (``app/engine/near_tie.py``): counts of ``near_tie`` and ``not_near_tie`` and a description
+    of each of the latter (a losslessness bug, or a stop bug for a length difference)."""
+    near, bugs = 0, []
+    for i, ids in served_ids.items():
+        divergence = first_divergence(alone["engine"], alone["prompt_ids"][i], alone["token_ids"][i], ids)
+        if divergence is None or divergence.near_tie:
+            near += divergence is not None
+        else:
+            bugs.append(f"prompt {i}: {divergence.describe()}")
+    return {"near_tie": near, "not_near_tie": len(bugs), "bugs": bugs}
 
 
 def drafter_alone(config: AppConfig, prompts: list[str], *, calls: int = 20) -> float:
@@ -124,8 +145,25 @@ def stream_one(client: httpx.Client, url: str, model: str, prompt: str, max_toke
     return record, "".join(texts)
 
 
-def served(args: dict, prompts: list[str], *, max_tokens: int, num_cpus: float | None) -> dict:
-    """The application with ``args`` on a fresh local Ray: one warm-up request, then one request per prompt."""
+def completion_ids(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> list[int]:
+    """The token ids of one non-streamed greedy chat completion (``return_token_ids``).
+
+    Raises:
+        httpx.HTTPStatusError: the server answered an error.
+    """
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "return_token_ids": True,
+            "messages": [{"role": "user", "content": prompt}]}
+    response = client.post(f"{url}/v1/chat/completions", json=body)
+    response.raise_for_status()
+    return response.json()["token_ids"]
+
+
+def served(
+    args: dict, prompts: list[str], *, max_tokens: int, num_cpus: float | None, reference: list[str]
+) -> dict:
+    """The application with ``args`` on a fresh local Ray: one warm-up request, then one request per prompt; the
+    prompts whose streamed text differs from ``reference`` (plain decoding's) are asked again non-streamed for
+    their token ids (``token_ids``: prompt index -> ids)."""
     import ray
     from ray import serve
 
@@ -141,7 +179,9 @@ def served(args: dict, prompts: list[str], *, max_tokens: int, num_cpus: float |
         with httpx.Client(timeout=600) as client:
             stream_one(client, url, model, prompts[0], 16)  # warm-up
             runs = [stream_one(client, url, model, p, max_tokens) for p in prompts]
-        state = serve.get_deployment_handle("Target", APP_NAME).debug_state.remote().result()
+            state = serve.get_deployment_handle("Target", APP_NAME).debug_state.remote().result()
+            differ = {i: completion_ids(client, url, model, prompts[i], max_tokens)
+                      for i, (_, text) in enumerate(runs) if text != reference[i]}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -150,7 +190,7 @@ def served(args: dict, prompts: list[str], *, max_tokens: int, num_cpus: float |
     accepted = [r.accepted_length for r in records if r.accepted_length is not None]
     return {
         "tpot_ms": tpot, "tok_s": 1000 / tpot, "ttft_ms": statistics.median(r.ttft_ms for r in records),
-        "tokens": [r.output_tokens for r in records], "texts": [t for _, t in runs],
+        "tokens": [r.output_tokens for r in records], "texts": [t for _, t in runs], "token_ids": differ,
         "accepted_length": statistics.median(accepted) if accepted else None,
         "draft_call_ms": state["draft_ms"], "drafter_ms": state["drafter_ms"],
         "drafted_rounds": state["drafted_rounds"], "rounds": state["rounds"],
@@ -182,21 +222,24 @@ def main(argv: list[str] | None = None) -> dict:
     speculative = next((c for c in configs.values() if c.speculates), None)
     draft_ms = drafter_alone(speculative, prompts) if speculative is not None else None
     gc.collect()
-    results = {p: served({**base, "policy": p}, prompts, max_tokens=opts.max_tokens, num_cpus=opts.num_cpus)
-               for p in policies}
+    results = {p: served({**base, "policy": p}, prompts, max_tokens=opts.max_tokens, num_cpus=opts.num_cpus,
+                         reference=alone["texts"]) for p in policies}
+    checks = {p: check_outputs(alone, r["token_ids"]) for p, r in results.items()}
 
     step = alone["step_ms"]
     print(f"engine alone: {step:.1f} ms/token ({1000 / step:.1f} tok/s) plain greedy"
           + (f"; drafter propose + update {draft_ms:.1f} ms (batch 1)" if draft_ms is not None else ""))
     print(f"\n{'policy':>10} {'ms/token':>9} {'tok/s':>7} {'x engine':>9} {'ttft ms':>8} {'tau':>5} "
-          f"{'call ms':>8} {'inside':>7} {'drafted':>9} {'same text':>10}")
-    reference = results[policies[0]]["texts"]
+          f"{'call ms':>8} {'inside':>7} {'drafted':>9} {'same/tie/bug':>13}")
     for p, r in results.items():
-        same = sum(a == b for a, b in zip(r["texts"], reference))
+        same = sum(a == b for a, b in zip(r["texts"], alone["texts"]))
         tau = f"{r['accepted_length']:.2f}" if r["accepted_length"] else "-"
         print(f"{p:>10} {r['tpot_ms']:>9.1f} {r['tok_s']:>7.1f} {r['tpot_ms'] / step:>9.2f} {r['ttft_ms']:>8.0f} "
               f"{tau:>5} {r['draft_call_ms']:>8.1f} {r['drafter_ms']:>7.1f} {r['drafted_rounds']:>4}/{r['rounds']:<4} "
-              f"{same:>6}/{len(prompts)}")
+              f"{same:>5}/{checks[p]['near_tie']}/{checks[p]['not_near_tie']}")
+    for p, c in checks.items():
+        for bug in c["bugs"]:
+            print(f"WARNING {p}: {bug}")
     summary = {
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "worker_niceness": os.environ[NICENESS_ENV],
@@ -207,8 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
                        "accepted_length": r["accepted_length"], "draft_call_ms": round(r["draft_call_ms"], 2),
                        "drafter_ms": round(r["drafter_ms"], 2),
                        "drafted_rounds": r["drafted_rounds"], "rounds": r["rounds"], "tokens": r["tokens"],
-                       "same_text_as_first": sum(a == b for a, b in zip(r["texts"], reference)),
-                       "same_text_as_engine": sum(a == b for a, b in zip(r["texts"], alone["texts"]))}
+                       "same_text_as_engine": sum(a == b for a, b in zip(r["texts"], alone["texts"])),
+                       "near_tie": checks[p]["near_tie"], "not_near_tie": checks[p]["not_near_tie"]}
                    for p, r in results.items()},
     }
     if len(policies) > 1:

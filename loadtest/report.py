@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 from pathlib import Path
@@ -118,6 +119,37 @@ def format_table(levels: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def speed_at_throughput(levels: list[dict], series: str, throughput: float) -> float | None:
+    """Median per-user speed (tok/s/user) of ``series``'s curve at ``throughput`` (output tok/s), by linear
+    interpolation between the two levels whose throughputs bracket it; None outside the curve's range.
+
+    The curve runs through the series' levels in concurrency order; where it is not monotone in throughput, the
+    first bracketing segment from low concurrency up is used.
+    """
+    curve = sorted((lv for lv in levels if lv.get("series", lv["policy"]) == series), key=lambda lv: lv["concurrency"])
+    points = [(lv["output_throughput"], lv["median_user_tok_s"]) for lv in curve]
+    for (t0, s0), (t1, s1) in itertools.pairwise(points):
+        lo, hi = min(t0, t1), max(t0, t1)
+        if lo <= throughput <= hi:
+            return s0 if t1 == t0 else s0 + (throughput - t0) / (t1 - t0) * (s1 - s0)
+    return next((s for t, s in points if t == throughput), None)
+
+
+def matched_speedups(levels: list[dict], series: str, baseline: str) -> list[dict]:
+    """Per-user speed of ``series`` against ``baseline`` at matched throughput: at each baseline level's output
+    throughput, ``series``'s interpolated per-user speed (``speed_at_throughput``) over the baseline's (the
+    comparison of DSpark Sec. 5's per-user speed at equal throughput). Levels outside ``series``'s throughput
+    range get ``ratio`` None."""
+    rows = []
+    for lv in sorted((lv for lv in levels if lv.get("series", lv["policy"]) == baseline),
+                     key=lambda lv: lv["concurrency"]):
+        speed = speed_at_throughput(levels, series, lv["output_throughput"])
+        rows.append({"concurrency": lv["concurrency"], "throughput": lv["output_throughput"],
+                     "baseline_user_tok_s": lv["median_user_tok_s"], "user_tok_s": speed,
+                     "ratio": None if speed is None else speed / lv["median_user_tok_s"]})
+    return rows
+
+
 def pareto_plot(levels: list[dict], out: Path, *, slo_tpot_ms: float | None = None, title: str | None = None) -> Path:
     """Output throughput vs median per-user speed, one curve per series, SLO line; writes a PNG."""
     import matplotlib
@@ -166,7 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True, help="PNG to write (a CSV of the merged levels beside it)")
     ap.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO line (default: the first run's)")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--matched", action="append", default=[], metavar="SERIES:BASELINE",
+                    help="also print SERIES's per-user speed over BASELINE's at BASELINE's throughputs (repeatable)")
     args = ap.parse_args(argv)
+    pairs = [m.split(":", 1) for m in args.matched]
+    if any(len(p) != 2 or not all(p) for p in pairs):
+        ap.error("--matched takes SERIES:BASELINE")
     levels, slo = merge_results(args.results)
     slo_tpot = args.slo_tpot_ms if args.slo_tpot_ms is not None else slo.get("tpot_ms")
     png = pareto_plot(levels, args.out, slo_tpot_ms=slo_tpot, title=args.title)
@@ -176,7 +213,17 @@ def main(argv: list[str] | None = None) -> None:
         writer.writeheader()
         writer.writerows(levels)
     print(format_table(levels))
-    print(json.dumps({"plot": str(png), "csv": str(csv_path), "levels": len(levels)}))
+    names = {lv.get("series", lv["policy"]) for lv in levels}
+    matched = {}
+    for series, baseline in pairs:
+        if not {series, baseline} <= names:
+            ap.error(f"--matched {series}:{baseline}: series are {sorted(names)}")
+        matched[f"{series}:{baseline}"] = rows = matched_speedups(levels, series, baseline)
+        print(f"\n{series} per-user speed over {baseline}'s at {baseline}'s throughput:")
+        for r in rows:
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+            print(f"  c={r['concurrency']:<3} {r['throughput']:7.1f} tok/s: {ratio}")
+    print(json.dumps({"plot": str(png), "csv": str(csv_path), "levels": len(levels), "matched": matched}))
 
 
 if __name__ == "__main__":

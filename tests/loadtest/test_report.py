@@ -81,3 +81,30 @@ def test_report_cli_merges_and_plots(tmp_path, capsys):
     summary = json.loads(lines[-1])
     assert summary["levels"] == 10 and (tmp_path / "merged.png").is_file() and (tmp_path / "merged.csv").is_file()
     assert any(line.startswith("vllm-cpu") for line in lines)
+
+
+@pytest.mark.parametrize(("throughput", "expected"), [
+    (10.0, 20.0),  # a level's own throughput: its speed
+    (15.0, 17.5),  # half-way between the levels at 10 and 20 tok/s
+    (30.0, 9.0),  # on the segment 20 -> 40 tok/s
+    (5.0, None),  # below the curve
+    (50.0, None),  # above it
+])
+def test_speed_at_throughput_interpolates_along_the_curve(throughput, expected):
+    levels = [level("p", 1, 10.0, 20.0), level("p", 2, 20.0, 15.0), level("p", 4, 40.0, 3.0)]
+    got = report.speed_at_throughput(levels, "p", throughput)
+    assert got == (None if expected is None else pytest.approx(expected))
+
+
+def test_matched_speedups_and_cli(tmp_path, capsys):
+    levels = [level("mtp1", 1, 15.0, 15.0), level("mtp1", 4, 40.0, 10.0),
+              level("dspark", 1, 10.0, 30.0), level("dspark", 2, 20.0, 20.0), level("dspark", 4, 30.0, 15.0)]
+    rows = report.matched_speedups(levels, "dspark", "mtp1")
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    assert rows[0]["ratio"] == pytest.approx(25.0 / 15.0) and rows[1]["ratio"] is None  # 40 tok/s: beyond dspark
+    path = write_run(tmp_path, "run", levels)
+    report.main([str(path), "--out", str(tmp_path / "p.png"), "--matched", "dspark:mtp1"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["matched"]["dspark:mtp1"][0]["ratio"] == pytest.approx(25.0 / 15.0)
+    with pytest.raises(SystemExit):
+        report.main([str(path), "--out", str(tmp_path / "p.png"), "--matched", "dspark:eagle"])

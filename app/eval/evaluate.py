@@ -28,7 +28,7 @@ from tqdm import tqdm
 from app.drafters.calibration import auc, ece, survival
 from app.drafters.checkpoint import load_checkpoint, read_checkpoint_config
 from app.drafters.lookup import LookupHybridProposer, read_lookup_rates
-from app.drafters.registry import make_proposer, with_lookup
+from app.drafters.registry import make_proposer
 from app.engine.decode import Proposer, generate
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
@@ -184,12 +184,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                                        max_draft_len=max(8, args.gamma)))
     drafter, calibration, _ = load_checkpoint(args.checkpoint, engine.model.embed_tokens.weight)
 
+    rates = read_lookup_rates(args.checkpoint) if args.lookup else None
+    if args.lookup and rates is None:
+        ap.error(f"--lookup: {args.checkpoint} has no lookup table (python -m app.drafters.train.calibrate_lookup)")
+
     def factory(temperature: float) -> Proposer:
         proposer = make_proposer(drafter, calibration, temperature=temperature, seed=args.seed, gamma=args.gamma)
-        return with_lookup(proposer, args.checkpoint) if args.lookup else proposer
-
-    if args.lookup and read_lookup_rates(args.checkpoint) is None:
-        ap.error(f"--lookup: {args.checkpoint} has no lookup table (python -m app.drafters.train.calibrate_lookup)")
+        return proposer if rates is None else LookupHybridProposer(proposer, rates)
 
     gamma = min(args.gamma, drafter.config.block_size)  # MTP-1 drafts one token whatever --gamma says
     rows = []

@@ -1,10 +1,10 @@
 """One command from a target to a calibrated, evaluated drafter checkpoint: datagen -> train -> draft vocabulary ->
 calibrate -> lookup table -> eval.
 
-Owns: running the four stages in one process under one wall-clock budget per stage and the folder layout below;
-each stage is the module of its own name with the same flags (``datagen.py``, ``trainer.py``, ``calibrate.py``,
-``draft_vocab.py``, ``calibrate_lookup.py``, ``app/eval/evaluate.py``), so a stage can be re-run alone on the same folders. Device picked
-automatically.
+Owns: running the stages in one process under one wall-clock budget per stage and the folder layout below; each
+stage is the module of its own name with the same flags (``datagen.py``, ``trainer.py``, ``calibrate.py``,
+``draft_vocab.py``, ``calibrate_lookup.py``, ``app/eval/evaluate.py``), so a stage can be re-run alone on the same
+folders. Device picked automatically.
 
 Layout under ``--out``:
     data-greedy/     greedy answers to every training prompt (``datagen.py``)

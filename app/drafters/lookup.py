@@ -32,7 +32,7 @@ import torch
 
 from app.drafters.calibration import MODES
 from app.drafters.checkpoint import read_checkpoint_config
-from app.drafters.ngram import lookup
+from app.drafters.ngram import NgramProposer, lookup
 from app.drafters.proposer import DraftProposal
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
 
@@ -113,8 +113,9 @@ def fit_lookup_rates(
     """Teacher-forced acceptance of lookup drafts on the target's own answers, as an N x K table (``LookupRates``).
 
     At ``positions_per_seq`` random response positions t of each (tokens, prompt length) sequence, the periodic
-    lookup over tokens[:t] (as ``LookupHybridProposer`` drafts) drafts up to ``gamma`` tokens, compared left to right with tokens[t:]; rate[n-1][k] =
-    (accepted + 1) / (tried + 2) over the drafts of n-token matches that reached position k. On greedy answers
+    lookup over tokens[:t] (as ``LookupHybridProposer`` drafts) drafts up to ``gamma`` tokens, compared left to
+    right with tokens[t:]; rate[n-1][k] = (accepted + 1) / (tried + 2) over the drafts of n-token matches that
+    reached position k. On greedy answers
     this is the greedy acceptance; on answers sampled at temperature T it estimates the sampled acceptance at T
     (the sampled next token equals the draft with the target's probability of the draft).
 
@@ -147,16 +148,17 @@ def expected_accepted(conf: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class LookupHybridProposer:
-    """A proposer plus prompt lookup (module docstring); the hooks pass through to ``inner``.
+    """A proposer plus prompt lookup (module docstring); the hooks pass through to ``inner`` and to an
+    ``NgramProposer`` that keeps each request's history and matches its suffix.
 
     Attributes:
-        inner: the trained drafter's proposer (leaves ``last_proposal`` after ``propose``).
+        inner: the trained drafter's proposer (``gamma`` draft tokens; leaves ``last_proposal`` after ``propose``).
         rates: the lookup acceptance table; lookup matches up to ``rates.max_ngram`` tokens.
         min_ngram: shortest suffix matched.
         lookup_rounds / rounds: request-rounds that drafted by lookup / all request-rounds proposed.
 
     Raises:
-        ValueError: ``min_ngram`` outside [1, rates.max_ngram].
+        ValueError: ``min_ngram`` outside [1, rates.max_ngram] (from ``NgramProposer``).
     """
 
     inner: object
@@ -165,11 +167,11 @@ class LookupHybridProposer:
     last_proposal: DraftProposal | None = field(default=None, init=False)
     lookup_rounds: int = field(default=0, init=False)
     rounds: int = field(default=0, init=False)
-    _history: dict[str, list[int]] = field(default_factory=dict, init=False)
+    _lookup: NgramProposer = field(init=False)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_ngram <= self.rates.max_ngram:
-            raise ValueError(f"min_ngram must be in [1, {self.rates.max_ngram}], got {self.min_ngram}")
+        self._lookup = NgramProposer(gamma=self.inner.gamma, max_ngram=self.rates.max_ngram,
+                                     min_ngram=self.min_ngram, periodic=True)
 
     def set_params(self, request_id: str, params: SamplingParams) -> None:
         """Pass the request's sampling parameters to ``inner`` when it drafts per request temperature."""
@@ -177,17 +179,15 @@ class LookupHybridProposer:
             self.inner.set_params(request_id, params)
 
     def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
-        self._history[request_id] = list(prompt_ids) + list(first.new_token_ids)
+        self._lookup.start(request_id, prompt_ids, first)
         self.inner.start(request_id, prompt_ids, first)
 
     def update(self, outputs: Sequence[StepOutput]) -> None:
-        for out in outputs:
-            if out.request_id in self._history:
-                self._history[out.request_id].extend(out.new_token_ids)
+        self._lookup.update(outputs)
         self.inner.update(outputs)
 
     def finish(self, request_id: str) -> None:
-        self._history.pop(request_id, None)
+        self._lookup.finish(request_id)
         self.inner.finish(request_id)
 
     def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
@@ -202,14 +202,13 @@ class LookupHybridProposer:
         gamma = conf.shape[1]
         neural = expected_accepted(conf)  # [B]
         for b, rid in enumerate(request_ids):
-            follow, n = lookup(self._history[rid], max_ngram=self.rates.max_ngram, min_ngram=self.min_ngram,
-                               gamma=gamma, periodic=True)
+            follow, n = self._lookup.match(rid)
             if not follow:
                 continue
             mode = "greedy" if blocks[b].probs is None else "sampled"
             c = self.rates.confidences(n, len(follow), mode, gamma)
             if float(expected_accepted(c)) > float(neural[b]):
-                blocks[b] = DraftBlock(rid, torch.tensor(follow[:gamma], dtype=torch.long))
+                blocks[b] = DraftBlock(rid, torch.tensor(follow, dtype=torch.long))
                 conf[b], raw[b] = c, c
                 self.lookup_rounds += 1
         self.rounds += len(request_ids)

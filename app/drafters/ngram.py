@@ -79,11 +79,13 @@ class NgramProposer:
         gamma: most draft tokens per round.
         max_ngram: longest suffix matched.
         min_ngram: shortest suffix matched (vLLM's prompt_lookup_min; 2 avoids single-token coincidences).
+        periodic: continue a short loop's period to ``gamma`` tokens (``lookup``).
     """
 
     gamma: int
     max_ngram: int = 3
     min_ngram: int = 1
+    periodic: bool = False
     last_proposal: DraftProposal | None = field(default=None, init=False)
     _history: dict[str, list[int]] = field(default_factory=dict, init=False)
 
@@ -101,11 +103,20 @@ class NgramProposer:
     def finish(self, request_id: str) -> None:
         self._history.pop(request_id, None)
 
+    def match(self, request_id: str) -> tuple[list[int], int]:
+        """The request's lookup draft (up to ``gamma`` tokens) and its match length n (``lookup``; ``([], 0)``
+        without a match).
+
+        Raises:
+            KeyError: a request without ``start``.
+        """
+        return lookup(self._history[request_id], max_ngram=self.max_ngram, min_ngram=self.min_ngram,
+                      gamma=self.gamma, periodic=self.periodic)
+
     def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
         blocks, conf = [], torch.zeros(len(request_ids), self.gamma)
         for i, rid in enumerate(request_ids):
-            follow, n = lookup(self._history[rid], max_ngram=self.max_ngram, min_ngram=self.min_ngram,
-                               gamma=self.gamma)
+            follow, n = self.match(rid)
             if follow:
                 conf[i, : len(follow)] = NGRAM_CONFIDENCE ** (1.0 / n)
             blocks.append(DraftBlock(rid, torch.tensor(follow, dtype=torch.long)))

@@ -31,7 +31,7 @@ class StubDrafter:
     """Drafts token 7 everywhere with fixed confidences; sampled requests (``set_params``) carry draft probs."""
 
     def __init__(self, conf: float) -> None:
-        self.conf, self.calls, self.sampled = conf, [], set()
+        self.conf, self.calls, self.sampled, self.gamma = conf, [], set(), K
 
     def set_params(self, request_id, params: SamplingParams) -> None:
         if params.temperature > 0:
@@ -112,7 +112,7 @@ def test_sampled_requests_use_the_sampled_table_and_hooks_pass_through():
     (block,) = p.propose(["s"])
     assert block.tokens.tolist() == [7] * K and block.probs is not None  # 0.1 per draft does not beat 0.3
     p.update([StepOutput("s", [3, 1, 2])])  # history now ends "... 1 2 3 1 2": the lookup follows the update
-    assert p._history["s"][-3:] == [3, 1, 2]
+    assert p._lookup.match("s")[0][:1] == [3] and p._lookup._history["s"][-3:] == [3, 1, 2]
     p.finish("s")
     assert stub.calls == [("start", "s"), ("update", ["s"]), ("finish", "s")]
     with pytest.raises(KeyError):

@@ -147,9 +147,78 @@ def expected_accepted(conf: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class PromptLookup:
+    """Per-request prompt lookup with its acceptance table: the histories (an ``NgramProposer`` that matches each
+    request's suffix, periodic) and, per round, each request's lookup draft with its per-position confidences.
+
+    Used beside a drafter by ``LookupHybridProposer`` (offline) and by the target replica (serving, where it also
+    drafts in rounds that do not call the drafter). Hooks as ``Proposer``'s: ``start``, ``update``, ``finish``.
+
+    Attributes:
+        rates: the lookup acceptance table; lookup matches up to ``rates.max_ngram`` tokens.
+        gamma: K, the longest draft.
+        min_ngram: shortest suffix matched.
+
+    Raises:
+        ValueError: ``min_ngram`` outside [1, rates.max_ngram] or ``gamma`` < 1 (from ``NgramProposer``).
+    """
+
+    rates: LookupRates
+    gamma: int
+    min_ngram: int = 1
+    _histories: NgramProposer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._histories = NgramProposer(gamma=self.gamma, max_ngram=self.rates.max_ngram, min_ngram=self.min_ngram,
+                                        periodic=True)
+
+    def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
+        self._histories.start(request_id, prompt_ids, first)
+
+    def update(self, outputs: Sequence[StepOutput]) -> None:
+        self._histories.update(outputs)
+
+    def finish(self, request_id: str) -> None:
+        """Forget the request (unknown ids are ignored)."""
+        self._histories.finish(request_id)
+
+    @property
+    def num_states(self) -> int:
+        """Requests whose history this holds (leak checks)."""
+        return self._histories.num_states
+
+    def drafts(self, request_ids: Sequence[str], greedy: Sequence[bool]) -> tuple[list[DraftBlock | None], torch.Tensor]:
+        """Each request's lookup draft (None without a match) and its confidences ``[B, K]`` (0 beyond the draft
+        and for requests without one), from the table of the request's mode (``greedy[b]``: argmax decoding).
+
+        Raises:
+            KeyError: a request without ``start``.
+        """
+        blocks: list[DraftBlock | None] = []
+        conf = torch.zeros(len(request_ids), self.gamma)
+        for b, (rid, is_greedy) in enumerate(zip(request_ids, greedy, strict=True)):
+            follow, n = self._histories.match(rid)
+            if not follow:
+                blocks.append(None)
+                continue
+            blocks.append(DraftBlock(rid, torch.tensor(follow, dtype=torch.long)))
+            conf[b] = self.rates.confidences(n, len(follow), "greedy" if is_greedy else "sampled", self.gamma)
+        return blocks, conf
+
+
+def prefer_lookup(drafter_conf: torch.Tensor, lookup_conf: torch.Tensor) -> torch.Tensor:
+    """[B] bool: where the lookup draft expects more accepted tokens than the drafter's block (module docstring).
+
+    Args:
+        drafter_conf, lookup_conf: [B, K] calibrated per-position confidences (0 where there is no draft).
+    """
+    return expected_accepted(lookup_conf) > expected_accepted(drafter_conf)
+
+
+@dataclass
 class LookupHybridProposer:
-    """A proposer plus prompt lookup (module docstring); the hooks pass through to ``inner`` and to an
-    ``NgramProposer`` that keeps each request's history and matches its suffix.
+    """A proposer plus prompt lookup (module docstring); the hooks pass through to ``inner`` and to a
+    ``PromptLookup``.
 
     Attributes:
         inner: the trained drafter's proposer (``gamma`` draft tokens; leaves ``last_proposal`` after ``propose``).
@@ -158,7 +227,7 @@ class LookupHybridProposer:
         lookup_rounds / rounds: request-rounds that drafted by lookup / all request-rounds proposed.
 
     Raises:
-        ValueError: ``min_ngram`` outside [1, rates.max_ngram] (from ``NgramProposer``).
+        ValueError: ``min_ngram`` outside [1, rates.max_ngram] (from ``PromptLookup``).
     """
 
     inner: object
@@ -167,11 +236,10 @@ class LookupHybridProposer:
     last_proposal: DraftProposal | None = field(default=None, init=False)
     lookup_rounds: int = field(default=0, init=False)
     rounds: int = field(default=0, init=False)
-    _lookup: NgramProposer = field(init=False)
+    _lookup: PromptLookup = field(init=False)
 
     def __post_init__(self) -> None:
-        self._lookup = NgramProposer(gamma=self.inner.gamma, max_ngram=self.rates.max_ngram,
-                                     min_ngram=self.min_ngram, periodic=True)
+        self._lookup = PromptLookup(self.rates, self.inner.gamma, self.min_ngram)
 
     def set_params(self, request_id: str, params: SamplingParams) -> None:
         """Pass the request's sampling parameters to ``inner`` when it drafts per request temperature."""
@@ -199,18 +267,11 @@ class LookupHybridProposer:
         blocks = list(self.inner.propose(request_ids))
         proposal = self.inner.last_proposal
         conf, raw = proposal.confidences.clone(), proposal.raw_confidences.clone()  # [B, K]
-        gamma = conf.shape[1]
-        neural = expected_accepted(conf)  # [B]
-        for b, rid in enumerate(request_ids):
-            follow, n = self._lookup.match(rid)
-            if not follow:
-                continue
-            mode = "greedy" if blocks[b].probs is None else "sampled"
-            c = self.rates.confidences(n, len(follow), mode, gamma)
-            if float(expected_accepted(c)) > float(neural[b]):
-                blocks[b] = DraftBlock(rid, torch.tensor(follow, dtype=torch.long))
-                conf[b], raw[b] = c, c
-                self.lookup_rounds += 1
+        found, found_conf = self._lookup.drafts(request_ids, [b.probs is None for b in blocks])
+        for b in prefer_lookup(conf, found_conf.to(conf.dtype)).nonzero().flatten().tolist():
+            blocks[b] = found[b]
+            conf[b], raw[b] = found_conf[b], found_conf[b]
+            self.lookup_rounds += 1
         self.rounds += len(request_ids)
         self.last_proposal = DraftProposal(blocks=blocks, confidences=conf, raw_confidences=raw)
         return blocks

@@ -103,6 +103,11 @@ class NgramProposer:
     def finish(self, request_id: str) -> None:
         self._history.pop(request_id, None)
 
+    @property
+    def num_states(self) -> int:
+        """Requests whose history this proposer holds (leak checks)."""
+        return len(self._history)
+
     def match(self, request_id: str) -> tuple[list[int], int]:
         """The request's lookup draft (up to ``gamma`` tokens) and its match length n (``lookup``; ``([], 0)``
         without a match).

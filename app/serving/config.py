@@ -99,8 +99,9 @@ class AppConfig(BaseModel):
     )
     prompt_lookup: bool = Field(
         True, description="Drafter 'dspark' only: each round, per request, draft by prompt lookup instead when the "
-        "checkpoint's lookup table expects more accepted tokens than the drafter's calibrated confidences "
-        "(app/drafters/lookup.py; needs the checkpoint's lookup_rates, written by "
+        "checkpoint's lookup table expects more accepted tokens than the drafter's calibrated confidences, and by "
+        "prompt lookup alone in rounds whose draft gate skips the drafter (it runs on the target replica; "
+        "app/drafters/lookup.py; needs the checkpoint's lookup_rates, written by "
         "app.drafters.train.calibrate_lookup).",
     )
     ngram_max: int = Field(3, ge=1, le=8, description="Longest suffix n-gram the n-gram drafter matches.")

@@ -63,7 +63,7 @@ def make_proposer(config: AppConfig, embed_weight: torch.Tensor | None = None) -
 def load_checkpoint_proposer(config: AppConfig, embed_weight: torch.Tensor | None = None) -> Proposer:
     """The trained drafter at ``drafter_checkpoint``, of any kind (DSpark, DFlash-style, EAGLE-3-style, MTP-1),
     on the target's embedding / LM head (``embed_weight``, else loaded read-only here); it drafts at most
-    ``gamma`` tokens per round, with prompt lookup beside it when ``prompt_lookup`` (``app/drafters/lookup.py``)."""
+    ``gamma`` tokens per round (prompt lookup, when on, runs on the target replica: ``target.py``)."""
     from app.drafters.registry import load_proposer
     from app.engine.loader import load_target
 
@@ -71,8 +71,7 @@ def load_checkpoint_proposer(config: AppConfig, embed_weight: torch.Tensor | Non
     if embed_weight is None:
         target = load_target(config.model, dtype=config.dtype, device=config.device, fp32_lm_head=False)
         embed_weight = target.model.embed_tokens.weight
-    return load_proposer(config.drafter_checkpoint, embed_weight.detach(), gamma=config.gamma,
-                         lookup=config.prompt_lookup)
+    return load_proposer(config.drafter_checkpoint, embed_weight.detach(), gamma=config.gamma)
 
 
 class DrafterCore:

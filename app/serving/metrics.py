@@ -57,6 +57,9 @@ class TargetMetrics:
         self.drafted_rounds = counter(
             "dspark_drafted_rounds", "Rounds that called the drafter (the others: draft gate closed, or no request "
             "on the drafter).")
+        self.lookup_drafts = counter(
+            "dspark_lookup_drafts", "Request-rounds that verified a prompt-lookup draft instead of the drafter's "
+            "block (or in a round without a drafter call).")
         self.requests = counter("dspark_requests_finished", "Requests that finished (EOS, stop or length).")
         self.position_verified = counter(
             "dspark_position_verified", "Draft tokens verified at block position k (1-based).", TAGS + ("position",))
@@ -81,12 +84,15 @@ class TargetMetrics:
         self.slo_limit = gauge("dspark_slo_tpot_limit_ms", "TPOT limit of the SLO (ms).")
         self.slo_state = gauge("dspark_slo_state", "SLO on this replica: 1 met, 0 violated, -1 no samples.")
 
-    def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int, num_draft: list[int],
-              num_accepted: list[int], committed: int) -> None:
-        """One round: ``num_draft`` / ``num_accepted`` per request in the batch (verified / accepted)."""
+    def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int, lookup: int,
+              num_draft: list[int], num_accepted: list[int], committed: int) -> None:
+        """One round: ``num_draft`` / ``num_accepted`` per request in the batch (verified / accepted), ``lookup``
+        requests of them verifying a prompt-lookup draft."""
         self.rounds.inc()
         if drafter_called:
             self.drafted_rounds.inc()
+        if lookup:
+            self.lookup_drafts.inc(lookup)
         self.round_ms.observe(round_ms)
         self.verify_ms.observe(verify_ms)
         self.tokens_per_step.observe(committed)

@@ -33,6 +33,7 @@ class SpecStats:
     rounds: int = 0  # verify steps
     draft_tokens: int = 0  # draft tokens verified
     accepted_tokens: int = 0  # draft tokens accepted
+    lookup_rounds: int = 0  # rounds whose draft came from prompt lookup (the others: the drafter's, or none)
     fallback: bool = False  # the drafter failed and the request finished with plain decoding
 
     @property
@@ -46,6 +47,7 @@ class SpecStats:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "lookup_rounds": self.lookup_rounds,
             "fallback": self.fallback,
         }
 

@@ -1,9 +1,11 @@
 """The Target deployment: one engine, a continuous-batching step loop, one drafter call and one verify per round.
 
 Owns: the replica's waiting queue (bounded: beyond ``max_queued_requests`` a request answers 503), admission
-between rounds (prefill into a free KV slot), the round (drafter call -> verify-length policy over the whole
-batch -> one ragged verify; the drafter is a Drafter replica or, with ``drafter_placement: colocated``, a
-``DrafterCore`` on this replica's torch thread), streaming each request's committed text back, cancellation (a
+between rounds (prefill into a free KV slot), the round (drafter call when the draft gate is open -> per request
+the drafter's block or the prompt-lookup draft, whichever expects more accepted tokens -> verify-length policy
+over the whole batch -> one ragged verify; the drafter is a Drafter replica or, with ``drafter_placement:
+colocated``, a ``DrafterCore`` on this replica's torch thread), prompt lookup (``prompt_lookup``: it runs here,
+on the tokens this replica commits, so it drafts in every round, also those that skip the drafter), streaming each request's committed text back, cancellation (a
 client that goes away frees its KV slot at once and its drafter state with the next drafter call), drafter
 fail-over (a failed or slow drafter call moves the affected requests to plain decoding for the rest of their
 life, counted in ``drafter_failures``) and load reports to the Router, off the per-token path.
@@ -31,6 +33,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
+from app.drafters.lookup import PromptLookup, prefer_lookup, read_lookup_rates
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
 from app.scheduling.policies import make_policy
 from app.scheduling.profile import load_profile
@@ -77,6 +80,18 @@ def internal_error(err: Exception) -> ErrorItem:
     return ErrorItem(500, f"internal error: {type(err).__name__}: {err}", type="server_error", code="internal_error")
 
 
+def make_prompt_lookup(config: AppConfig) -> PromptLookup | None:
+    """Prompt lookup with the checkpoint's acceptance table when ``prompt_lookup`` applies (drafter 'dspark').
+
+    Raises:
+        FileNotFoundError / ValueError: no checkpoint, or one without a lookup table (``AppConfig.check_files``).
+    """
+    if config.drafter != "dspark" or not config.prompt_lookup:
+        return None
+    config.check_files()
+    return PromptLookup(read_lookup_rates(config.drafter_checkpoint), gamma=config.gamma)
+
+
 def make_engine(config: AppConfig) -> Engine:
     if config.engine == "mock":
         from app.serving.mock import MockEngine, MockEngineConfig
@@ -102,7 +117,7 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     generated: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
-    on_drafter: bool = False  # its state lives on the drafter
+    on_drafter: bool = False  # it speculates: its state lives on the drafter (and in the prompt lookup)
     done: bool = False
 
 
@@ -118,6 +133,7 @@ class TargetReplica:
         self.drafter = drafter if self.speculates and config.drafter_placement == "separate" else None
         self.colocated = self._torch.call(self._colocated_drafter, config) \
             if self.speculates and config.drafter_placement == "colocated" else None
+        self.lookup = self._torch.call(make_prompt_lookup, config) if self.speculates else None
         self.router = router
         self.policy = make_policy(config.policy)
         self.scheduler = VerifyScheduler(
@@ -182,6 +198,7 @@ class TargetReplica:
         held = getattr(self.engine, "num_active", None)
         return {"active": len(self._active), "waiting": len(self._waiting), "engine_active": held,
                 "colocated_drafter_states": None if self.colocated is None else self.colocated.num_states,
+                "lookup_states": None if self.lookup is None else self.lookup.num_states,
                 "cancelled_pending": len(self._cancelled), "node_id": ray.get_runtime_context().get_node_id(),
                 **self._stats}
 
@@ -241,6 +258,7 @@ class TargetReplica:
         self.telemetry.dropped(rid)
         if stream.on_drafter:
             self._draft_finished.append(rid)
+            self._forget_lookup(rid)
         if self.engine.has_request(rid):
             await self._run(self.engine.release, rid)
 
@@ -292,6 +310,8 @@ class TargetReplica:
             if self.speculates:
                 self._draft_starts.append(DraftStart(req.request_id, stream.prompt_ids, for_drafter, req.params))
                 stream.on_drafter = True
+                if self.lookup is not None:
+                    self.lookup.start(req.request_id, stream.prompt_ids, first)
 
     # The next two run on the torch thread: copying features for the drafter is torch work too, and a prompt's
     # rows are enough to start a parallel region. Started on the event loop thread, it gives the process a second
@@ -314,7 +334,7 @@ class TargetReplica:
         blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
         num_drafted, drafter_called = 0, False
         speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.speculates else []
-        draft_ms = 0.0
+        draft_ms, drafted = 0.0, None
         if speculative and self.scheduler.should_draft(speculative, draft_ms=self._stats["draft_ms"] or None,
                                                        verify_scale=self._stats["verify_scale"]):
             # Right after a drafted round and with no new request, a call carries one round of context: what
@@ -326,14 +346,17 @@ class TargetReplica:
             draft_ms = (time.perf_counter() - t_draft) * 1000
             if drafted is not None:
                 self._observe_draft(draft_ms, drafted.drafter_ms, steady=steady)
-            if drafted is not None and drafted.blocks:
-                blocks.update(self._schedule(drafted))
                 num_drafted = sum(b.tokens.shape[0] for b in drafted.blocks)
         self._drafted_last_round = drafter_called
+        drafts, confidences, from_lookup = self._choose_drafts(speculative, drafted)
+        if drafts:
+            blocks.update(self._schedule(drafts, confidences))
         t_verify = time.perf_counter()
         outputs, for_drafter = await self._run(self._verify, [blocks[rid] for rid in ids])
         verify_ms = (time.perf_counter() - t_verify) * 1000
-        drafted_outputs = [out for out in outputs if blocks[out.request_id].tokens.numel()]
+        # The draft gate weighs the drafter call, so it learns from the drafter's blocks only.
+        drafted_outputs = [out for out in outputs
+                           if blocks[out.request_id].tokens.numel() and out.request_id not in from_lookup]
         if drafted_outputs:
             self.scheduler.observe([o.request_id for o in drafted_outputs], [o.num_draft for o in drafted_outputs],
                                    [o.num_accepted for o in drafted_outputs])
@@ -342,7 +365,9 @@ class TargetReplica:
             stream = self._active[out.request_id]
             stream.spec = replace(stream.spec, rounds=stream.spec.rounds + 1,
                                   draft_tokens=stream.spec.draft_tokens + out.num_draft,
-                                  accepted_tokens=stream.spec.accepted_tokens + out.num_accepted)
+                                  accepted_tokens=stream.spec.accepted_tokens + out.num_accepted,
+                                  lookup_rounds=stream.spec.lookup_rounds
+                                  + int(out.num_draft > 0 and out.request_id in from_lookup))
             committed += len(out.new_token_ids)
             verified += out.num_draft
             accepted += out.num_accepted
@@ -351,14 +376,50 @@ class TargetReplica:
                 del self._active[out.request_id]
                 if stream.on_drafter:
                     self._draft_finished.append(out.request_id)
+                    self._forget_lookup(out.request_id)
             elif stream.on_drafter:
                 self._draft_updates.append(stripped)
+                if self.lookup is not None:
+                    self.lookup.update([out])
         round_ms = (time.perf_counter() - t0) * 1000
         self._observe(round_ms, committed, verified, accepted)
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
             self._observe_verify_scale(round_ms - draft_ms, tokens=len(ids) + verified, batch=len(ids))
-        self.telemetry.round(round_ms=round_ms, verify_ms=verify_ms,
-                             drafter_called=drafter_called, drafted=num_drafted, outputs=outputs)
+        self.telemetry.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called,
+                             drafted=num_drafted, lookup=sum(o.num_draft > 0 for o in outputs
+                                                             if o.request_id in from_lookup), outputs=outputs)
+
+    def _choose_drafts(
+        self, speculative: list[str], drafted: DraftRound | None
+    ) -> tuple[list[DraftBlock], torch.Tensor, set[str]]:
+        """This round's draft per speculating request: the drafter's block (when it was called) or the prompt-lookup
+        draft, whichever expects more accepted tokens (``prefer_lookup``); without a drafter call, the lookup draft.
+
+        Returns:
+            the chosen blocks in batch order, their confidences ``[n, K]``, and the ids whose block is a lookup draft.
+        """
+        k = self.config.gamma
+        chosen: dict[str, tuple[DraftBlock, torch.Tensor]] = {}
+        if drafted is not None and drafted.blocks:
+            conf = drafted.confidences[:, :k]
+            conf = torch.nn.functional.pad(conf, (0, k - conf.shape[1]))
+            chosen = {b.request_id: (b, conf[i]) for i, b in enumerate(drafted.blocks)}
+        from_lookup: set[str] = set()
+        ids = [rid for rid in speculative if self._active[rid].on_drafter] if self.lookup is not None else []
+        if ids:
+            found, found_conf = self.lookup.drafts(ids, [self._active[rid].request.params.greedy for rid in ids])
+            drafter_conf = torch.stack([chosen[rid][1] if rid in chosen else torch.zeros(k) for rid in ids])
+            for i in prefer_lookup(drafter_conf, found_conf).nonzero().flatten().tolist():
+                chosen[ids[i]] = (found[i], found_conf[i])
+                from_lookup.add(ids[i])
+        if not chosen:
+            return [], torch.zeros(0, k), from_lookup
+        order = [rid for rid in speculative if rid in chosen]
+        return [chosen[rid][0] for rid in order], torch.stack([chosen[rid][1] for rid in order]), from_lookup
+
+    def _forget_lookup(self, request_id: str) -> None:
+        if self.lookup is not None:
+            self.lookup.finish(request_id)
 
     async def _call_drafter(self, propose: list[str]) -> DraftRound | None:
         """One drafter call with everything pending; on failure the involved requests fall back to plain."""
@@ -419,6 +480,7 @@ class TargetReplica:
             if stream is not None and stream.on_drafter:
                 stream.on_drafter = False
                 stream.spec = replace(stream.spec, fallback=True)
+                self._forget_lookup(rid)
                 moved.append(rid)
         self._stats["drafter_failures"] += len(moved)
         # a colocated drafter's exception is a bug in this process: keep its traceback in the log
@@ -427,21 +489,22 @@ class TargetReplica:
                     type(err).__name__, err, len(moved), exc_info=trace)
         return moved
 
-    def _schedule(self, drafted: DraftRound) -> dict[str, DraftBlock]:
-        """Verify lengths for the drafted requests under the policy, over the whole drafted batch."""
+    def _schedule(self, drafts: list[DraftBlock], confidences: torch.Tensor) -> dict[str, DraftBlock]:
+        """Verify lengths for the drafted requests under the policy, over the whole drafted batch.
+
+        Args:
+            drafts: one block per drafted request; confidences: [n, K] their per-position confidences.
+        """
         k = self.config.gamma
-        conf = drafted.confidences[:, :k]
-        if conf.shape[1] < k:
-            conf = torch.nn.functional.pad(conf, (0, k - conf.shape[1]))
         max_len = torch.tensor([
             min(b.tokens.shape[0], k, self._active[b.request_id].request.params.max_tokens
                 - self._active[b.request_id].generated - 1)
-            for b in drafted.blocks
+            for b in drafts
         ], dtype=torch.long).clamp(min=0)
-        lengths = self.scheduler.schedule(confidences=conf.clamp(0, 1), min_len=torch.zeros_like(max_len),
+        lengths = self.scheduler.schedule(confidences=confidences.clamp(0, 1), min_len=torch.zeros_like(max_len),
                                           max_len=max_len)
         return {b.request_id: DraftBlock(b.request_id, b.tokens, b.probs, int(n))
-                for b, n in zip(drafted.blocks, lengths.tolist())}
+                for b, n in zip(drafts, lengths.tolist())}
 
     def _emit(self, stream: _Stream, out: StepOutput) -> None:
         stream.generated += len(out.new_token_ids)

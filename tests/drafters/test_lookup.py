@@ -112,7 +112,8 @@ def test_sampled_requests_use_the_sampled_table_and_hooks_pass_through():
     (block,) = p.propose(["s"])
     assert block.tokens.tolist() == [7] * K and block.probs is not None  # 0.1 per draft does not beat 0.3
     p.update([StepOutput("s", [3, 1, 2])])  # history now ends "... 1 2 3 1 2": the lookup follows the update
-    assert p._lookup.match("s")[0][:1] == [3] and p._lookup._history["s"][-3:] == [3, 1, 2]
+    (found,), conf = p._lookup.drafts(["s"], [False])
+    assert found.tokens.tolist()[:3] == [3, 1, 2] and conf[0, 0] == pytest.approx(0.1)
     p.finish("s")
     assert stub.calls == [("start", "s"), ("update", ["s"]), ("finish", "s")]
     with pytest.raises(KeyError):

@@ -7,6 +7,8 @@
 - Drafting runs with ``drafter_threads`` torch threads, verify with ``torch_threads``.
 - The drafter-call time the draft gate weighs comes from steady calls only, not from calls that also project
   a new prompt or catch up on rounds drafted without.
+- Prompt lookup runs on the replica: it drafts in rounds whose gate skips the drafter, exactly (greedy output
+  unchanged), and the gate does not learn from its drafts.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import torch
 from ray import serve
 
+from app.drafters.lookup import LookupRates, PromptLookup
 from app.engine.types import SamplingParams
 from app.serving import target as target_module
 from app.serving.config import AppConfig
@@ -118,6 +121,34 @@ def test_draft_gate_weighs_steady_drafter_calls_only(replica, monkeypatch):
     assert max(estimates) < 4 * steady_ms, estimates
     # the sleep is outside the drafter: every steady call waited >= 5 ms longer than the drafter worked
     assert replica._stats["draft_ms"] - replica._stats["drafter_ms"] >= steady_ms, replica._stats
+
+
+def test_prompt_lookup_drafts_in_rounds_that_skip_the_drafter(monkeypatch):
+    """Vocabulary 16: the mock model's sequence from token 1 loops with period 4 (1, 10, 9, 2), so lookup matches
+    once a loop has been committed; the gate stays closed, so every draft is a lookup draft."""
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-0")))
+    rates = LookupRates({"greedy": [[0.95] * 4] * 3})
+    monkeypatch.setattr(target_module, "make_prompt_lookup", lambda config: PromptLookup(rates, gamma=config.gamma))
+    config = AppConfig(engine="mock", drafter="mock", drafter_placement="colocated", policy="dspark", gamma=4,
+                       max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=16, torch_threads=1)
+    replica = target_module.TargetReplica(config, drafter=None, router=_Router())
+    observed = []
+    monkeypatch.setattr(replica.scheduler, "should_draft", lambda requests, **kwargs: False)
+    monkeypatch.setattr(replica.scheduler, "observe", lambda *args: observed.append(args))
+    draft, proposed = replica.colocated.draft, []
+    monkeypatch.setattr(replica.colocated, "draft", lambda call: proposed.extend(call.propose) or draft(call))
+    results = run_requests(replica, [40, 24])
+    for items, n in zip(results, [40, 24]):
+        tokens = [t for item in items for t in item.token_ids]
+        expected = [10]
+        while len(expected) < n:
+            expected.append((7 * expected[-1] + 3) % 16)
+        assert tokens == expected  # exactly plain decoding of the mock model
+        spec = items[-1].spec
+        assert spec.lookup_rounds > 0 and spec.accepted_tokens > 0 and spec.rounds < n - 1, spec
+    assert proposed == [] and observed == []  # the drafter drafted nothing: nothing for the gate to learn
+    assert replica.debug_state()["lookup_states"] == 0
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(replica, monkeypatch):

@@ -27,6 +27,7 @@ from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
 from app.engine.loader import LoadedTarget, load_target
 from app.engine.model import KVCache, StepLayout
+from app.engine.greedy_head import ScreenedArgmax
 from app.engine.sampling import accept_greedy, accept_sampled, target_probs
 from app.engine.types import DraftBlock, FinishReason, SamplingParams, StepOutput
 
@@ -44,6 +45,11 @@ class EngineConfig(BaseModel):
     max_draft_len: int = Field(8, ge=0, le=256, description="Most draft tokens verified per request per step.")
     fp32_lm_head: bool = Field(
         True, description="Compute logits with a float32 copy of the LM head (stable greedy ties in bfloat16)."
+    )
+    greedy_screen: bool = Field(
+        True, description="CPU, bfloat16/float16 model with the float32 LM head: greedy requests take the argmax of "
+        "exact logits of the candidates a half-precision LM head screens out (app/engine/greedy_head.py), "
+        "not a float32 matmul over the vocabulary.",
     )
     feature_layers: tuple[int, ...] | None = Field(
         None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."
@@ -98,8 +104,18 @@ class TargetEngine:
             device=self.device,
         )
         self._groups = args.num_heads // args.num_kv_heads
+        self._screen = self._greedy_screen()
         self._free_slots = list(range(c.max_num_seqs))
         self._requests: dict[str, _Request] = {}
+
+    def _greedy_screen(self) -> ScreenedArgmax | None:
+        """The screened greedy head when ``greedy_screen`` applies (see its description), else None."""
+        head, embed = self.model.lm_head.weight, self.model.embed_tokens.weight
+        if not (self.config.greedy_screen and self.device.type == "cpu" and head.dtype == torch.float32
+                and embed.dtype in (torch.bfloat16, torch.float16)):
+            return None
+        screen = embed if self.model.args.tie_word_embeddings else head.to(embed.dtype)
+        return ScreenedArgmax(head, screen)
 
     # ------------------------------------------------------------------ requests
 
@@ -159,12 +175,13 @@ class TargetEngine:
                 layout = StepLayout.build(
                     slots=[req.slot], starts=[0], lengths=[len(ids)], groups=self._groups, device=self.device
                 )
-                logits, features = self.model(
+                hidden, features = self.model.hidden_states(
                     ids.to(self.device), cache=self.cache, layout=layout,
-                    logits_index=torch.tensor([len(ids) - 1], device=self.device),
+                    index=torch.tensor([len(ids) - 1], device=self.device),
                 )
+                (head,) = self._head(hidden, [1], [params.greedy])
             req.num_cached = len(ids)
-            first = self._sample(req, logits)
+            first = self._sample(req, head)
             return self._commit(req, [first], num_draft=0, num_accepted=0, features=features)
         except BaseException:
             self.release(request_id)
@@ -210,16 +227,34 @@ class TargetEngine:
                 slots=[r.slot for r in reqs], starts=starts, lengths=lengths, groups=self._groups, device=self.device
             )
             flat = torch.cat(tokens).to(self.device)
-            logits, features = self.model(
-                flat, cache=self.cache, layout=layout, logits_index=torch.arange(len(flat), device=self.device)
+            hidden, features = self.model.hidden_states(
+                flat, cache=self.cache, layout=layout, index=torch.arange(len(flat), device=self.device)
             )
+            heads = self._head(hidden, lengths, [r.params.greedy for r in reqs])
         outputs, offset = [], 0
-        for req, block, draft, n in zip(reqs, blocks, drafts, lengths):
-            req_logits = logits[offset : offset + n]
+        for req, block, draft, n, head in zip(reqs, blocks, drafts, lengths, heads):
             probs = block.probs[: len(draft)] if block.probs is not None else None
-            outputs.append(self._accept(req, draft, probs, req_logits, features[offset : offset + n]))
+            outputs.append(self._accept(req, draft, probs, head, features[offset : offset + n]))
             offset += n
         return outputs
+
+    def _head(self, hidden: torch.Tensor, lengths: list[int], greedy: list[bool]) -> list[torch.Tensor]:
+        """The LM head over a step's rows, per request: greedy target tokens [n] int64 for a greedy request, float32
+        logits [n, V] for a sampled one (hidden: [N, Dm], request-major, ``lengths`` rows per request)."""
+        rows = torch.repeat_interleave(torch.tensor(greedy), torch.tensor(lengths)).to(hidden.device)  # [N] bool
+        if self._screen is not None:
+            tokens = self._screen(self.model.final_norm(hidden[rows])) if any(greedy) else None
+            logits = self.model.logits_from_final_hidden(hidden[~rows]) if not all(greedy) else None
+        else:
+            all_logits = self.model.logits_from_final_hidden(hidden)
+            tokens, logits = all_logits[rows].argmax(-1), all_logits[~rows]
+        tokens = tokens.cpu() if tokens is not None else None
+        logits = logits.cpu() if logits is not None else None
+        heads, done = [], {True: 0, False: 0}  # rows used so far of the greedy tokens / the sampled logits
+        for n, g in zip(lengths, greedy):
+            heads.append((tokens if g else logits)[done[g] : done[g] + n])
+            done[g] += n
+        return heads
 
     def _validate(self, blocks: Sequence[DraftBlock]) -> tuple[list[_Request], list[torch.Tensor]]:
         seen: set[str] = set()
@@ -254,13 +289,14 @@ class TargetEngine:
         req: _Request,
         draft: torch.Tensor,
         draft_probs: torch.Tensor | None,
-        logits: torch.Tensor,
+        head: torch.Tensor,
         features: torch.Tensor,
     ) -> StepOutput:
+        """Verify ``draft`` [l] against the target's ``head`` (``_head``: [l + 1] greedy tokens or [l + 1, V] logits)."""
         if req.params.greedy:
-            result = accept_greedy(draft, logits.cpu())
+            result = accept_greedy(draft, head)
         else:
-            probs = target_probs(logits.cpu(), temperature=req.params.temperature, top_p=req.params.top_p)
+            probs = target_probs(head, temperature=req.params.temperature, top_p=req.params.top_p)
             result = accept_sampled(draft, draft_probs.cpu() if draft_probs is not None else None, probs,
                                     req.generator)
         req.num_cached += result.num_accepted + 1
@@ -269,11 +305,11 @@ class TargetEngine:
             features=features[: result.num_accepted + 1],
         )
 
-    def _sample(self, req: _Request, logits: torch.Tensor) -> int:
-        """One token from [1, V] logits under the request's params."""
+    def _sample(self, req: _Request, head: torch.Tensor) -> int:
+        """One token under the request's params from ``_head``'s output for one row ([1] greedy token or [1, V])."""
         if req.params.greedy:
-            return int(logits[-1].argmax())
-        probs = target_probs(logits[-1:].cpu(), temperature=req.params.temperature, top_p=req.params.top_p)
+            return int(head[-1])
+        probs = target_probs(head[-1:], temperature=req.params.temperature, top_p=req.params.top_p)
         return int(torch.multinomial(probs[0], 1, generator=req.generator))
 
     def _commit(

@@ -304,6 +304,17 @@ class TargetModel(nn.Module):
         Returns:
             logits: [M, V] float32; features: [N, F] hidden states at ``feature_layers``.
         """
+        hidden, features = self.hidden_states(tokens, cache=cache, layout=layout, index=logits_index)
+        return self.logits_from_final_hidden(hidden), features
+
+    def hidden_states(
+        self, tokens: torch.Tensor, *, cache: KVCache, layout: StepLayout, index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One ragged step as ``forward``, without the LM head.
+
+        Returns:
+            hidden: [M, Dm] last-layer hidden states (before the final norm) at ``index``; features: [N, F].
+        """
         x = self.embed_tokens(tokens)
         cos = self.rope_cos[layout.positions].to(x.dtype)[:, None, :]
         sin = self.rope_sin[layout.positions].to(x.dtype)[:, None, :]
@@ -312,7 +323,11 @@ class TargetModel(nn.Module):
             x = layer(x, layer=i, cache=cache, layout=layout, cos=cos, sin=sin)
             if i in self.feature_layers:
                 captured.append(x)
-        return self.logits_from_final_hidden(x[logits_index]), torch.cat(captured, dim=-1)
+        return x[index], torch.cat(captured, dim=-1)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., Dm] last-layer hidden states -> [..., Dm] normed, in the LM head's dtype (the head's input)."""
+        return rms_norm(hidden, self.norm, self.args.rms_norm_eps).to(self.lm_head.weight.dtype)
 
     def logits_from_final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., Dm] last-layer hidden states (before the final norm) -> [..., V] float32 logits.
@@ -321,5 +336,4 @@ class TargetModel(nn.Module):
         sit on a grid of 0.125 at magnitude ~20, where exact top-2 ties are common and greedy decoding would
         depend on batch shape.
         """
-        h = rms_norm(hidden, self.norm, self.args.rms_norm_eps)
-        return self.lm_head(h.to(self.lm_head.weight.dtype)).float()
+        return self.lm_head(self.final_norm(hidden)).float()

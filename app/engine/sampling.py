@@ -41,14 +41,13 @@ def target_probs(logits: torch.Tensor, *, temperature: float, top_p: float) -> t
     return truncated / truncated.sum(-1, keepdim=True)
 
 
-def accept_greedy(draft: torch.Tensor, logits: torch.Tensor) -> Acceptance:
+def accept_greedy(draft: torch.Tensor, target: torch.Tensor) -> Acceptance:
     """Greedy verification: accept while the draft equals the target argmax.
 
     Args:
         draft: [l] int64 draft tokens.
-        logits: [l + 1, V] target logits at the pending token and each draft token.
+        target: [l + 1] int64 the target's argmax at the pending token and each draft token.
     """
-    target = logits.argmax(dim=-1)  # [l + 1]
     l = draft.shape[0]
     mismatch = (draft != target[:l]).nonzero()
     n = int(mismatch[0]) if mismatch.numel() else l

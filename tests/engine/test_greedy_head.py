@@ -1,0 +1,68 @@
+"""The screened greedy head (app/engine/greedy_head.py): the argmax of the exact logits, on the real target and on
+constructed rows where the half-precision screen alone would pick wrong or cannot decide."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine.decode import generate
+from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.greedy_head import ScreenedArgmax
+from app.engine.model import KVCache, StepLayout
+from app.engine.types import SamplingParams
+
+
+def final_hidden(engine, token_ids: list[int]) -> torch.Tensor:
+    """[T, Dm] normed final hidden states of the target over ``token_ids`` (scratch cache)."""
+    model = engine.model
+    cache = KVCache(model.args, num_slots=1, max_len=len(token_ids), dtype=engine.cache.k.dtype, device=engine.device)
+    layout = StepLayout.build(slots=[0], starts=[0], lengths=[len(token_ids)],
+                              groups=model.args.num_heads // model.args.num_kv_heads, device=engine.device)
+    with torch.inference_mode():
+        hidden, _ = model.hidden_states(torch.tensor(token_ids), cache=cache, layout=layout,
+                                        index=torch.arange(len(token_ids)))
+        return model.final_norm(hidden)
+
+
+def test_screened_tokens_are_the_float32_heads_argmax_on_the_real_target(engine, eval_prompts):
+    assert engine._screen is not None  # CPU, bfloat16 model, float32 head: the engine screens
+    h = torch.cat([final_hidden(engine, engine.encode_chat([{"role": "user", "content": p}]))
+                   for p in eval_prompts[::4]])
+    with torch.inference_mode():
+        exact = torch.nn.functional.linear(h.double(), engine.model.lm_head.weight.double()).argmax(-1)
+        assert torch.equal(engine._screen(h), exact)
+
+
+def test_rescoring_decides_what_the_screen_rounds_to_a_tie():
+    weight = torch.zeros(4, 2)
+    weight[0, 0], weight[1, 0] = 1.0, 1.0 + 2**-10  # equal in bfloat16, token 1 larger exactly
+    weight[2, 1] = 1.0
+    head = ScreenedArgmax(weight, weight.bfloat16(), top=3, margin=0.5)
+    assert head.screen_weight[0].equal(head.screen_weight[1])
+    assert head(torch.tensor([[4.0, 0.0], [0.0, 4.0]])).tolist() == [1, 2]
+
+
+def test_a_row_the_screen_cannot_narrow_falls_back_to_the_full_head():
+    gen = torch.Generator().manual_seed(0)
+    weight = 1.0 + 1e-3 * torch.randn(100, 8, generator=gen)  # every logit within the margin of the best
+    head = ScreenedArgmax(weight, weight.bfloat16(), top=5, margin=1.0)
+    h = torch.ones(3, 8)
+    assert torch.equal(head(h), torch.nn.functional.linear(h, weight).argmax(-1))
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="float32"):
+        ScreenedArgmax(torch.zeros(4, 2).bfloat16(), torch.zeros(4, 2).bfloat16())
+    with pytest.raises(ValueError, match="top"):
+        ScreenedArgmax(torch.zeros(4, 2), torch.zeros(4, 2).bfloat16(), top=0)
+
+
+def test_greedy_decoding_is_the_same_with_and_without_the_screen(engine, eval_prompts):
+    plain = TargetEngine(EngineConfig(max_num_seqs=4, max_model_len=1024, greedy_screen=False))
+    assert plain._screen is None
+    prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in eval_prompts[:3]]
+    params = SamplingParams(max_tokens=24)
+    screened, _ = generate(engine, prompts, params)
+    full, _ = generate(plain, prompts, params)
+    assert [r.token_ids for r in screened] == [r.token_ids for r in full]

@@ -25,9 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
+from app.engine.greedy_head import ScreenedArgmax
 from app.engine.loader import LoadedTarget, load_target
 from app.engine.model import KVCache, StepLayout
-from app.engine.greedy_head import ScreenedArgmax
 from app.engine.sampling import accept_greedy, accept_sampled, target_probs
 from app.engine.types import DraftBlock, FinishReason, SamplingParams, StepOutput
 

@@ -5,10 +5,11 @@ between rounds (prefill into a free KV slot), the round (drafter call when the d
 the drafter's block or the prompt-lookup draft, whichever expects more accepted tokens -> verify-length policy
 over the whole batch -> one ragged verify; the drafter is a Drafter replica or, with ``drafter_placement:
 colocated``, a ``DrafterCore`` on this replica's torch thread), prompt lookup (``prompt_lookup``: it runs here,
-on the tokens this replica commits, so it drafts in every round, also those that skip the drafter), streaming each request's committed text back, cancellation (a
-client that goes away frees its KV slot at once and its drafter state with the next drafter call), drafter
-fail-over (a failed or slow drafter call moves the affected requests to plain decoding for the rest of their
-life, counted in ``drafter_failures``) and load reports to the Router, off the per-token path.
+on the tokens this replica commits, so it drafts in every round, also those that skip the drafter), streaming
+each request's committed text back, cancellation (a client that goes away frees its KV slot at once and its
+drafter state with the next drafter call), drafter fail-over (a failed or slow drafter call moves the affected
+requests to plain decoding for the rest of their life, counted in ``drafter_failures``) and load reports to the
+Router, off the per-token path.
 
 The engine is built and driven on one dedicated thread (``TorchThread``: it is not thread-safe, and torch work
 spread over several threads is slower, see ``torch_thread.py``), so the replica's event loop stays free to
@@ -32,8 +33,8 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
-from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from app.drafters.lookup import PromptLookup, prefer_lookup, read_lookup_rates
+from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
 from app.scheduling.policies import make_policy
 from app.scheduling.profile import load_profile

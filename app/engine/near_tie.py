@@ -40,16 +40,23 @@ class Divergence:
         return f"outputs differ at token {self.index}, gaps to the best logit {self.gaps}: {kind}"
 
 
-def teacher_forced_logits(engine, token_ids: list[int]) -> torch.Tensor:
-    """[T, V] float32 next-token logits of the target over ``token_ids`` in one forward (scratch cache)."""
+def teacher_forced_hidden(engine, token_ids: list[int]) -> torch.Tensor:
+    """[T, Dm] last-layer hidden states (before the final norm) of the target over ``token_ids`` in one forward
+    (scratch cache)."""
     model = engine.model
     cache = KVCache(model.args, num_slots=1, max_len=len(token_ids), dtype=engine.cache.k.dtype, device=engine.device)
     layout = StepLayout.build(slots=[0], starts=[0], lengths=[len(token_ids)],
                               groups=model.args.num_heads // model.args.num_kv_heads, device=engine.device)
     with torch.inference_mode():
-        logits, _ = model(torch.tensor(token_ids, device=engine.device), cache=cache, layout=layout,
-                          logits_index=torch.arange(len(token_ids), device=engine.device))
-    return logits
+        hidden, _ = model.hidden_states(torch.tensor(token_ids, device=engine.device), cache=cache, layout=layout,
+                                        index=torch.arange(len(token_ids), device=engine.device))
+    return hidden
+
+
+def teacher_forced_logits(engine, token_ids: list[int]) -> torch.Tensor:
+    """[T, V] float32 next-token logits of the target over ``token_ids`` in one forward (scratch cache)."""
+    with torch.inference_mode():
+        return engine.model.logits_from_final_hidden(teacher_forced_hidden(engine, token_ids))
 
 
 def first_divergence(engine, prompt: list[int], expected: list[int], got: list[int]) -> Divergence | None:

@@ -9,20 +9,14 @@ import torch
 from app.engine.decode import generate
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.greedy_head import ScreenedArgmax
-from app.engine.model import KVCache, StepLayout
+from app.engine.near_tie import teacher_forced_hidden
 from app.engine.types import SamplingParams
 
 
 def final_hidden(engine, token_ids: list[int]) -> torch.Tensor:
-    """[T, Dm] normed final hidden states of the target over ``token_ids`` (scratch cache)."""
-    model = engine.model
-    cache = KVCache(model.args, num_slots=1, max_len=len(token_ids), dtype=engine.cache.k.dtype, device=engine.device)
-    layout = StepLayout.build(slots=[0], starts=[0], lengths=[len(token_ids)],
-                              groups=model.args.num_heads // model.args.num_kv_heads, device=engine.device)
+    """[T, Dm] normed final hidden states of the target over ``token_ids`` (the LM head's input)."""
     with torch.inference_mode():
-        hidden, _ = model.hidden_states(torch.tensor(token_ids), cache=cache, layout=layout,
-                                        index=torch.arange(len(token_ids)))
-        return model.final_norm(hidden)
+        return engine.model.final_norm(teacher_forced_hidden(engine, token_ids))
 
 
 def test_screened_tokens_are_the_float32_heads_argmax_on_the_real_target(engine, eval_prompts):

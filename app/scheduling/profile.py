@@ -244,6 +244,19 @@ def profile_filename(provenance: Provenance) -> str:
     return f"{_slug(provenance.engine)}-{_slug(_model_key(provenance.model))}-{_slug(provenance.hardware)}.json"
 
 
+def measured_profiles(directory: str | Path, *, model: str) -> list[tuple[Provenance, Path]]:
+    """The measured profiles in ``directory`` for ``model`` (compared as ``profile_filename`` does), newest first.
+    Derived profiles are left out.
+
+    Raises:
+        pydantic.ValidationError: a JSON file in ``directory`` that is not a valid profile.
+    """
+    found = [(profile.provenance, path) for path in sorted(Path(directory).glob("*.json"))
+             for profile in [load_profile(path)]
+             if profile.provenance.source == "measured" and _model_key(profile.provenance.model) == _model_key(model)]
+    return sorted(found, key=lambda item: item[0].date, reverse=True)
+
+
 def load_profile(path: str | Path) -> ThroughputProfile:
     """Read and validate a profile JSON file.
 

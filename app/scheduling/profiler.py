@@ -31,8 +31,8 @@ from app.scheduling.profile import Provenance, write_profile
 ENGINE_NAME = "dspark-engine"
 
 
-def hardware_name(device: torch.device) -> str:
-    """GPU name, or the CPU model name and core count."""
+def hardware_name(device: torch.device, threads: int | None = None) -> str:
+    """GPU name, or the CPU model name and the torch threads (``threads``, default: this process's)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     model = platform.processor() or platform.machine()
@@ -42,7 +42,7 @@ def hardware_name(device: torch.device) -> str:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    return f"{model} {torch.get_num_threads()} threads"
+    return f"{model} {threads or torch.get_num_threads()} threads"
 
 
 def main(argv: list[str] | None = None) -> Path:

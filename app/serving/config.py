@@ -10,6 +10,7 @@ Does not own: building the deployments (``builder.py``) or loading anything heav
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Literal
@@ -19,7 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from app.scheduling.policies import make_policy
 from autoscale.config import SLOAutoscalingConfig
 
+log = logging.getLogger("ray.serve")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+PROFILES_DIR = REPO_ROOT / "profiles"
+AUTO_PROFILE = "auto"
 API_KEY_ENV = "DSPARK_API_KEY"
 
 
@@ -109,8 +113,11 @@ class AppConfig(BaseModel):
         1, ge=1, le=8, description="Shortest suffix n-gram the n-gram drafter matches (<= ngram_max)."
     )
     profile: str = Field(
-        "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-2-threads.json",
-        description="Throughput profile JSON of the target (verify-step and draft-step times).",
+        AUTO_PROFILE,
+        description="Throughput profile JSON of the target (verify-step and draft-step times), or 'auto': the "
+        "measured profile in profiles/ for `model` on this host's CPU (at `torch_threads` threads) or GPU, as "
+        "`python -m app.scheduling.profiler` writes it; without one, the newest measured profile of `model`, "
+        "with a warning (see `profile_path`).",
     )
     drafter_placement: Literal["separate", "colocated"] = Field(
         "separate",
@@ -171,7 +178,7 @@ class AppConfig(BaseModel):
     @field_validator("drafter_checkpoint", "profile")
     @classmethod
     def _absolute(cls, value: str) -> str:
-        return resolve_path(value)
+        return value if value == AUTO_PROFILE else resolve_path(value)
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
@@ -194,6 +201,38 @@ class AppConfig(BaseModel):
         key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV)
         return key or None
 
+    def profile_path(self) -> str:
+        """The throughput profile in force: ``profile``, or for 'auto' the newest measured profile of ``model`` in
+        ``PROFILES_DIR`` for this host's hardware (named as the profiler records it), else the newest measured
+        profile of ``model`` on any hardware, with a warning (verify costs measured on another machine).
+
+        Raises:
+            FileNotFoundError: 'auto' and no measured profile of ``model`` at all.
+        """
+        if self.profile != AUTO_PROFILE:
+            return self.profile
+        import torch
+
+        from app.scheduling.profile import measured_profiles
+        from app.scheduling.profiler import hardware_name
+
+        if self.device == "auto":
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(self.device)
+        hardware = hardware_name(device, self.torch_threads)
+        profiles = measured_profiles(PROFILES_DIR, model=self.model)
+        here = [path for provenance, path in profiles if provenance.hardware == hardware]
+        if here:
+            return str(here[0])
+        if not profiles:
+            raise FileNotFoundError(f"profile: auto found no measured profile of {self.model} in {PROFILES_DIR}; "
+                                    "measure one with python -m app.scheduling.profiler or name a profile file")
+        log.warning("profile: no measured profile of %s on %r in %s; using %s, measured on %r (verify costs may be "
+                    "off: python -m app.scheduling.profiler measures this host)", self.model, hardware, PROFILES_DIR,
+                    profiles[0][1].name, profiles[0][0].hardware)
+        return str(profiles[0][1])
+
     def check_files(self) -> None:
         """Fail fast, naming the field, when a file the config points at is missing.
 
@@ -201,7 +240,7 @@ class AppConfig(BaseModel):
             FileNotFoundError: ``profile`` or (for drafter 'dspark') ``drafter_checkpoint`` does not exist.
             ValueError: ``prompt_lookup`` with a checkpoint that has no lookup table.
         """
-        if not Path(self.profile).is_file():
+        if not Path(self.profile_path()).is_file():
             raise FileNotFoundError(f"profile: no such file {self.profile}")
         checkpoint = Path(self.drafter_checkpoint) / "config.json"
         if self.speculates and self.drafter == "dspark" and not checkpoint.is_file():

@@ -88,7 +88,7 @@ class Router:
 
     def __init__(self, config: AppConfig) -> None:
         self.config = config
-        self.profile = load_profile(config.profile)
+        self.profile = load_profile(config.profile_path())
         self._loads: dict[str, TargetLoad] = {}
         self._assigned: dict[str, int] = {}  # requests sent to a replica since its last report
         self._choices = 0

@@ -138,7 +138,7 @@ class TargetReplica:
         self.router = router
         self.policy = make_policy(config.policy)
         self.scheduler = VerifyScheduler(
-            self.policy, load_profile(config.profile), max_batch=config.max_num_seqs, gamma=config.gamma,
+            self.policy, load_profile(config.profile_path()), max_batch=config.max_num_seqs, gamma=config.gamma,
             draft_gate=config.draft_gate,
         ) if self.speculates else None
         self.telemetry = TargetTelemetry(slo=config.autoscaling, policy=config.policy, replica=self.replica_id,

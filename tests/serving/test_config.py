@@ -47,9 +47,37 @@ def test_prompt_lookup_needs_the_checkpoints_table(tmp_path):
 
 
 def test_relative_paths_resolve_against_the_repo():
-    config = AppConfig()
-    assert config.profile == str(REPO_ROOT / "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-2-threads.json")
+    name = "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-2-threads.json"
+    config = AppConfig(profile=name)
+    assert config.profile == config.profile_path() == str(REPO_ROOT / name)
     assert Path(config.drafter_checkpoint).is_absolute()
+
+
+def write_measured(directory: Path, name: str, *, hardware: str, date: str, model: str = "smollm2-135m") -> Path:
+    """A copy of a committed profile with another provenance (hardware, date, model)."""
+    data = json.loads((REPO_ROOT / "profiles/dspark-engine-smollm2-135m-amd-epyc-2-threads.json").read_text())
+    data["provenance"].update(hardware=hardware, date=date, model=model)
+    path = directory / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_auto_profile_picks_this_hosts_measured_profile(tmp_path, monkeypatch, caplog):
+    from app.scheduling import profiler
+    from app.serving import config as config_module
+
+    monkeypatch.setattr(config_module, "PROFILES_DIR", tmp_path)
+    monkeypatch.setattr(profiler, "hardware_name", lambda device, threads=None: f"CPU X {threads} threads")
+    write_measured(tmp_path, "a.json", hardware="CPU X 2 threads", date="2026-11-01")
+    new = write_measured(tmp_path, "b.json", hardware="CPU X 2 threads", date="2026-11-20")
+    write_measured(tmp_path, "c.json", hardware="CPU X 4 threads", date="2026-11-25")
+    write_measured(tmp_path, "d.json", hardware="CPU X 2 threads", date="2026-11-28", model="other-model")
+    assert AppConfig(device="cpu", torch_threads=2).profile_path() == str(new)  # the newer of a.json, b.json
+    # another host: the newest measured profile of the model, with a warning naming where it was measured
+    assert AppConfig(device="cpu", torch_threads=8).profile_path() == str(tmp_path / "c.json")
+    assert "CPU X 4 threads" in caplog.text
+    with pytest.raises(FileNotFoundError, match="no measured profile of third-model"):
+        AppConfig(device="cpu", model="third-model").profile_path()
 
 
 def test_api_key_from_environment(monkeypatch):
@@ -84,7 +112,7 @@ def test_ngram_lookup():
 
 
 def test_verification_capacity_shrinks_with_load_and_grows_with_acceptance():
-    profile = load_profile(AppConfig().profile)
+    profile = load_profile(REPO_ROOT / "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-2-threads.json")
     assert verification_capacity(profile, batch=0, acceptance=0.9, gamma=7) == 0
     per_request = [verification_capacity(profile, batch=b, acceptance=0.8, gamma=7) / b for b in (1, 16, 128)]
     assert per_request == sorted(per_request, reverse=True) and per_request[0] > 0

@@ -48,7 +48,8 @@ class TargetMetrics:
             return Histogram(name, description, boundaries=buckets, tag_keys=TAGS).set_default_tags(tags)
 
         self.gamma = gamma
-        self.drafted = counter("dspark_drafted_tokens", "Draft tokens produced by the drafter.")
+        self.drafted = counter("dspark_drafted_tokens", "Draft tokens offered for verification: per request, the "
+                               "drafter's block or the prompt-lookup draft chosen (before the verify-length cut).")
         self.verified = counter("dspark_verified_tokens", "Draft tokens sent to the target for verification.")
         self.accepted = counter("dspark_accepted_tokens", "Verified draft tokens the target accepted.")
         self.wasted = counter("dspark_wasted_tokens", "Verified draft tokens the target rejected.")

@@ -333,7 +333,7 @@ class TargetReplica:
         t0 = time.perf_counter()
         ids = list(self._active)
         blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
-        num_drafted, drafter_called = 0, False
+        drafter_called = False
         speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.speculates else []
         draft_ms, drafted = 0.0, None
         if speculative and self.scheduler.should_draft(speculative, draft_ms=self._stats["draft_ms"] or None,
@@ -347,7 +347,6 @@ class TargetReplica:
             draft_ms = (time.perf_counter() - t_draft) * 1000
             if drafted is not None:
                 self._observe_draft(draft_ms, drafted.drafter_ms, steady=steady)
-                num_drafted = sum(b.tokens.shape[0] for b in drafted.blocks)
         self._drafted_last_round = drafter_called
         drafts, confidences, from_lookup = self._choose_drafts(speculative, drafted)
         if drafts:
@@ -387,7 +386,7 @@ class TargetReplica:
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
             self._observe_verify_scale(round_ms - draft_ms, tokens=len(ids) + verified, batch=len(ids))
         self.telemetry.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called,
-                             drafted=num_drafted, lookup=sum(o.num_draft > 0 for o in outputs
+                             drafted=sum(b.tokens.shape[0] for b in drafts), lookup=sum(o.num_draft > 0 for o in outputs
                                                              if o.request_id in from_lookup), outputs=outputs)
 
     def _choose_drafts(

@@ -105,7 +105,8 @@ class TargetTelemetry:
 
     def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int, lookup: int,
               outputs: Sequence[StepOutput]) -> None:
-        """A round: ``drafted`` tokens from the drafter, ``lookup`` requests verifying a prompt-lookup draft."""
+        """A round: ``drafted`` draft tokens offered for verification (drafter or prompt lookup), ``lookup`` requests
+        verifying a prompt-lookup draft."""
         self.metrics.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called, drafted=drafted,
                            lookup=lookup,
                            num_draft=[o.num_draft for o in outputs], num_accepted=[o.num_accepted for o in outputs],

@@ -360,14 +360,15 @@ class TargetReplica:
         if drafted_outputs:
             self.scheduler.observe([o.request_id for o in drafted_outputs], [o.num_draft for o in drafted_outputs],
                                    [o.num_accepted for o in drafted_outputs])
-        committed, verified, accepted = 0, 0, 0
+        committed, verified, accepted, lookup_verified = 0, 0, 0, 0
         for out, stripped in zip(outputs, for_drafter):
             stream = self._active[out.request_id]
+            by_lookup = int(out.num_draft > 0 and out.request_id in from_lookup)  # it verified a lookup draft
+            lookup_verified += by_lookup
             stream.spec = replace(stream.spec, rounds=stream.spec.rounds + 1,
                                   draft_tokens=stream.spec.draft_tokens + out.num_draft,
                                   accepted_tokens=stream.spec.accepted_tokens + out.num_accepted,
-                                  lookup_rounds=stream.spec.lookup_rounds
-                                  + int(out.num_draft > 0 and out.request_id in from_lookup))
+                                  lookup_rounds=stream.spec.lookup_rounds + by_lookup)
             committed += len(out.new_token_ids)
             verified += out.num_draft
             accepted += out.num_accepted
@@ -386,8 +387,7 @@ class TargetReplica:
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
             self._observe_verify_scale(round_ms - draft_ms, tokens=len(ids) + verified, batch=len(ids))
         self.telemetry.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called,
-                             drafted=sum(b.tokens.shape[0] for b in drafts), lookup=sum(o.num_draft > 0 for o in outputs
-                                                             if o.request_id in from_lookup), outputs=outputs)
+                             drafted=sum(b.tokens.shape[0] for b in drafts), lookup=lookup_verified, outputs=outputs)
 
     def _choose_drafts(
         self, speculative: list[str], drafted: DraftRound | None

@@ -28,6 +28,7 @@ from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestE
 from app.engine.greedy_head import ScreenedArgmax
 from app.engine.loader import LoadedTarget, load_target
 from app.engine.model import KVCache, StepLayout
+from app.engine.prepack import prepack_linears, prepack_supported
 from app.engine.sampling import accept_greedy, accept_sampled, target_probs
 from app.engine.types import DraftBlock, FinishReason, SamplingParams, StepOutput
 
@@ -50,6 +51,11 @@ class EngineConfig(BaseModel):
         True, description="CPU, bfloat16/float16 model with the float32 LM head: greedy requests take the argmax of "
         "exact logits of the candidates a half-precision LM head screens out (app/engine/greedy_head.py), "
         "not a float32 matmul over the vocabulary.",
+    )
+    prepack: bool = Field(
+        True, description="CPU, bfloat16 model, oneDNN with bfloat16 kernels: the decoder's linear layers and the greedy "
+        "screen run on weights prepacked once into oneDNN's blocked layout (app/engine/prepack.py; bit-identical "
+        "outputs, 1.4-2x faster matmuls at decode sizes). Ignored where unsupported.",
     )
     feature_layers: tuple[int, ...] | None = Field(
         None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."
@@ -104,6 +110,10 @@ class TargetEngine:
             device=self.device,
         )
         self._groups = args.num_heads // args.num_kv_heads
+        # the decoder only: a tied bfloat16 LM head stays the embedding's tensor
+        self.prepacked = c.prepack and prepack_supported(self.device, self.model.embed_tokens.weight.dtype)
+        if self.prepacked:
+            prepack_linears(self.model.layers)
         self._screen = self._greedy_screen()
         self._free_slots = list(range(c.max_num_seqs))
         self._requests: dict[str, _Request] = {}
@@ -115,7 +125,7 @@ class TargetEngine:
                 and embed.dtype in (torch.bfloat16, torch.float16)):
             return None
         screen = embed if self.model.args.tie_word_embeddings else head.to(embed.dtype)
-        return ScreenedArgmax(head, screen)
+        return ScreenedArgmax(head, screen, prepack=self.prepacked)
 
     # ------------------------------------------------------------------ requests
 

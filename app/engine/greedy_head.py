@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from app.engine.prepack import PrepackedLinear
+
 SCREEN_TOP = 64  # screened tokens kept per row (on the rows above, at most 32 lay within the margin)
 SCREEN_MARGIN = 1.0  # logits: bound assumed on the screen's error (measured max 0.147)
 
@@ -35,12 +37,15 @@ class ScreenedArgmax:
         weight: [V, Dm] float32 LM head (the exact logits are h . weight_j).
         screen_weight: [V, Dm] the same head in bfloat16 (or float16).
         top, margin: ``SCREEN_TOP``, ``SCREEN_MARGIN``.
+        prepack: run the screen on a oneDNN-prepacked copy of ``screen_weight`` (``app/engine/prepack.py``; bfloat16
+            on a CPU where ``prepack_supported``).
     Raises:
-        ValueError: mismatched shapes, ``weight`` not float32, ``top`` < 1 or ``margin`` <= 0.
+        ValueError: mismatched shapes, ``weight`` not float32, ``top`` < 1 or ``margin`` <= 0, or ``prepack`` for a
+            screen weight that cannot be prepacked.
     """
 
     def __init__(self, weight: torch.Tensor, screen_weight: torch.Tensor, *, top: int = SCREEN_TOP,
-                 margin: float = SCREEN_MARGIN) -> None:
+                 margin: float = SCREEN_MARGIN, prepack: bool = False) -> None:
         if weight.shape != screen_weight.shape or weight.dim() != 2 or weight.dtype != torch.float32:
             raise ValueError(f"need float32 weight and a screen weight of the same [V, Dm] shape, got "
                              f"{tuple(weight.shape)} {weight.dtype} and {tuple(screen_weight.shape)}")
@@ -48,11 +53,13 @@ class ScreenedArgmax:
             raise ValueError(f"need top >= 1 and margin > 0, got {top}, {margin}")
         self.weight, self.screen_weight = weight, screen_weight
         self.top, self.margin = min(top, weight.shape[0]), margin
+        self._packed = PrepackedLinear(screen_weight) if prepack else None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """[M, Dm] normed final hidden states (any float dtype) -> [M] int64 greedy tokens."""
         h = hidden.float()
-        screen = F.linear(h.to(self.screen_weight.dtype), self.screen_weight).float()  # [M, V]
+        low = h.to(self.screen_weight.dtype)
+        screen = (self._packed(low) if self._packed is not None else F.linear(low, self.screen_weight)).float()  # [M, V]
         values, index = screen.topk(self.top, dim=-1)  # [M, top], best first
         near = values >= values[:, :1] - 2 * self.margin  # a prefix of each row
         width = int(near.sum(-1).max())

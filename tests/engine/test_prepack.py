@@ -1,0 +1,69 @@
+"""Prepacked linear layers (app/engine/prepack.py): the same numbers as ``F.linear`` at every row count, and an engine
+that decodes the same tokens and features with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine.decode import generate
+from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.prepack import PrepackedLinear, prepack_linears, prepack_supported
+from app.engine.types import DraftBlock, SamplingParams
+
+needs_prepack = pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.bfloat16),
+                                   reason="this CPU or torch build has no oneDNN bfloat16 kernels")
+
+
+@needs_prepack
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_linear_is_f_linear_bit_for_bit(out_features, in_features, bias):
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = (0.05 * torch.randn(out_features, in_features, generator=gen)).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    layer = PrepackedLinear(weight, b)
+    x = torch.randn(64, in_features, generator=gen).bfloat16()
+    for rows in (1, 3, 8, 16, 64):  # oneDNN picks its kernel by row count: each must match F.linear's choice
+        assert torch.equal(layer(x[:rows]), torch.nn.functional.linear(x[:rows], weight, b))
+    assert layer(x[:6].view(2, 3, in_features)).shape == (2, 3, out_features)
+
+
+@needs_prepack
+def test_prepack_linears_replaces_bfloat16_layers_only():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False).bfloat16(), torch.nn.Linear(8, 4))  # 2nd float32
+    x = torch.randn(5, 8).bfloat16()
+    before = model[0](x)
+    assert prepack_linears(model) == 1
+    assert isinstance(model[0], PrepackedLinear) and isinstance(model[1], torch.nn.Linear)
+    assert torch.equal(model[0](x), before)
+    assert prepack_linears(model) == 0  # already packed
+
+
+def test_weights_that_cannot_be_prepacked_are_rejected():
+    with pytest.raises(ValueError, match="cannot prepack"):
+        PrepackedLinear(torch.zeros(4, 2))  # float32
+
+
+@needs_prepack
+def test_engine_decodes_the_same_tokens_and_features_prepacked(eval_prompts):
+    plain = TargetEngine(EngineConfig(max_num_seqs=4, max_model_len=1024, prepack=False))
+    packed = TargetEngine(EngineConfig(max_num_seqs=4, max_model_len=1024, prepack=True))
+    assert not plain.prepacked and packed.prepacked
+    assert isinstance(packed.model.layers[0].gate_up, PrepackedLinear)
+    prompts = [plain.encode_chat([{"role": "user", "content": p}]) for p in eval_prompts[:3]]
+    params = SamplingParams(max_tokens=24)
+    a, _ = generate(plain, prompts, params)
+    b, _ = generate(packed, prompts, params)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    # One ragged verify step with drafts: the target's features (the drafter's input) are equal bit for bit.
+    outs = {}
+    for name, eng in (("plain", plain), ("packed", packed)):
+        firsts = [eng.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+        blocks = [DraftBlock(f.request_id, torch.tensor(r.token_ids[1 : 1 + i])) for i, (f, r) in
+                  enumerate(zip(firsts, a))]
+        outs[name] = eng.verify(blocks)
+        for f in firsts:
+            eng.release(f.request_id)
+    for x, y in zip(outs["plain"], outs["packed"]):
+        assert x.new_token_ids == y.new_token_ids and torch.equal(x.features, y.features)

@@ -1,15 +1,44 @@
-"""Shared fixtures: the real default target (loaded once per session) and evaluation prompts."""
+"""Shared fixtures: the real default target (loaded once per session), a tiny weightless Llama checkpoint directory
+(for dummy weights) and evaluation prompts."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 
 # The project's shared folder lies beside the repository (CI lays a copy there); DSPARK_SHARED_DIR overrides.
 SHARED = Path(os.environ.get("DSPARK_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))
+
+TINY_LLAMA = {  # a 2-layer Llama over SmolLM2's tokenizer (V = 49152): loads in well under a second with dummy weights
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def write_model_dir(directory: Path, config: dict, *, tokenizer: bool = True) -> Path:
+    """A checkpoint directory without weights: ``config`` as config.json, and the embedded SmolLM2's tokenizer
+    files (from ``local_checkpoint()``) when ``tokenizer``."""
+    from app.engine.loader import local_checkpoint
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    if tokenizer:
+        for src in local_checkpoint().iterdir():
+            if src.name.startswith(("tokenizer", "chat_template")):
+                shutil.copy(src, directory / src.name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """``tiny-llama/``: ``TINY_LLAMA``'s config.json and tokenizer files, no weights (for ``load_format="dummy"``)."""
+    return write_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama", TINY_LLAMA)
 
 
 def load_prompts(name: str, *, start: int = 0, count: int = 10) -> list[str]:

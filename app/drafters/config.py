@@ -7,9 +7,12 @@ with the kind (``DrafterConfig``: "dspark", ``EagleConfig``: "eagle") beside it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from app.engine.model import TargetModel
 
 
 class DecoderShape(BaseModel):
@@ -45,6 +48,19 @@ class DecoderShape(BaseModel):
     def feature_dim(self) -> int:
         """F = len(feature_layers) * target_hidden_size."""
         return len(self.feature_layers) * self.target_hidden_size
+
+
+def target_shape(target: TargetModel, *, name: str) -> dict:
+    """The ``DecoderShape`` fields that size a drafter for ``target``: its layer widths and heads, vocabulary, feature
+    layers, norm epsilon and rotary table, with ``name`` (the model reference) as ``target``; a dict to validate,
+    merged with any other fields, into the config of any drafter kind."""
+    a = target.args
+    return {
+        "target": name, "hidden_size": a.hidden_size, "num_heads": a.num_heads, "num_kv_heads": a.num_kv_heads,
+        "head_dim": a.head_dim, "intermediate_size": a.intermediate_size, "vocab_size": a.vocab_size,
+        "feature_layers": target.feature_layers, "target_hidden_size": a.hidden_size, "rms_norm_eps": a.rms_norm_eps,
+        "rope_theta": a.rope_theta, "max_positions": a.max_position_embeddings,
+    }
 
 
 class DrafterConfig(DecoderShape):

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
 from app.engine.greedy_head import ScreenedArgmax
-from app.engine.loader import LoadedTarget, load_target
+from app.engine.loader import LoadedTarget, LoadFormat, load_target
 from app.engine.model import KVCache, StepLayout
 from app.engine.prepack import prepack_linears, prepack_supported
 from app.engine.sampling import accept_greedy, accept_sampled, target_probs
@@ -39,6 +39,10 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field("smollm2-135m", description="Target: embedded name, local dir, .gguf file or cached HF id.")
+    load_format: LoadFormat = Field(
+        "auto", description="auto: the checkpoint's weights; dummy: random weights on the checkpoint's config.json and "
+        "tokenizer (no safetensors needed), for profiling step costs (vLLM's --load-format dummy).",
+    )
     dtype: str = Field("auto", description="Weights/activations dtype: auto (bfloat16), bfloat16, float16, float32.")
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     max_model_len: int = Field(2048, ge=16, description="Per-request context limit in tokens (KV slot capacity).")
@@ -94,7 +98,8 @@ class TargetEngine:
         self.config = config or EngineConfig()
         c = self.config
         self.target = loaded or load_target(
-            c.model, dtype=c.dtype, device=c.device, feature_layers=c.feature_layers, fp32_lm_head=c.fp32_lm_head
+            c.model, dtype=c.dtype, device=c.device, feature_layers=c.feature_layers, fp32_lm_head=c.fp32_lm_head,
+            load_format=c.load_format,
         )
         self.model = self.target.model
         self.tokenizer = self.target.tokenizer

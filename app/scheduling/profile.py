@@ -17,6 +17,10 @@ batch size -- hence linear in N at fixed B -- then linear in B between the two n
 sizes. There is no clamping and no extrapolation: a batch size or tokens-per-request value outside the
 grid raises :class:`ProfileRangeError`, since an extrapolated cost silently steers every policy.
 
+Dummy weights. A profile timed on random weights (the profiler's ``--load-format dummy``) names its model
+``<name>-dummy``; a step's cost does not depend on the weight values, so it stands for the model ``<name>`` in
+every model check (:func:`model_matches`), after any profile of ``<name>`` measured on its real weights.
+
 SPS (steps per second) is the quantity the DSpark objective ``Theta = tau * SPS(N)`` uses
 (DSpark, arXiv 2607.05147, Sec. 3, "throughput-aware verification").
 """
@@ -33,6 +37,8 @@ from typing import Literal
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DUMMY_SUFFIX = "-dummy"  # Provenance.model of a profile timed on random weights: "<name>-dummy"
 
 
 class ProfileRangeError(ValueError):
@@ -206,14 +212,13 @@ class ThroughputProfile(BaseModel):
     def ensure_matches(self, model_name: str, *, dtype: str | None = None, engine: str | None = None) -> None:
         """Raise unless this profile was made for ``model_name`` (and ``dtype`` / ``engine`` when given).
 
-        Model names compare case-insensitively on their last path component, so 'HuggingFaceTB/SmolLM2-135M'
-        matches 'smollm2-135m'.
+        Models compare as :func:`model_matches` does.
 
         Raises:
             ProfileMismatchError: naming the field, the profile's value and the running value.
         """
         prov = self.provenance
-        checks = [("model", _model_key(prov.model), _model_key(model_name), prov.model, model_name)]
+        checks = [("model", _name_key(prov.model), _name_key(model_name), prov.model, model_name)]
         if dtype is not None:
             checks.append(("dtype", prov.dtype.lower(), dtype.lower(), prov.dtype, dtype))
         if engine is not None:
@@ -235,6 +240,21 @@ def _model_key(name: str) -> str:
     return name.rstrip("/").rsplit("/", 1)[-1].lower()
 
 
+def model_matches(profile_model: str, model: str) -> bool:
+    """Whether a profile of ``profile_model`` (``Provenance.model``) applies to ``model``: names compare
+    case-insensitively on their last path component, so 'HuggingFaceTB/SmolLM2-135M' matches 'smollm2-135m', and
+    without a ``DUMMY_SUFFIX``, so a dummy-weights profile '<name>-dummy' matches '<name>' (module docstring)."""
+    return _name_key(profile_model) == _name_key(model)
+
+
+def _is_dummy(name: str) -> bool:
+    return _model_key(name).endswith(DUMMY_SUFFIX)
+
+
+def _name_key(name: str) -> str:
+    return _model_key(name).removesuffix(DUMMY_SUFFIX)
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
 
@@ -245,16 +265,16 @@ def profile_filename(provenance: Provenance) -> str:
 
 
 def measured_profiles(directory: str | Path, *, model: str) -> list[tuple[Provenance, Path]]:
-    """The measured profiles in ``directory`` for ``model`` (compared as ``profile_filename`` does), newest first.
-    Derived profiles are left out.
+    """The measured profiles in ``directory`` that apply to ``model`` (``model_matches``): those timed on its real
+    weights first, then the dummy-weights ones, each newest first. Derived profiles are left out.
 
     Raises:
         pydantic.ValidationError: a JSON file in ``directory`` that is not a valid profile.
     """
     found = [(profile.provenance, path) for path in sorted(Path(directory).glob("*.json"))
              for profile in [load_profile(path)]
-             if profile.provenance.source == "measured" and _model_key(profile.provenance.model) == _model_key(model)]
-    return sorted(found, key=lambda item: item[0].date, reverse=True)
+             if profile.provenance.source == "measured" and model_matches(profile.provenance.model, model)]
+    return sorted(found, key=lambda item: (not _is_dummy(item[0].model), item[0].date), reverse=True)
 
 
 def load_profile(path: str | Path) -> ThroughputProfile:

@@ -2,14 +2,21 @@
 
 Usage::
 
-    python -m app.scheduling.profiler [--model smollm2-135m] [--drafter checkpoints/dspark-smollm2-135m]
+    python -m app.scheduling.profiler [--model smollm2-135m] [--load-format auto|dummy]
+        [--drafter checkpoints/dspark-smollm2-135m | --dummy-drafter]
         [--batch-sizes 1,2,4,8,16,32] [--tokens-per-request 1,2,3,4,5,6,7,8,10,12,16] [--out profiles]
 
 For each (batch size B, tokens per request t) it times one verify step of B requests each bringing their
 pending token plus ``t - 1`` drafts (median of repeats after warm-up, ``app/engine/timing.py``), and for each
-B one drafter step (``propose`` for B requests; 0 ms without ``--drafter``). Measured rows may wiggle by a
+B one drafter step (``propose`` for B requests; 0 ms without a drafter). Measured rows may wiggle by a
 few percent on a shared machine; each row is made non-decreasing in t (a running maximum) before it is
 written, since a verify step never gets cheaper by adding tokens and the schema rejects rows that do.
+
+Without weights: ``--load-format dummy`` times the target on random weights (``app/engine/loader.py``; ``--model``
+then needs only a ``config.json`` and tokenizer files), and ``--dummy-drafter`` times a randomly initialised
+DSpark drafter sized for the target (``dummy_proposer``) where no trained checkpoint exists. Step costs do not
+depend on weight values. A dummy-weights profile names its model ``<name of --model>-dummy`` (name the directory
+after the model it stands for) and matches that model (``app/scheduling/profile.py``, "Dummy weights").
 """
 
 from __future__ import annotations
@@ -24,9 +31,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from app.drafters.checkpoint import load_checkpoint
+from app.drafters.config import DrafterConfig, target_shape
+from app.drafters.dspark import DSparkDrafter
+from app.drafters.proposer import DSparkProposer
 from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.loader import LOAD_FORMATS
 from app.engine.timing import time_draft_step, time_verify_step
-from app.scheduling.profile import Provenance, write_profile
+from app.scheduling.profile import DUMMY_SUFFIX, Provenance, write_profile
 
 ENGINE_NAME = "dspark-engine"
 
@@ -45,11 +57,27 @@ def hardware_name(device: torch.device, threads: int | None = None) -> str:
     return f"{model} {threads or torch.get_num_threads()} threads"
 
 
+def dummy_proposer(engine: TargetEngine) -> DSparkProposer:
+    """A DSpark proposer over a randomly initialised drafter sized for ``engine``'s target (``target_shape``; the
+    other fields are ``DrafterConfig``'s defaults: 2 layers, Markov head, K = 7), made on the engine's device in
+    its dtype, for timing a drafter step where no trained checkpoint exists."""
+    config = DrafterConfig.model_validate(target_shape(engine.model, name=engine.config.model))
+    embed = engine.model.embed_tokens.weight
+    with torch.device(engine.device):
+        drafter = DSparkDrafter(config, embed)
+    return DSparkProposer(drafter.to(dtype=embed.dtype).eval())
+
+
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                    help="auto: the checkpoint's weights; dummy: random weights (module docstring)")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--drafter", default=None, help="drafter checkpoint dir whose propose() step is timed")
+    drafters = ap.add_mutually_exclusive_group()
+    drafters.add_argument("--drafter", default=None, help="drafter checkpoint dir whose propose() step is timed")
+    drafters.add_argument("--dummy-drafter", action="store_true",
+                          help="time a randomly initialised DSpark drafter sized for the target")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     ap.add_argument("--tokens-per-request", default="1,2,3,4,5,6,7,8,10,12,16")
     ap.add_argument("--context", type=int, default=200, help="KV cache tokens per request while timing")
@@ -60,15 +88,16 @@ def main(argv: list[str] | None = None) -> Path:
     tokens = [int(x) for x in args.tokens_per_request.split(",")]
 
     engine = TargetEngine(EngineConfig(
-        model=args.model, dtype=args.dtype, max_num_seqs=max(batch_sizes), max_draft_len=max(tokens) - 1,
+        model=args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=max(batch_sizes),
+        max_draft_len=max(tokens) - 1,
     ))
     proposer, gamma = None, max(tokens) - 1
     if args.drafter:
-        from app.drafters.checkpoint import load_checkpoint
-        from app.drafters.proposer import DSparkProposer
-
         drafter, calibration, _ = load_checkpoint(args.drafter, engine.model.embed_tokens.weight)
         proposer = DSparkProposer(drafter, calibration=calibration)
+    elif args.dummy_drafter:
+        proposer = dummy_proposer(engine)
+    if proposer:
         gamma = proposer.gamma
     verify_ms, draft_ms = [], []
     cells = tqdm(total=len(batch_sizes) * len(tokens), desc="profiling verify steps")
@@ -81,9 +110,11 @@ def main(argv: list[str] | None = None) -> Path:
         verify_ms.append(np.maximum.accumulate(np.array(row)).round(3).tolist())
         draft_ms.append(round(time_draft_step(engine, proposer, batch=b, context=args.context), 3) if proposer else 0.0)
     cells.close()
+    dummy = args.load_format == "dummy"
+    drafter_note = "dummy DSpark (random weights, target-sized)" if args.dummy_drafter else args.drafter or "none"
     provenance = Provenance(
         engine=ENGINE_NAME,
-        model=args.model,
+        model=f"{Path(args.model).name}{DUMMY_SUFFIX}" if dummy else args.model,
         dtype=str(engine.cache.k.dtype).removeprefix("torch."),
         torch_version=torch.__version__,
         hardware=hardware_name(engine.device),
@@ -91,7 +122,8 @@ def main(argv: list[str] | None = None) -> Path:
         source="measured",
         context_tokens=args.context,
         notes=f"median of {args.repeats} steps after 2 warm-up steps; rows made non-decreasing (running max); "
-        f"drafter: {args.drafter or 'none'}",
+        + (f"weights: dummy (random, --load-format dummy) on the config of {args.model}; " if dummy else "")
+        + f"drafter: {drafter_note}",
     )
     path = write_profile(directory=args.out, provenance=provenance, batch_sizes=batch_sizes,
                          tokens_per_request=tokens, verify_ms=verify_ms, draft_ms=draft_ms, draft_gamma=gamma)

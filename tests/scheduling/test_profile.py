@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 
@@ -14,6 +15,9 @@ from app.scheduling.profile import (
     ProfileRangeError,
     ThroughputProfile,
     load_profile,
+    measured_profiles,
+    model_matches,
+    save_profile,
     write_profile,
 )
 from tests.scheduling.helpers import make_profile, provenance
@@ -88,6 +92,31 @@ def test_ensure_matches():
         profile.ensure_matches("Llama-3.1-8B")
     with pytest.raises(ProfileMismatchError, match="dtype"):
         profile.ensure_matches("SmolLM2-135M-Instruct", dtype="float32")
+
+
+def test_dummy_weights_profiles_match_their_model(tmp_path):
+    assert model_matches("smollm2-135m-dummy", "smollm2-135m")
+    assert model_matches("llama-3.1-8b-dummy", "/models/Llama-3.1-8B/")
+    assert not model_matches("llama-3.1-8b-dummy", "Llama-3.1-8B-Instruct")
+    assert not model_matches("smollm2-135m", "smollm2")
+    dummy = make_profile(linear).model_copy(update={"provenance": provenance(model="SmolLM2-135M-Instruct-dummy")})
+    dummy.ensure_matches("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ProfileMismatchError, match="'SmolLM2-135M-Instruct-dummy'.*'Llama-3.1-8B'"):
+        dummy.ensure_matches("Llama-3.1-8B")
+
+
+def test_measured_profiles_list_real_weights_before_dummy_ones(tmp_path):
+    def write(name: str, model: str, day: int) -> Path:
+        prov = provenance(model=model, source="measured", date=dt.date(2026, 1, day), hardware=name)
+        return save_profile(make_profile(linear).model_copy(update={"provenance": prov}), tmp_path / f"{name}.json")
+
+    newest_dummy = write("a", "smollm2-135m-dummy", 30)
+    old_real = write("b", "smollm2-135m", 1)
+    new_real = write("c", "SmolLM2-135M", 20)
+    old_dummy = write("d", "smollm2-135m-dummy", 10)
+    write("e", "llama-3.1-8b-dummy", 31)
+    found = [path for _, path in measured_profiles(tmp_path, model="smollm2-135m")]
+    assert found == [new_real, old_real, newest_dummy, old_dummy]
 
 
 def test_committed_profiles_load():

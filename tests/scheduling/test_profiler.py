@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.scheduling.profile import ProfileMismatchError, load_profile
+from app.scheduling.profile import ProfileMismatchError, load_profile, measured_profiles
 from app.scheduling.profiler import main
 
 
@@ -18,3 +18,21 @@ def test_profiler_writes_valid_measured_profile(tmp_path):
     profile.ensure_matches("smollm2-135m", dtype="bfloat16", engine="dspark-engine")
     with pytest.raises(ProfileMismatchError, match="model"):
         profile.ensure_matches("Qwen3-8B")
+
+
+def test_profiler_on_dummy_weights_with_a_dummy_drafter(tmp_path, tiny_llama_dir):
+    path = main(["--model", str(tiny_llama_dir), "--load-format", "dummy", "--dummy-drafter", "--batch-sizes", "1,2",
+                 "--tokens-per-request", "1,2,4", "--repeats", "2", "--context", "16", "--out", str(tmp_path)])
+    profile = load_profile(path)
+    prov = profile.provenance
+    assert path.name.startswith("dspark-engine-tiny-llama-dummy-")
+    assert prov.model == "tiny-llama-dummy" and prov.source == "measured"
+    assert "weights: dummy" in prov.notes and "drafter: dummy DSpark" in prov.notes
+    assert profile.draft_gamma == 7 and all(ms > 0 for ms in profile.draft_ms)
+    profile.ensure_matches("tiny-llama", dtype="bfloat16", engine="dspark-engine")
+    assert measured_profiles(tmp_path, model="tiny-llama") == [(prov, path)]
+
+
+def test_profiler_drafter_options_exclude_each_other():
+    with pytest.raises(SystemExit):
+        main(["--drafter", "checkpoints/dspark-smollm2-135m", "--dummy-drafter"])

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from app.drafters.checkpoint import KINDS, Drafter, load_checkpoint, read_checkpoint_config, save_checkpoint
+from app.drafters.config import target_shape
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.train.data import Batch, Sequence_, load_shards, make_batch, with_target_topk
 from app.engine.loader import load_target, resolve_device
@@ -272,12 +273,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = target.args
     config_cls, drafter_cls = KINDS[args.kind]
     try:
-        config = config_cls.model_validate({
-            "target": args.model, "hidden_size": a.hidden_size, "num_heads": a.num_heads,
-            "num_kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "intermediate_size": a.intermediate_size,
-            "vocab_size": a.vocab_size, "feature_layers": target.feature_layers, "target_hidden_size": a.hidden_size,
-            "rms_norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta, "max_positions": a.max_position_embeddings,
-            **init_doc.get("config", {}), **args.config})
+        config = config_cls.model_validate({**target_shape(target, name=args.model), **init_doc.get("config", {}),
+                                            **args.config})
     except ValidationError as e:
         ap.error(f"--config: {e}")
     if args.init is not None:

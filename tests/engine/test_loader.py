@@ -1,0 +1,57 @@
+"""load_format='dummy': random weights on a config.json + tokenizer directory, seeded, shaped as the config says."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+import torch
+
+from app.engine.decode import generate
+from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.loader import DUMMY_STD, load_target
+from app.engine.types import SamplingParams
+from tests.conftest import TINY_LLAMA, write_model_dir
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_dummy_weights_follow_the_config(tmp_path, tied):
+    src = write_model_dir(tmp_path / "m", {**TINY_LLAMA, "tie_word_embeddings": tied})
+    model = load_target(str(src), load_format="dummy", device="cpu").model
+    a = model.args
+    assert (a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.vocab_size) == (64, 2, 4, 2, 49152)
+    embed = model.embed_tokens.weight
+    assert embed.dtype == torch.bfloat16 and embed.shape == (49152, 64)
+    assert embed.float().std().item() == pytest.approx(DUMMY_STD, rel=0.05)
+    assert model.layers[0].qkv.weight.shape == (4 * 16 + 2 * 2 * 16, 64)
+    assert torch.equal(model.layers[1].input_norm, torch.ones(64, dtype=torch.bfloat16))
+    head = model.lm_head.weight  # the float32 copy of the LM head
+    assert head.dtype == torch.float32
+    assert torch.equal(head, embed.float()) == tied
+    again = load_target(str(src), load_format="dummy", device="cpu").model
+    assert torch.equal(again.layers[1].down_proj.weight, model.layers[1].down_proj.weight)  # seeded
+
+
+def test_dummy_engine_decodes_deterministically(tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), load_format="dummy", device="cpu", max_model_len=256,
+                          max_num_seqs=4)
+    runs = []
+    for _ in range(2):
+        engine = TargetEngine(config)
+        prompts = [engine.encode_chat([{"role": "user", "content": text}]) for text in ("Hi!", "What is 2+3?")]
+        results, _ = generate(engine, prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        runs.append([r.token_ids for r in results])
+    assert [len(ids) for ids in runs[0]] == [12, 12]
+    assert all(0 <= t < 49152 for ids in runs[0] for t in ids)
+    assert runs[0] == runs[1]
+
+
+def test_load_errors_name_the_problem(tmp_path, tiny_llama_dir):
+    with pytest.raises(FileNotFoundError, match=r"no \*.safetensors"):
+        load_target(str(tiny_llama_dir), device="cpu")  # 'auto' still needs the checkpoint's weights
+    bare = write_model_dir(tmp_path / "bare", TINY_LLAMA, tokenizer=False)
+    with pytest.raises(FileNotFoundError, match="no tokenizer in .*bare"):
+        load_target(str(bare), load_format="dummy", device="cpu")
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        load_target(str(tiny_llama_dir), load_format="random", device="cpu")
+    with pytest.raises(pydantic.ValidationError, match="load_format"):
+        EngineConfig(load_format="random")

@@ -19,13 +19,20 @@ Hkv key/value heads, G = H / Hkv, Dh head dim, Dm hidden size, Lq the longest qu
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# Attention kernels a CUDA step may use, in PyTorch's order of preference. cuDNN's is left out: with this module's
+# boolean mask PyTorch picked it on an H200, and each call then cost 1.25-1.5 ms of host time (its kernels ran
+# 32-185 us), 39-45 ms of a 60 ms step of Llama-3.1-8B or SmolLM2-135M (torch.profiler, docs/scheduling.md).
+CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -319,10 +326,12 @@ class TargetModel(nn.Module):
         cos = self.rope_cos[layout.positions].to(x.dtype)[:, None, :]
         sin = self.rope_sin[layout.positions].to(x.dtype)[:, None, :]
         captured = []
-        for i, layer in enumerate(self.layers):
-            x = layer(x, layer=i, cache=cache, layout=layout, cos=cos, sin=sin)
-            if i in self.feature_layers:
-                captured.append(x)
+        backends = sdpa_kernel(CUDA_ATTENTION_BACKENDS) if x.is_cuda else contextlib.nullcontext()
+        with backends:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, layer=i, cache=cache, layout=layout, cos=cos, sin=sin)
+                if i in self.feature_layers:
+                    captured.append(x)
         return x[index], torch.cat(captured, dim=-1)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:

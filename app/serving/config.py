@@ -202,9 +202,10 @@ class AppConfig(BaseModel):
         return key or None
 
     def profile_path(self) -> str:
-        """The throughput profile in force: ``profile``, or for 'auto' the newest measured profile of ``model`` in
-        ``PROFILES_DIR`` for this host's hardware (named as the profiler records it), else the newest measured
-        profile of ``model`` on any hardware, with a warning (verify costs measured on another machine).
+        """The throughput profile in force: ``profile``, or for 'auto' the first measured profile of ``model`` in
+        ``PROFILES_DIR`` for this host's hardware (named as the profiler records it), else the first measured profile
+        of ``model`` on any hardware, with a warning (verify costs measured on another machine). First in the order
+        of ``measured_profiles``: timed on the model's real weights before dummy weights, each newest first.
 
         Raises:
             FileNotFoundError: 'auto' and no measured profile of ``model`` at all.

@@ -59,7 +59,8 @@ class ScreenedArgmax:
         """[M, Dm] normed final hidden states (any float dtype) -> [M] int64 greedy tokens."""
         h = hidden.float()
         low = h.to(self.screen_weight.dtype)
-        screen = (self._packed(low) if self._packed is not None else F.linear(low, self.screen_weight)).float()  # [M, V]
+        screen = self._packed(low) if self._packed is not None else F.linear(low, self.screen_weight)
+        screen = screen.float()  # [M, V]
         values, index = screen.topk(self.top, dim=-1)  # [M, top], best first
         near = values >= values[:, :1] - 2 * self.margin  # a prefix of each row
         width = int(near.sum(-1).max())

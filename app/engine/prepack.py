@@ -64,8 +64,9 @@ class PrepackedLinear(nn.Module):
 def prepack_linears(module: nn.Module) -> int:
     """Replace, in place, every bfloat16 CPU ``nn.Linear`` under ``module`` by a ``PrepackedLinear``.
 
-    Linear layers of other dtypes (the float32 LM head) stay as they are, and so does ``module`` itself. Returns the number replaced (0 when
-    ``prepack_supported`` is false for bfloat16 on the CPU, or everything is packed already).
+    Linear layers of other dtypes (the float32 LM head) stay as they are, and so does ``module`` itself. Returns
+    the number replaced (0 when ``prepack_supported`` is false for bfloat16 on the CPU, or everything is packed
+    already).
     """
     if not prepack_supported(torch.device("cpu"), torch.bfloat16):
         return 0

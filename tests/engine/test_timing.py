@@ -1,0 +1,34 @@
+"""Verify-step timing runs on natural text: no row of the real target falls back to the float32 LM head."""
+
+import torch
+
+from app.engine import greedy_head
+from app.engine.timing import TIMING_TEXT, time_verify_step, timing_tokens
+
+
+def test_timing_tokens_tile_the_text(engine):
+    ids = engine.encode(TIMING_TEXT)
+    tokens = timing_tokens(engine, 2 * len(ids) + 3)
+    assert tokens == ids + ids + ids[:3]
+
+
+def test_timed_verify_steps_take_the_screened_path(engine, monkeypatch):
+    """A flat row (the screen cannot rule out the vocabulary) costs a float32 matmul over it: timing on random
+    tokens hit those and overstated multi-token verify steps (``app/engine/timing.py``)."""
+    rows, flat = [], []
+    screen = engine._screen
+    call = greedy_head.ScreenedArgmax.__call__
+
+    def counting(self, hidden):
+        low = hidden.float().to(self.screen_weight.dtype)
+        values = torch.nn.functional.linear(low, self.screen_weight).float().topk(self.top, dim=-1).values
+        rows.append(len(values))
+        flat.append(int((values[:, -1] >= values[:, 0] - 2 * self.margin).sum()))
+        return call(self, hidden)
+
+    assert screen is not None
+    monkeypatch.setattr(greedy_head.ScreenedArgmax, "__call__", counting)
+    assert time_verify_step(engine, batch=4, tokens_per_request=4, context=120, repeats=2, warmup=1) > 0
+    assert sum(rows) == 4 * 4 * 3 + 4  # 3 steps of 4 x 4 rows, plus the 4 prefills' last rows
+    assert sum(flat) == 0
+    assert engine.num_active == 0

@@ -9,6 +9,9 @@ vertical line ``x = 1000 / slo_tpot_ms`` (points left of it miss the SLO at the 
 Re-plot or merge runs (for example ours and vLLM's)::
 
     python -m loadtest.report runs/loadtest/results.json runs/vllm/results.json --out runs/compare.png
+
+Repeated sweeps of the same policies (a noisy shared host) reduce to one level per (policy, concurrency) with
+``--median``: the level of the run whose median per-user speed is the median over the runs (``median_levels``).
 """
 
 from __future__ import annotations
@@ -102,6 +105,27 @@ def merge_results(paths: list[Path]) -> tuple[list[dict], dict]:
             series = level["policy"] if seen[level["policy"]] == 1 else f"{label}/{level['policy']}"
             levels.append({**level, "series": series})
     return levels, (runs[0][1].get("slo") or {}) if runs else {}
+
+
+def median_levels(paths: list[Path]) -> tuple[list[dict], dict]:
+    """One level per (policy, concurrency) over repeated runs, and the first run's SLO.
+
+    Of a (policy, concurrency)'s levels, sorted by ``median_user_tok_s``, the middle one (the lower middle for an even
+    count) is kept whole, so its fields stay those of one measured level; ``runs`` gives how many levels it was
+    chosen from and ``runs_median_user_tok_s`` / ``runs_output_throughput`` all their values, sorted.
+    """
+    runs = [load_results(p) for p in paths]
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for data in runs:
+        for lv in data["levels"]:
+            groups.setdefault((lv["policy"], lv["concurrency"]), []).append(lv)
+    levels = []
+    for group in groups.values():
+        group.sort(key=lambda lv: lv["median_user_tok_s"])
+        levels.append({**group[(len(group) - 1) // 2], "runs": len(group),
+                       "runs_median_user_tok_s": [lv["median_user_tok_s"] for lv in group],
+                       "runs_output_throughput": sorted(lv["output_throughput"] for lv in group)})
+    return levels, (runs[0].get("slo") or {}) if runs else {}
 
 
 def _cell(level: dict, key: str, fmt: str) -> str:
@@ -198,13 +222,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True, help="PNG to write (a CSV of the merged levels beside it)")
     ap.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO line (default: the first run's)")
     ap.add_argument("--title", default=None)
+    ap.add_argument("--median", action="store_true",
+                    help="the runs repeat the same policies: one level per (policy, concurrency), the run with the "
+                    "median per-user speed (median_levels)")
     ap.add_argument("--matched", action="append", default=[], metavar="SERIES:BASELINE",
                     help="also print SERIES's per-user speed over BASELINE's at BASELINE's throughputs (repeatable)")
     args = ap.parse_args(argv)
     pairs = [m.split(":", 1) for m in args.matched]
     if any(len(p) != 2 or not all(p) for p in pairs):
         ap.error("--matched takes SERIES:BASELINE")
-    levels, slo = merge_results(args.results)
+    levels, slo = median_levels(args.results) if args.median else merge_results(args.results)
     slo_tpot = args.slo_tpot_ms if args.slo_tpot_ms is not None else slo.get("tpot_ms")
     png = pareto_plot(levels, args.out, slo_tpot_ms=slo_tpot, title=args.title)
     csv_path = args.out.with_suffix(".csv")

@@ -96,6 +96,24 @@ def test_speed_at_throughput_interpolates_along_the_curve(throughput, expected):
     assert got == (None if expected is None else pytest.approx(expected))
 
 
+def test_median_levels_keep_the_median_run_of_each_level(tmp_path, capsys):
+    runs = [write_run(tmp_path, f"r{i}", [level("dspark", 1, tok_s, user), level("none", 1, 20.0 + i, 20.0 + i)])
+            for i, (tok_s, user) in enumerate([(50.0, 60.0), (40.0, 41.0), (38.0, 39.0)])]
+    levels, slo = report.median_levels(runs)
+    by_policy = {lv["policy"]: lv for lv in levels}
+    assert len(levels) == 2 and slo == SLO
+    dspark = by_policy["dspark"]
+    assert (dspark["output_throughput"], dspark["median_user_tok_s"]) == (40.0, 41.0)  # one run's level, whole
+    assert dspark["runs"] == 3 and dspark["runs_median_user_tok_s"] == [39.0, 41.0, 60.0]
+    assert dspark["runs_output_throughput"] == [38.0, 40.0, 50.0]
+    assert by_policy["none"]["median_user_tok_s"] == 21.0
+    two, _ = report.median_levels(runs[:2])
+    assert {lv["policy"]: lv["median_user_tok_s"] for lv in two}["dspark"] == 41.0  # even count: the lower middle
+    report.main([*map(str, runs), "--median", "--out", str(tmp_path / "m.png"), "--matched", "dspark:none"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["levels"] == 2
+
+
 def test_matched_speedups_and_cli(tmp_path, capsys):
     levels = [level("mtp1", 1, 15.0, 15.0), level("mtp1", 4, 40.0, 10.0),
               level("dspark", 1, 10.0, 30.0), level("dspark", 2, 20.0, 20.0), level("dspark", 4, 30.0, 15.0)]

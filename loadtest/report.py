@@ -110,9 +110,10 @@ def merge_results(paths: list[Path]) -> tuple[list[dict], dict]:
 def median_levels(paths: list[Path]) -> tuple[list[dict], dict]:
     """One level per (policy, concurrency) over repeated runs, and the first run's SLO.
 
-    Of a (policy, concurrency)'s levels, sorted by ``median_user_tok_s``, the middle one (the lower middle for an even
-    count) is kept whole, so its fields stay those of one measured level; ``runs`` gives how many levels it was
-    chosen from and ``runs_median_user_tok_s`` / ``runs_output_throughput`` all their values, sorted.
+    Of a (policy, concurrency)'s levels, sorted by ``median_user_tok_s`` (a level without one, where no request
+    finished, sorts first), the middle one (the lower middle for an even count) is kept whole, so its fields stay
+    those of one measured level; ``runs`` gives how many levels it was chosen from and ``runs_median_user_tok_s`` /
+    ``runs_output_throughput`` all their values, sorted.
     """
     runs = [load_results(p) for p in paths]
     groups: dict[tuple[str, int], list[dict]] = {}
@@ -121,11 +122,15 @@ def median_levels(paths: list[Path]) -> tuple[list[dict], dict]:
             groups.setdefault((lv["policy"], lv["concurrency"]), []).append(lv)
     levels = []
     for group in groups.values():
-        group.sort(key=lambda lv: lv["median_user_tok_s"])
+        group.sort(key=lambda lv: _speed_or_lowest(lv["median_user_tok_s"]))
         levels.append({**group[(len(group) - 1) // 2], "runs": len(group),
                        "runs_median_user_tok_s": [lv["median_user_tok_s"] for lv in group],
                        "runs_output_throughput": sorted(lv["output_throughput"] for lv in group)})
     return levels, (runs[0].get("slo") or {}) if runs else {}
+
+
+def _speed_or_lowest(speed: float | None) -> float:
+    return float("-inf") if speed is None or math.isnan(speed) else speed
 
 
 def _cell(level: dict, key: str, fmt: str) -> str:

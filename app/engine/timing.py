@@ -88,7 +88,8 @@ def time_verify_step(
     with timing_requests(engine, batch=batch, context=context, max_tokens=max_tokens, prefix="timing") as (_, firsts):
         for i in range(warmup + repeats):
             at = context + 1 + i * (draft_len + 1)  # after the prompt and the first (pending) token
-            blocks = [DraftBlock(f.request_id, torch.tensor(text[at : at + draft_len], dtype=torch.long)) for f in firsts]
+            draft = torch.tensor(text[at : at + draft_len], dtype=torch.long)
+            blocks = [DraftBlock(f.request_id, draft) for f in firsts]
             _synchronize(engine)
             t0 = time.perf_counter()
             engine.verify(blocks)

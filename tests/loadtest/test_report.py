@@ -107,6 +107,9 @@ def test_median_levels_keep_the_median_run_of_each_level(tmp_path, capsys):
     assert dspark["runs"] == 3 and dspark["runs_median_user_tok_s"] == [39.0, 41.0, 60.0]
     assert dspark["runs_output_throughput"] == [38.0, 40.0, 50.0]
     assert by_policy["none"]["median_user_tok_s"] == 21.0
+    empty = write_run(tmp_path, "empty", [level("dspark", 1, 0.0, None)])
+    with_empty, _ = report.median_levels([*runs[1:], empty])  # no finished request sorts lowest
+    assert {lv["policy"]: lv["median_user_tok_s"] for lv in with_empty}["dspark"] == 39.0
     two, _ = report.median_levels(runs[:2])
     assert {lv["policy"]: lv["median_user_tok_s"] for lv in two}["dspark"] == 41.0  # even count: the lower middle
     report.main([*map(str, runs), "--median", "--out", str(tmp_path / "m.png"), "--matched", "dspark:none"])

@@ -247,7 +247,9 @@ class DSparkDrafter(nn.Module):
         """normed hidden [..., Dm] -> U [..., V] float32 through the frozen tied LM head; with ``draft`` and a
         draft vocabulary, U [..., V'] over its ids only (column j is token ``draft_vocab[j]``)."""
         weight = self.draft_embed if draft and self.draft_vocab is not None else self.embed_weight
-        return F.linear(hidden.to(weight.dtype), weight).float()
+        # one 2-D matmul: a non-contiguous [B, gamma < K, Dm] slice would go through bmm with a per-row copy of the weight
+        flat = hidden.to(weight.dtype).reshape(-1, hidden.shape[-1])
+        return F.linear(flat, weight).float().reshape(*hidden.shape[:-1], weight.shape[0])
 
     # ---------------------------------------------------------------- sequential head
 

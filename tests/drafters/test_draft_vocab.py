@@ -130,6 +130,22 @@ def test_sampled_draft_probs_live_on_the_draft_vocab(head):
     assert (block.probs[torch.arange(K), block.tokens] > 0).all()
 
 
+@pytest.mark.parametrize("vocab", [None, SUBSET])
+def test_a_shorter_gamma_drafts_the_prefix_of_the_full_block(vocab):
+    """gamma < K takes the first gamma positions of the same backbone pass (two requests, so rows of the
+    flattened [B * gamma, Dm] matmul must land back in their own request)."""
+    d = tiny("markov")
+    d.set_draft_vocab(vocab)
+    full, short = DSparkProposer(d, Calibration()), DSparkProposer(d, Calibration(), gamma=3)
+    for p in (full, short):
+        _start(p, "a", 0)
+        _start(p, "b", 1)
+    long_blocks, short_blocks = full.propose(["a", "b"]), short.propose(["a", "b"])
+    for long_block, short_block in zip(long_blocks, short_blocks):
+        assert torch.equal(short_block.tokens, long_block.tokens[:3])
+    assert torch.allclose(short.last_proposal.raw_confidences, full.last_proposal.raw_confidences[:, :3], atol=1e-6)
+
+
 def test_clearing_the_draft_vocab_restores_full_vocabulary_drafts():
     drafts = []
     for vocab in (None, SUBSET):

@@ -14,8 +14,9 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from app.engine.admission import prefill_batch_size
 from app.engine.engine import TargetEngine
-from app.engine.types import DraftBlock, FinishReason, SamplingParams, StepOutput
+from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput
 
 
 class Proposer(Protocol):
@@ -76,9 +77,11 @@ def generate(
     proposer: Proposer | None = None,
     policy: LengthPolicy | None = None,
     max_batch: int | None = None,
+    max_prefill_tokens: int = 2048,
     id_prefix: str = "req",
 ) -> tuple[list[RequestResult], GenerateStats]:
-    """Decode ``prompts`` to completion with continuous batching (at most ``max_batch`` active at once).
+    """Decode ``prompts`` to completion with continuous batching (at most ``max_batch`` active at once); waiting
+    prompts are prefilled together, up to ``max_prefill_tokens`` prompt tokens per forward (``add_requests``).
 
     With ``proposer=None`` this is plain decoding (every round verifies 0 drafts).
 
@@ -100,15 +103,19 @@ def generate(
     start = time.perf_counter()
     while waiting or active:
         while waiting and len(active) < limit:
-            i = waiting.pop(0)
-            res = results[i]
-            first = engine.add_request(res.request_id, prompts[i], params_list[i])
-            _record(res, first)
-            if first.finished:
-                continue
-            active.append(res.request_id)
-            if proposer is not None:
-                proposer.start(res.request_id, prompts[i], first)
+            n = prefill_batch_size([len(prompts[i]) for i in waiting], max_tokens=max_prefill_tokens,
+                                   max_requests=limit - len(active))
+            admitted, waiting = waiting[:n], waiting[n:]
+            firsts = engine.add_requests(
+                [NewRequest(results[i].request_id, prompts[i], params_list[i]) for i in admitted]
+            )
+            for i, first in zip(admitted, firsts):
+                _record(results[i], first)
+                if first.finished:
+                    continue
+                active.append(results[i].request_id)
+                if proposer is not None:
+                    proposer.start(results[i].request_id, prompts[i], first)
         t0 = time.perf_counter()
         if proposer is None:
             blocks = [DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in active]

@@ -83,6 +83,18 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class NewRequest:
+    """A request to admit: its id, prompt token ids and decoding settings (``TargetEngine.add_requests``)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
+
+
+@dataclass(frozen=True)
 class DraftBlock:
     """Draft tokens proposed for one request, to be verified in the next step.
 

@@ -1,6 +1,6 @@
 """A deterministic, weight-free engine and drafter so the Serve layer is tested on CPU in seconds.
 
-``MockEngine`` has the ``TargetEngine`` surface the target replica uses (``add_request``, ``verify``,
+``MockEngine`` has the ``TargetEngine`` surface the target replica uses (``add_requests``, ``verify``,
 ``release``, ``encode_chat``, ``encode``, slots, the same errors). Its "model" continues any token ``t`` with
 ``next_token(t) = (7 t + 3) mod V``, and token ``t`` reads as ``" w<t>"``. Greedy acceptance is exact: a draft
 token is accepted while it equals the rule. ``MockProposer`` drafts the rule but deliberately errs at one
@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
-from app.engine.types import DraftBlock, FinishReason, SamplingParams, StepOutput
+from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput
 from app.serving.protocol import DraftRound
 
 MOCK_FEATURE_DIM = 4
@@ -80,21 +80,35 @@ class MockEngine:
         return [ord(c) % self.vocab_size for c in text]
 
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> StepOutput:
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request {request_id!r} already exists")
-        if len(prompt_ids) == 0:
+        return self.add_requests([NewRequest(request_id, prompt_ids, params)])[0]
+
+    def add_requests(self, requests: Sequence[NewRequest]) -> list[StepOutput]:
+        """All requests are validated before any is added, as ``TargetEngine.add_requests`` does."""
+        for r in requests:
+            self._check_new(r)
+        if len({r.request_id for r in requests}) < len(requests):
+            raise InvalidRequestError("the same request id appears twice in one admission batch")
+        if len(requests) > self.num_free_slots:
+            raise CapacityError(f"{len(requests)} requests for {self.num_free_slots} free KV cache slots")
+        outputs = []
+        for r in requests:
+            req = _MockRequest(params=r.params, prompt_len=len(r.prompt_ids), last=int(r.prompt_ids[-1]))
+            self._requests[r.request_id] = req
+            outputs.append(self._commit(r.request_id, req, [next_token(req.last, self.vocab_size)], 0, 0,
+                                        len(r.prompt_ids)))
+        return outputs
+
+    def _check_new(self, request: NewRequest) -> None:
+        if request.request_id in self._requests:
+            raise InvalidRequestError(f"request {request.request_id!r} already exists")
+        if len(request.prompt_ids) == 0:
             raise InvalidRequestError("prompt is empty")
-        need = len(prompt_ids) + params.max_tokens + self.config.max_draft_len
+        need = len(request.prompt_ids) + request.params.max_tokens + self.config.max_draft_len
         if need > self.config.max_model_len:
             raise ContextLengthError(
-                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} + draft room "
+                f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.params.max_tokens} + draft room "
                 f"{self.config.max_draft_len} = {need} exceeds the context limit of {self.config.max_model_len} tokens"
             )
-        if self.num_free_slots == 0:
-            raise CapacityError(f"all {self.config.max_num_seqs} KV cache slots are in use")
-        req = _MockRequest(params=params, prompt_len=len(prompt_ids), last=int(prompt_ids[-1]))
-        self._requests[request_id] = req
-        return self._commit(request_id, req, [next_token(req.last, self.vocab_size)], 0, 0, len(prompt_ids))
 
     def release(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is None:

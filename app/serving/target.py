@@ -1,9 +1,9 @@
 """The Target deployment: one engine, a continuous-batching step loop, one drafter call and one verify per round.
 
 Owns: the replica's waiting queue (bounded: beyond ``max_queued_requests`` a request answers 503), admission
-between rounds (prefill into a free KV slot), the round (drafter call when the draft gate is open -> per request
-the drafter's block or the prompt-lookup draft, whichever expects more accepted tokens -> verify-length policy
-over the whole batch -> one ragged verify; the drafter is a Drafter replica or, with ``drafter_placement:
+between rounds (requests admitted together share one batched prefill into free KV slots), the round (drafter
+call when the draft gate is open -> per request the drafter's block or the prompt-lookup draft, whichever
+expects more accepted tokens -> verify-length policy over the whole batch -> one ragged verify; the drafter is a Drafter replica or, with ``drafter_placement:
 colocated``, a ``DrafterCore`` on this replica's torch thread), prompt lookup (``prompt_lookup``: it runs here,
 on the tokens this replica commits, so it drafts in every round, also those that skip the drafter), streaming
 each request's committed text back, cancellation (a client that goes away frees its KV slot at once and its
@@ -34,8 +34,9 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from app.drafters.lookup import PromptLookup, prefer_lookup, read_lookup_rates
+from app.engine.admission import prefill_batch_size
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
-from app.engine.types import DraftBlock, SamplingParams, StepOutput
+from app.engine.types import DraftBlock, NewRequest, SamplingParams, StepOutput
 from app.scheduling.policies import make_policy
 from app.scheduling.profile import load_profile
 from app.scheduling.scheduler import VerifyScheduler
@@ -72,6 +73,7 @@ class Engine(Protocol):
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
     def encode(self, text: str) -> list[int]: ...
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> StepOutput: ...
+    def add_requests(self, requests: Sequence[NewRequest]) -> list[StepOutput]: ...
     def verify(self, blocks: Sequence[DraftBlock]) -> list[StepOutput]: ...
     def release(self, request_id: str) -> None: ...
 
@@ -285,44 +287,75 @@ class TargetReplica:
             await self._free(stream)
 
     async def _admit(self) -> None:
+        """Move waiting requests into free KV slots, prefilling those admitted together in one forward
+        (``max_prefill_tokens`` per forward)."""
         while self._waiting and self.engine.num_free_slots > 0:
-            stream = self._waiting.popleft()
-            req = stream.request
+            n = prefill_batch_size([len(s.prompt_ids) for s in self._waiting],
+                                   max_tokens=self.config.max_prefill_tokens, max_requests=self.engine.num_free_slots)
+            streams = [self._waiting.popleft() for _ in range(n)]
             try:
-                first, for_drafter = await self._run(self._add_request, stream)
-            except CapacityError as err:
-                self._waiting.appendleft(stream)
-                log.warning("admission deferred: %s", err)
+                results = await self._run(self._add_requests, streams)
+            except Exception as err:  # not one of them may be lost: each gets the error
+                results = [err] * len(streams)
+            for stream, result in zip(streams, results):
+                self._admitted(stream, result)
+            if any(isinstance(r, CapacityError) for r in results):
                 return
-            except InvalidRequestError as err:
-                stream.done = True
-                code = "context_length_exceeded" if isinstance(err, ContextLengthError) else None
-                stream.queue.put_nowait(ErrorItem(400, str(err), code=code))
-                continue
-            except Exception as err:  # a bug in prefill or sampling fails this request only (its slot is freed)
-                log.exception("admission of %s failed", req.request_id)
-                stream.done = True
-                stream.queue.put_nowait(internal_error(err))
-                continue
-            self._emit(stream, first)
-            if stream.done:
-                continue
-            self._active[req.request_id] = stream
-            if self.speculates:
-                self._draft_starts.append(DraftStart(req.request_id, stream.prompt_ids, for_drafter, req.params))
-                stream.on_drafter = True
-                if self.lookup is not None:
-                    self.lookup.start(req.request_id, stream.prompt_ids, first)
+
+    def _admitted(self, stream: _Stream, result: tuple[StepOutput, StepOutput | None] | Exception) -> None:
+        """Start streaming an admitted request, or answer its admission error."""
+        req = stream.request
+        if isinstance(result, CapacityError):
+            self._waiting.appendleft(stream)
+            log.warning("admission deferred: %s", result)
+            return
+        if isinstance(result, InvalidRequestError):
+            stream.done = True
+            code = "context_length_exceeded" if isinstance(result, ContextLengthError) else None
+            stream.queue.put_nowait(ErrorItem(400, str(result), code=code))
+            return
+        if isinstance(result, Exception):  # a bug in prefill or sampling: this request fails, its slot is free
+            log.error("admission of %s failed", req.request_id, exc_info=result)
+            stream.done = True
+            stream.queue.put_nowait(internal_error(result))
+            return
+        first, for_drafter = result
+        self._emit(stream, first)
+        if stream.done:
+            return
+        self._active[req.request_id] = stream
+        if self.speculates:
+            self._draft_starts.append(DraftStart(req.request_id, stream.prompt_ids, for_drafter, req.params))
+            stream.on_drafter = True
+            if self.lookup is not None:
+                self.lookup.start(req.request_id, stream.prompt_ids, first)
 
     # The next two run on the torch thread: copying features for the drafter is torch work too, and a prompt's
     # rows are enough to start a parallel region. Started on the event loop thread, it gives the process a second
     # OpenMP pool and slows every later engine step (torch_thread.py; tests/serving/test_target_replica.py).
 
-    def _add_request(self, stream: _Stream) -> tuple[StepOutput, StepOutput | None]:
-        """Prefill ``stream``; returns its first output and, when speculating, that output for the drafter."""
-        req = stream.request
-        first = self.engine.add_request(req.request_id, stream.prompt_ids, req.params)
-        return first, strip_for_drafter(first) if self.speculates else None
+    def _add_requests(self, streams: list[_Stream]) -> list[tuple[StepOutput, StepOutput | None] | Exception]:
+        """Prefill ``streams`` in one forward; per stream its first output and, when speculating, that output for the
+        drafter, or the exception that refused it (an ``EngineError``, or a bug's). A batch that raises is admitted
+        again one by one (a failed ``add_requests`` holds no slot), so only the request at fault fails."""
+        def admitted(first: StepOutput) -> tuple[StepOutput, StepOutput | None]:
+            return first, strip_for_drafter(first) if self.speculates else None
+
+        try:
+            firsts = self.engine.add_requests(
+                [NewRequest(s.request.request_id, s.prompt_ids, s.request.params) for s in streams]
+            )
+            return [admitted(first) for first in firsts]
+        except Exception as err:
+            if len(streams) == 1:
+                return [err]
+        results: list[tuple[StepOutput, StepOutput | None] | Exception] = []
+        for s in streams:
+            try:
+                results.append(admitted(self.engine.add_request(s.request.request_id, s.prompt_ids, s.request.params)))
+            except Exception as err:
+                results.append(err)
+        return results
 
     def _verify(self, blocks: list[DraftBlock]) -> tuple[list[StepOutput], list[StepOutput | None]]:
         """One verify step; returns the outputs and, when speculating, each output for the drafter."""

@@ -169,17 +169,41 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(replica, monkeyp
 
 
 def test_a_failing_prefill_fails_that_request_only(replica, monkeypatch):
-    add_request = replica.engine.add_request
+    add_requests, batches = replica.engine.add_requests, []
 
-    def add_request_failing_for_r0(request_id, prompt_ids, params):
-        if request_id == "r0":
+    def add_requests_failing_with_r0(requests):
+        batches.append([r.request_id for r in requests])
+        if "r0" in batches[-1]:
             raise ValueError("injected prefill failure")
-        return add_request(request_id, prompt_ids, params)
+        return add_requests(requests)
 
-    monkeypatch.setattr(replica.engine, "add_request", add_request_failing_for_r0)
+    monkeypatch.setattr(replica.engine, "add_requests", add_requests_failing_with_r0)
     failed, served = run_requests(replica, [12, 12])
+    assert batches[-1] == ["r1"]  # r1 was admitted on its own after the failed batch (or after r0 alone)
     assert [type(item) for item in failed] == [ErrorItem] and failed[0].status == 500
     assert num_tokens(served) == 12
+
+
+def test_requests_admitted_together_share_one_prefill_and_a_bad_one_fails_alone(replica, monkeypatch):
+    add_requests, batches = replica.engine.add_requests, []
+
+    def recording(requests):
+        batches.append([r.request_id for r in requests])
+        return add_requests(requests)
+
+    monkeypatch.setattr(replica.engine, "add_requests", recording)
+
+    def stream(rid: str, max_tokens: int) -> target_module._Stream:
+        request = GenerateRequest(request_id=rid, prompt="x", params=SamplingParams(max_tokens=max_tokens))
+        return target_module._Stream(request=request, prompt_ids=[1, 2, 3])
+
+    good = replica._torch.call(replica._add_requests, [stream("a", 8), stream("b", 8)])
+    assert batches == [["a", "b"]] and [first.request_id for first, _ in good] == ["a", "b"]
+    mixed = replica._torch.call(replica._add_requests, [stream("c", 8), stream("long", 10**4), stream("d", 8)])
+    assert batches[1:] == [["c", "long", "d"], ["c"], ["long"], ["d"]]
+    assert isinstance(mixed[1], target_module.ContextLengthError)
+    assert [mixed[0][0].request_id, mixed[2][0].request_id] == ["c", "d"]
+    assert {"a", "b", "c", "d"} == {rid for rid in "abcd" if replica.engine.has_request(rid)}
 
 
 def test_health_check_fails_once_the_step_loop_stopped(replica):

@@ -1,15 +1,15 @@
 """The Target deployment: one engine, a continuous-batching step loop, one drafter call and one verify per round.
 
-Owns: the replica's waiting queue (bounded: beyond ``max_queued_requests`` a request answers 503), admission
-between rounds (requests admitted together share one batched prefill into free KV slots), the round (drafter
-call when the draft gate is open -> per request the drafter's block or the prompt-lookup draft, whichever
-expects more accepted tokens -> verify-length policy over the whole batch -> one ragged verify; the drafter is a Drafter replica or, with ``drafter_placement:
-colocated``, a ``DrafterCore`` on this replica's torch thread), prompt lookup (``prompt_lookup``: it runs here,
-on the tokens this replica commits, so it drafts in every round, also those that skip the drafter), streaming
-each request's committed text back, cancellation (a client that goes away frees its KV slot at once and its
-drafter state with the next drafter call), drafter fail-over (a failed or slow drafter call moves the affected
-requests to plain decoding for the rest of their life, counted in ``drafter_failures``) and load reports to the
-Router, off the per-token path.
+Owns: the replica's waiting queue (bounded: beyond ``max_queued_requests`` a request answers 503), admission between
+rounds (requests admitted together share one batched prefill into free KV slots), the round (drafter call when the
+draft gate is open -> per request the drafter's block or the prompt-lookup draft, whichever expects more accepted
+tokens -> verify-length policy over the whole batch -> one ragged verify; the drafter is a Drafter replica or, with
+``drafter_placement: colocated``, a ``DrafterCore`` on this replica's torch thread), prompt lookup
+(``prompt_lookup``: it runs here, on the tokens this replica commits, so it drafts in every round, also those that
+skip the drafter), streaming each request's committed text back, cancellation (a client that goes away frees its KV
+slot at once and its drafter state with the next drafter call), drafter fail-over (a failed or slow drafter call
+moves the affected requests to plain decoding for the rest of their life, counted in ``drafter_failures``) and load
+reports to the Router, off the per-token path.
 
 The engine is built and driven on one dedicated thread (``TorchThread``: it is not thread-safe, and torch work
 spread over several threads is slower, see ``torch_thread.py``), so the replica's event loop stays free to
@@ -297,18 +297,18 @@ class TargetReplica:
                 results = await self._run(self._add_requests, streams)
             except Exception as err:  # not one of them may be lost: each gets the error
                 results = [err] * len(streams)
+            deferred = [stream for stream, result in zip(streams, results) if isinstance(result, CapacityError)]
             for stream, result in zip(streams, results):
-                self._admitted(stream, result)
-            if any(isinstance(r, CapacityError) for r in results):
+                if stream not in deferred:
+                    self._admitted(stream, result)
+            if deferred:  # back to the front of the queue, in order
+                log.warning("admission deferred: %s", next(r for r in results if isinstance(r, CapacityError)))
+                self._waiting.extendleft(reversed(deferred))
                 return
 
     def _admitted(self, stream: _Stream, result: tuple[StepOutput, StepOutput | None] | Exception) -> None:
         """Start streaming an admitted request, or answer its admission error."""
         req = stream.request
-        if isinstance(result, CapacityError):
-            self._waiting.appendleft(stream)
-            log.warning("admission deferred: %s", result)
-            return
         if isinstance(result, InvalidRequestError):
             stream.done = True
             code = "context_length_exceeded" if isinstance(result, ContextLengthError) else None
@@ -349,6 +349,8 @@ class TargetReplica:
         except Exception as err:
             if len(streams) == 1:
                 return [err]
+            log.warning("batched prefill of %d requests failed (%s: %s); admitting them one by one", len(streams),
+                        type(err).__name__, err)
         results: list[tuple[StepOutput, StepOutput | None] | Exception] = []
         for s in streams:
             try:

@@ -184,6 +184,11 @@ def test_a_failing_prefill_fails_that_request_only(replica, monkeypatch):
     assert num_tokens(served) == 12
 
 
+def _stream(rid: str, max_tokens: int) -> target_module._Stream:
+    request = GenerateRequest(request_id=rid, prompt="x", params=SamplingParams(max_tokens=max_tokens))
+    return target_module._Stream(request=request, prompt_ids=[1, 2, 3])
+
+
 def test_requests_admitted_together_share_one_prefill_and_a_bad_one_fails_alone(replica, monkeypatch):
     add_requests, batches = replica.engine.add_requests, []
 
@@ -192,11 +197,7 @@ def test_requests_admitted_together_share_one_prefill_and_a_bad_one_fails_alone(
         return add_requests(requests)
 
     monkeypatch.setattr(replica.engine, "add_requests", recording)
-
-    def stream(rid: str, max_tokens: int) -> target_module._Stream:
-        request = GenerateRequest(request_id=rid, prompt="x", params=SamplingParams(max_tokens=max_tokens))
-        return target_module._Stream(request=request, prompt_ids=[1, 2, 3])
-
+    stream = _stream
     good = replica._torch.call(replica._add_requests, [stream("a", 8), stream("b", 8)])
     assert batches == [["a", "b"]] and [first.request_id for first, _ in good] == ["a", "b"]
     mixed = replica._torch.call(replica._add_requests, [stream("c", 8), stream("long", 10**4), stream("d", 8)])
@@ -204,6 +205,14 @@ def test_requests_admitted_together_share_one_prefill_and_a_bad_one_fails_alone(
     assert isinstance(mixed[1], target_module.ContextLengthError)
     assert [mixed[0][0].request_id, mixed[2][0].request_id] == ["c", "d"]
     assert {"a", "b", "c", "d"} == {rid for rid in "abcd" if replica.engine.has_request(rid)}
+
+
+def test_requests_the_engine_has_no_slot_for_go_back_to_the_front_of_the_queue_in_order(replica, monkeypatch):
+    monkeypatch.setattr(replica, "_add_requests",
+                        lambda streams: [target_module.CapacityError("no slot")] * len(streams))
+    replica._waiting.extend([_stream("a", 8), _stream("b", 8), _stream("c", 8)])
+    asyncio.run(replica._admit())
+    assert [s.request.request_id for s in replica._waiting] == ["a", "b", "c"] and not replica._active
 
 
 def test_health_check_fails_once_the_step_loop_stopped(replica):

@@ -70,6 +70,11 @@ class TargetMetrics:
             "dspark_accepted_length", "Per finished request: committed tokens per round (tau).",
             accepted_length_buckets(gamma))
         self.verify_ms = histogram("dspark_verify_step_ms", "Target verify step time (ms).", MS_BUCKETS)
+        self.verify_cpu_ms = counter(
+            "dspark_verify_cpu_ms", "Time the engine thread ran on a CPU during verify steps (ms; Linux).")
+        self.verify_cpu_wait_ms = counter(
+            "dspark_verify_cpu_wait_ms", "Time the engine thread was ready to run but waited for a CPU during verify "
+            "steps (ms; Linux): what other processes on the replica's cores cost its steps.")
         self.round_ms = histogram("dspark_round_ms", "Whole round time: drafter call + schedule + verify (ms).",
                                   MS_BUCKETS)
         self.tokens_per_step = histogram(
@@ -86,9 +91,11 @@ class TargetMetrics:
         self.slo_state = gauge("dspark_slo_state", "SLO on this replica: 1 met, 0 violated, -1 no samples.")
 
     def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int, lookup: int,
-              num_draft: list[int], num_accepted: list[int], committed: int) -> None:
+              num_draft: list[int], num_accepted: list[int], committed: int,
+              verify_cpu: tuple[float, float] | None) -> None:
         """One round: ``num_draft`` / ``num_accepted`` per request in the batch (verified / accepted), ``lookup``
-        requests of them verifying a prompt-lookup draft."""
+        requests of them verifying a prompt-lookup draft, ``verify_cpu`` the engine thread's (ms on a CPU, ms waiting
+        for one) during the verify step (None: not measured)."""
         self.rounds.inc()
         if drafter_called:
             self.drafted_rounds.inc()
@@ -96,6 +103,12 @@ class TargetMetrics:
             self.lookup_drafts.inc(lookup)
         self.round_ms.observe(round_ms)
         self.verify_ms.observe(verify_ms)
+        if verify_cpu is not None:
+            on_cpu, waiting = verify_cpu
+            if on_cpu > 0:
+                self.verify_cpu_ms.inc(on_cpu)
+            if waiting > 0:
+                self.verify_cpu_wait_ms.inc(waiting)
         self.tokens_per_step.observe(committed)
         verified, accepted = sum(num_draft), sum(num_accepted)
         self.capacity.set(verified)

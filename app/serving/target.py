@@ -47,7 +47,7 @@ from app.serving.protocol import (
 )
 from app.serving.router import TargetLoad
 from app.serving.telemetry import TargetTelemetry
-from app.serving.torch_thread import TorchThread
+from app.serving.torch_thread import TorchThread, thread_cpu_ms
 
 log = logging.getLogger("ray.serve")
 
@@ -359,10 +359,16 @@ class TargetReplica:
                 results.append(err)
         return results
 
-    def _verify(self, blocks: list[DraftBlock]) -> tuple[list[StepOutput], list[StepOutput | None]]:
-        """One verify step; returns the outputs and, when speculating, each output for the drafter."""
+    def _verify(
+        self, blocks: list[DraftBlock]
+    ) -> tuple[list[StepOutput], list[StepOutput | None], tuple[float, float] | None]:
+        """One verify step; returns the outputs, when speculating each output for the drafter, and the engine
+        thread's (ms on a CPU, ms waiting for one) during the step (None where the kernel does not tell)."""
+        before = thread_cpu_ms()
         outputs = self.engine.verify(blocks)
-        return outputs, [strip_for_drafter(out) if self.speculates else None for out in outputs]
+        after = thread_cpu_ms()
+        cpu = None if before is None or after is None else (after[0] - before[0], after[1] - before[1])
+        return outputs, [strip_for_drafter(out) if self.speculates else None for out in outputs], cpu
 
     async def _round(self) -> None:
         t0 = time.perf_counter()
@@ -387,7 +393,7 @@ class TargetReplica:
         if drafts:
             blocks.update(self._schedule(drafts, confidences))
         t_verify = time.perf_counter()
-        outputs, for_drafter = await self._run(self._verify, [blocks[rid] for rid in ids])
+        outputs, for_drafter, verify_cpu = await self._run(self._verify, [blocks[rid] for rid in ids])
         verify_ms = (time.perf_counter() - t_verify) * 1000
         # The draft gate weighs the drafter call, so it learns from the drafter's blocks only.
         drafted_outputs = [out for out in outputs
@@ -422,7 +428,8 @@ class TargetReplica:
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
             self._observe_verify_scale(round_ms - draft_ms, tokens=len(ids) + verified, batch=len(ids))
         self.telemetry.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called,
-                             drafted=sum(b.tokens.shape[0] for b in drafts), lookup=lookup_verified, outputs=outputs)
+                             drafted=sum(b.tokens.shape[0] for b in drafts), lookup=lookup_verified, outputs=outputs,
+                             verify_cpu=verify_cpu)
 
     def _choose_drafts(
         self, speculative: list[str], drafted: DraftRound | None

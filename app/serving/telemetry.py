@@ -104,13 +104,14 @@ class TargetTelemetry:
         self.window.forget(request_id)
 
     def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int, lookup: int,
-              outputs: Sequence[StepOutput]) -> None:
+              outputs: Sequence[StepOutput], verify_cpu: tuple[float, float] | None) -> None:
         """A round: ``drafted`` draft tokens offered for verification (drafter or prompt lookup), ``lookup`` requests
-        verifying a prompt-lookup draft."""
+        verifying a prompt-lookup draft, ``verify_cpu`` the engine thread's (ms on a CPU, ms waiting for one) during
+        the verify step (None: not measured)."""
         self.metrics.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called, drafted=drafted,
                            lookup=lookup,
                            num_draft=[o.num_draft for o in outputs], num_accepted=[o.num_accepted for o in outputs],
-                           committed=sum(len(o.new_token_ids) for o in outputs))
+                           committed=sum(len(o.new_token_ids) for o in outputs), verify_cpu=verify_cpu)
 
     def report(self, *, active: int, queued: int) -> None:
         """Report tick: load gauges and the SLO gauges from the current window."""

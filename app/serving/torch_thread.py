@@ -25,6 +25,20 @@ import torch
 
 T = TypeVar("T")
 
+SCHEDSTAT = "/proc/thread-self/schedstat"  # Linux: ns on a CPU, ns runnable but waiting for one, timeslices
+
+
+def thread_cpu_ms() -> tuple[float, float] | None:
+    """The calling thread's scheduler times so far, from Linux's ``schedstat``: (ms on a CPU, ms runnable but waiting
+    for a CPU). The second is what other processes (or threads) on the same cores cost this one. None where the
+    kernel does not provide it (not Linux, or built without schedstats)."""
+    try:
+        with open(SCHEDSTAT) as f:
+            on_cpu_ns, waiting_ns, _ = f.read().split()
+        return int(on_cpu_ns) / 1e6, int(waiting_ns) / 1e6
+    except (OSError, ValueError):
+        return None
+
 
 class TorchThread:
     """A single worker thread; ``call`` blocks on it (constructors), ``run`` awaits it (the event loop stays free)."""

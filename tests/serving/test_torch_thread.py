@@ -1,0 +1,39 @@
+"""The engine thread's scheduler times (``thread_cpu_ms``), read around every served verify step."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from app.serving import torch_thread
+from app.serving.torch_thread import TorchThread, thread_cpu_ms
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="schedstat is Linux's")
+def test_thread_cpu_ms_counts_this_threads_cpu_time_only():
+    def busy_then_asleep() -> tuple[tuple[float, float], tuple[float, float], tuple[float, float]]:
+        start = thread_cpu_ms()
+        deadline = time.perf_counter() + 0.05
+        while time.perf_counter() < deadline:  # 50 ms of work
+            pass
+        busy = thread_cpu_ms()
+        time.sleep(0.05)  # 50 ms off the CPU, not waiting for one
+        return start, busy, thread_cpu_ms()
+
+    start, busy, asleep = TorchThread("test-cpu").call(busy_then_asleep)
+    assert all(v >= 0 for v in start + busy + asleep)
+    on_cpu, waited = busy[0] - start[0], busy[1] - start[1]
+    assert on_cpu + waited >= 45  # the busy loop's 50 ms were spent on a CPU or waiting for one
+    assert asleep[0] - busy[0] < 10  # sleeping is neither
+    assert asleep[1] - busy[1] < 10
+
+
+def test_thread_cpu_ms_is_none_without_schedstat(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch_thread, "SCHEDSTAT", str(tmp_path / "missing"))
+    assert thread_cpu_ms() is None
+    bad = tmp_path / "schedstat"
+    bad.write_text("not numbers\n")
+    monkeypatch.setattr(torch_thread, "SCHEDSTAT", str(bad))
+    assert thread_cpu_ms() is None

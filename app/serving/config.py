@@ -72,8 +72,8 @@ class AppConfig(BaseModel):
         32, ge=0, description="Requests waiting for a KV slot per target replica; beyond it answers 503."
     )
     max_prefill_tokens: int = Field(
-        2048, ge=1, description="Prompt tokens prefilled in one forward: requests admitted together (between two rounds) "
-        "share one batched prefill up to this many tokens (vLLM's max_num_batched_tokens for prefills)."
+        2048, ge=1, description="Prompt tokens prefilled in one forward: requests admitted together (between two "
+        "rounds) share one batched prefill up to this many tokens (vLLM's max_num_batched_tokens for prefills)."
     )
     max_request_bytes: int = Field(
         1 << 20, ge=1024, description="Largest HTTP request body accepted (bytes); larger bodies answer 413."

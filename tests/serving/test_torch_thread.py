@@ -26,6 +26,7 @@ def test_thread_cpu_ms_counts_this_threads_cpu_time_only():
     assert all(v >= 0 for v in start + busy + asleep)
     on_cpu, waited = busy[0] - start[0], busy[1] - start[1]
     assert on_cpu + waited >= 45  # the busy loop's 50 ms were spent on a CPU or waiting for one
+    assert on_cpu > waited  # mostly on one: the fields are in schedstat's order
     assert (asleep[0] - busy[0]) + (asleep[1] - busy[1]) < 25  # the 50 ms asleep are neither (bar the wake-up)
 
 

@@ -58,10 +58,16 @@ class ColocatedDrafterError(RuntimeError):
     """The colocated drafter raised (the cause is chained)."""
 
 
+class RemoteDrafterError(RuntimeError):
+    """A call to the Drafter replica raised what Ray's own error types do not cover (the cause is chained): over
+    Serve's gRPC data plane (``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``) the drafter's exception arrives as itself instead of
+    a ``RayTaskError``, and a transport failure (a message over gRPC's size limit) as ``grpc.aio.AioRpcError``."""
+
+
 # A drafter call fails over to plain decoding on these (replica died or was restarted, call timed out or was
 # rejected, or the drafter raised).
 DRAFTER_FAILURES = (RayActorError, RayTaskError, asyncio.TimeoutError, BackPressureError, RequestCancelledError,
-                    ColocatedDrafterError)
+                    ColocatedDrafterError, RemoteDrafterError)
 
 
 class Engine(Protocol):
@@ -476,7 +482,7 @@ class TargetReplica:
                 await self._forget_colocated(call.finished + moved, err)
             elif isinstance(err, asyncio.TimeoutError):  # the replica may still hold their state: forget it next call
                 self._draft_finished.extend(call.finished + moved)
-            elif isinstance(err, RayTaskError) and (call.starts or call.updates or call.propose):
+            elif isinstance(err, (RayTaskError, RemoteDrafterError)) and (call.starts or call.updates or call.propose):
                 # it raised half-way, maybe before applying the finishes: the next call drops the state (a call
                 # of finishes only that raises is not retried, so a broken drafter cannot loop)
                 self._draft_finished.extend(call.finished + moved)
@@ -513,6 +519,9 @@ class TargetReplica:
         except DRAFTER_FAILURES:
             response.cancel()
             raise
+        except Exception as err:
+            response.cancel()
+            raise RemoteDrafterError(f"{type(err).__name__}: {err}") from err
 
     def _fail_over(self, request_ids: list[str], err: BaseException) -> list[str]:
         """Move active requests to plain decoding; returns the ids moved."""

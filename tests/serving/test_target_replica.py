@@ -241,3 +241,40 @@ def test_drafting_runs_with_drafter_threads_and_verify_with_torch_threads(monkey
     monkeypatch.setattr(replica.engine, "verify", recording("verify", verify))
     assert [num_tokens(items) for items in run_requests(replica, [12, 12])] == [12, 12]
     assert seen == {"propose": {1}, "verify": {2}}, seen
+
+
+class _UnwrappedFailingDrafter:
+    """Stands in for the Drafter handle over Serve's gRPC data plane, where the drafter's own exception reaches the
+    caller as itself (over Ray's default transport it arrives wrapped in a ``RayTaskError``)."""
+
+    def __init__(self) -> None:
+        self.draft, self.calls, self.cancelled = self, 0, 0
+
+    def remote(self, call, replica_key=None):
+        self.calls += 1
+        drafter = self
+
+        class _Response:
+            def __await__(self):
+                raise RuntimeError("drafter failure")
+                yield  # a generator: awaiting it raises
+
+            def cancel(self) -> None:
+                drafter.cancelled += 1
+
+        return _Response()
+
+
+def test_a_drafter_exception_that_arrives_unwrapped_falls_back_to_plain_decoding(monkeypatch):
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-0")))
+    config = AppConfig(engine="mock", drafter="mock", drafter_placement="separate", policy="dspark", gamma=4,
+                       max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=512, torch_threads=1)
+    drafter = _UnwrappedFailingDrafter()
+    replica = target_module.TargetReplica(config, drafter=drafter, router=_Router())
+    plain = target_module.TargetReplica(config.model_copy(update={"policy": "none"}), drafter=None, router=_Router())
+    (items,), (expected,) = run_requests(replica, [12]), run_requests(plain, [12])
+    assert num_tokens(items) == 12 and items[-1].spec.fallback  # served, by plain decoding
+    assert [t for item in items for t in item.token_ids] == [t for item in expected for t in item.token_ids]
+    assert drafter.calls >= 1 and drafter.cancelled == drafter.calls
+    assert replica._stats["drafter_failures"] == 1

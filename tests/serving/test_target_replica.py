@@ -40,13 +40,19 @@ class _Router:
     report = _Report()
 
 
-@pytest.fixture
-def replica(monkeypatch):
+def make_replica(monkeypatch, drafter=None, **overrides) -> target_module.TargetReplica:
+    """A target replica outside Serve on the mock engine; ``overrides`` replace fields of the default config (the
+    colocated mock drafter, dspark, gamma 4, 4 slots, vocabulary 512, 1 torch thread)."""
     monkeypatch.setattr(serve, "get_replica_context",
                         lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-0")))
-    config = AppConfig(engine="mock", drafter="mock", drafter_placement="colocated", policy="dspark", gamma=4,
-                       max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=512, torch_threads=1)
-    return target_module.TargetReplica(config, drafter=None, router=_Router())
+    fields = dict(engine="mock", drafter="mock", drafter_placement="colocated", policy="dspark", gamma=4,
+                  max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=512, torch_threads=1)
+    return target_module.TargetReplica(AppConfig(**{**fields, **overrides}), drafter=drafter, router=_Router())
+
+
+@pytest.fixture
+def replica(monkeypatch):
+    return make_replica(monkeypatch)
 
 
 def run_requests(replica, max_tokens: list[int], delays_s: list[float] | None = None) -> list[list]:
@@ -126,13 +132,9 @@ def test_draft_gate_weighs_steady_drafter_calls_only(replica, monkeypatch):
 def test_prompt_lookup_drafts_in_rounds_that_skip_the_drafter(monkeypatch):
     """Vocabulary 16: the mock model's sequence from token 1 loops with period 4 (1, 10, 9, 2), so lookup matches
     once a loop has been committed; the gate stays closed, so every draft is a lookup draft."""
-    monkeypatch.setattr(serve, "get_replica_context",
-                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-0")))
     rates = LookupRates({"greedy": [[0.95] * 4] * 3})
     monkeypatch.setattr(target_module, "make_prompt_lookup", lambda config: PromptLookup(rates, gamma=config.gamma))
-    config = AppConfig(engine="mock", drafter="mock", drafter_placement="colocated", policy="dspark", gamma=4,
-                       max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=16, torch_threads=1)
-    replica = target_module.TargetReplica(config, drafter=None, router=_Router())
+    replica = make_replica(monkeypatch, mock_vocab_size=16)
     observed = []
     monkeypatch.setattr(replica.scheduler, "should_draft", lambda requests, **kwargs: False)
     monkeypatch.setattr(replica.scheduler, "observe", lambda *args: observed.append(args))
@@ -222,12 +224,7 @@ def test_health_check_fails_once_the_step_loop_stopped(replica):
 
 
 def test_drafting_runs_with_drafter_threads_and_verify_with_torch_threads(monkeypatch):
-    monkeypatch.setattr(serve, "get_replica_context",
-                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-0")))
-    config = AppConfig(engine="mock", drafter="mock", drafter_placement="colocated", policy="dspark", gamma=4,
-                       max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=512, torch_threads=2,
-                       drafter_threads=1, draft_gate=False)
-    replica = target_module.TargetReplica(config, drafter=None, router=_Router())
+    replica = make_replica(monkeypatch, torch_threads=2, drafter_threads=1, draft_gate=False)
     seen = {"propose": set(), "verify": set()}
     propose, verify = replica.colocated.proposer.propose, replica.engine.verify
 
@@ -266,13 +263,9 @@ class _UnwrappedFailingDrafter:
 
 
 def test_a_drafter_exception_that_arrives_unwrapped_falls_back_to_plain_decoding(monkeypatch):
-    monkeypatch.setattr(serve, "get_replica_context",
-                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-0")))
-    config = AppConfig(engine="mock", drafter="mock", drafter_placement="separate", policy="dspark", gamma=4,
-                       max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=512, torch_threads=1)
     drafter = _UnwrappedFailingDrafter()
-    replica = target_module.TargetReplica(config, drafter=drafter, router=_Router())
-    plain = target_module.TargetReplica(config.model_copy(update={"policy": "none"}), drafter=None, router=_Router())
+    replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
+    plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
     (items,), (expected,) = run_requests(replica, [12]), run_requests(plain, [12])
     assert num_tokens(items) == 12 and items[-1].spec.fallback  # served, by plain decoding
     assert [t for item in items for t in item.token_ids] == [t for item in expected for t in item.token_ids]

@@ -52,6 +52,10 @@ from app.serving.torch_thread import TorchThread, thread_cpu_ms
 log = logging.getLogger("ray.serve")
 
 STATS_EMA = 0.2  # weight of the newest round in the step-time / tokens / acceptance EMAs
+# A drafter call carrying more feature bytes than this goes through Ray's object store instead of Serve's gRPC data
+# plane (``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``), whose replica messages stop at 4 MiB by default
+# (``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH``): a long prompt's features alone take 6 MB on SmolLM2-135M.
+BY_REFERENCE_BYTES = 1 << 20
 
 
 class ColocatedDrafterError(RuntimeError):
@@ -68,6 +72,12 @@ class RemoteDrafterError(RuntimeError):
 # rejected, or the drafter raised).
 DRAFTER_FAILURES = (RayActorError, RayTaskError, asyncio.TimeoutError, BackPressureError, RequestCancelledError,
                     ColocatedDrafterError, RemoteDrafterError)
+
+
+def feature_bytes(call: DraftCall) -> int:
+    """Bytes of target features a drafter call carries (prompt features of its starts, new ones of its updates)."""
+    outputs = [start.first for start in call.starts] + call.updates
+    return sum(out.features.nbytes for out in outputs if out.features is not None)
 
 
 class Engine(Protocol):
@@ -140,6 +150,8 @@ class TargetReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.speculates = config.speculates  # turned off for good if a colocated drafter cannot drop its state
         self.drafter = drafter if self.speculates and config.drafter_placement == "separate" else None
+        # for calls over BY_REFERENCE_BYTES (without the gRPC data plane every call already goes by reference)
+        self._drafter_by_reference = self.drafter.options(_by_reference=True) if self.drafter is not None else None
         self.colocated = self._torch.call(self._colocated_drafter, config) \
             if self.speculates and config.drafter_placement == "colocated" else None
         self.lookup = self._torch.call(make_prompt_lookup, config) if self.speculates else None
@@ -513,7 +525,8 @@ class TargetReplica:
                 return await self._run(self.colocated.draft, call)
             except Exception as err:  # a drafter bug must not take the batch's requests down with it
                 raise ColocatedDrafterError(f"{type(err).__name__}: {err}") from err
-        response = self.drafter.draft.remote(call, replica_key=f"target:{self.replica_id}")
+        handle = self._drafter_by_reference if feature_bytes(call) > BY_REFERENCE_BYTES else self.drafter
+        response = handle.draft.remote(call, replica_key=f"target:{self.replica_id}")
         try:
             return await asyncio.wait_for(response, timeout=self.config.drafter_timeout_s)
         except DRAFTER_FAILURES:

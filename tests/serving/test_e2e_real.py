@@ -75,6 +75,7 @@ def test_served_greedy_equals_plain_greedy_under_batching(url, engine, eval_prom
     assert len(ties) <= 7, ties
     print(f"drafter {DRAFTER}: {len(ties)} near-ties of 10: {ties}")
     assert sum(b["spec_stats"]["accepted_tokens"] for b in served) > 0, "the drafter never contributed"
+    assert not any(b["spec_stats"]["fallback"] for b in served), "drafter calls failed"
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 from types import SimpleNamespace
@@ -26,6 +27,7 @@ from app.drafters.lookup import LookupRates, PromptLookup
 from app.engine.types import SamplingParams
 from app.serving import target as target_module
 from app.serving.config import AppConfig
+from app.serving.drafter import DrafterReplica
 from app.serving.protocol import ErrorItem, GenerateRequest, TextChunk
 
 
@@ -40,14 +42,15 @@ class _Router:
     report = _Report()
 
 
-def make_replica(monkeypatch, drafter=None, **overrides) -> target_module.TargetReplica:
-    """A target replica outside Serve on the mock engine; ``overrides`` replace fields of the default config (the
-    colocated mock drafter, dspark, gamma 4, 4 slots, vocabulary 512, 1 torch thread)."""
+def make_replica(monkeypatch, handle=None, **overrides) -> target_module.TargetReplica:
+    """A target replica outside Serve on the mock engine; ``handle`` stands in for the Drafter deployment's handle,
+    ``overrides`` replace fields of the default config (the colocated mock drafter, dspark, gamma 4, 4 slots,
+    vocabulary 512, 1 torch thread)."""
     monkeypatch.setattr(serve, "get_replica_context",
                         lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-0")))
     fields = dict(engine="mock", drafter="mock", drafter_placement="colocated", policy="dspark", gamma=4,
                   max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=512, torch_threads=1)
-    return target_module.TargetReplica(AppConfig(**{**fields, **overrides}), drafter=drafter, router=_Router())
+    return target_module.TargetReplica(AppConfig(**{**fields, **overrides}), drafter=handle, router=_Router())
 
 
 @pytest.fixture
@@ -247,6 +250,9 @@ class _UnwrappedFailingDrafter:
     def __init__(self) -> None:
         self.draft, self.calls, self.cancelled = self, 0, 0
 
+    def options(self, _by_reference: bool) -> "_UnwrappedFailingDrafter":
+        return self  # fails either way
+
     def remote(self, call, replica_key=None):
         self.calls += 1
         drafter = self
@@ -271,3 +277,39 @@ def test_a_drafter_exception_that_arrives_unwrapped_falls_back_to_plain_decoding
     assert [t for item in items for t in item.token_ids] == [t for item in expected for t in item.token_ids]
     assert drafter.calls >= 1 and drafter.cancelled == drafter.calls
     assert replica._stats["drafter_failures"] == 1
+
+
+class _InProcessDrafter:
+    """Stands in for the Drafter handle: an in-process ``DrafterReplica`` serves the calls; ``calls`` records each
+    call's transport (``options(_by_reference=...)``) and the feature bytes it carried."""
+
+    def __init__(self, config: AppConfig) -> None:
+        self.replica, self.calls, self.by_reference, self.draft = DrafterReplica(config), [], False, self
+
+    def options(self, _by_reference: bool) -> "_InProcessDrafter":
+        clone = copy.copy(self)
+        clone.by_reference, clone.draft = _by_reference, clone
+        return clone
+
+    def remote(self, call, replica_key=None) -> asyncio.Future:
+        self.calls.append((self.by_reference, target_module.feature_bytes(call)))
+        return asyncio.ensure_future(self.replica.draft(call))
+
+
+def test_drafter_calls_with_many_feature_bytes_go_by_reference(monkeypatch):
+    """Over Serve's gRPC data plane a call past 4 MiB fails; a long prompt's features alone are 6 MB on SmolLM2."""
+    fields = dict(drafter_placement="separate", gamma=4, max_model_len=256, max_num_seqs=4, engine="mock",
+                  drafter="mock", mock_step_ms=1, mock_vocab_size=512, torch_threads=1)
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
+    drafter = _InProcessDrafter(AppConfig(**fields))
+    # the mock's features are 16 bytes a token: a prompt's 3 tokens pass the bound, a one-token update does not
+    monkeypatch.setattr(target_module, "BY_REFERENCE_BYTES", 40)
+    replica = make_replica(monkeypatch, drafter, **fields)
+    plain = make_replica(monkeypatch, **{**fields, "policy": "none"})
+    results, expected = run_requests(replica, [16, 16]), run_requests(plain, [16, 16])
+    assert [[t for item in items for t in item.token_ids] for items in results] == \
+        [[t for item in items for t in item.token_ids] for items in expected]
+    assert replica._stats["drafter_failures"] == 0 and replica._stats["drafted_rounds"] > 0
+    assert all(by_reference == (size > 40) for by_reference, size in drafter.calls), drafter.calls
+    assert {by_reference for by_reference, _ in drafter.calls} == {True, False}, drafter.calls

@@ -17,10 +17,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# RAY_worker_niceness=0: Ray starts worker processes (every replica) at niceness 15, and nothing in a Serve YAML
-# can change that (only the raylet's environment); on a shared machine they would lose the CPU to anything else.
+# The local Ray's environment, app.serving.local_ray.SERVE_ENV (why each, there): worker niceness 0 and Serve's gRPC
+# data plane. Only the environment of the process that starts Ray reaches all its workers, not a Serve YAML.
+SERVE_ENV = RAY_worker_niceness=0 RAY_SERVE_USE_GRPC_BY_DEFAULT=1
+
 serve: install
-	RAY_worker_niceness=0 $(VENV)/bin/serve run deployments/dspark.yaml
+	$(SERVE_ENV) $(VENV)/bin/serve run deployments/dspark.yaml
 
 demo: install
 	$(PY) -m app.demo

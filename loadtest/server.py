@@ -199,8 +199,9 @@ def serve_until_signalled(
     from ray import serve
 
     from app.serving.builder import build_app
+    from app.serving.local_ray import init_local_ray
 
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=num_cpus)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, whose own SIGTERM handler exits at once
         signal.signal(sig, lambda *_: stop.set())

@@ -22,9 +22,9 @@ that differs is fetched again with its token ids and judged by the near-tie rule
 the table counts outputs that are the same / differ first at a near-tie / differ otherwise (a bug, also printed
 as a warning).
 
-Ray worker processes run at niceness ``$RAY_worker_niceness``, 0 unless set, as ``make serve`` runs them (Ray's
-default, 15, loses the CPU to anything else on a shared machine); the JSON line records it. Prints a table, then
-one JSON line.
+The local Ray starts with ``app.serving.local_ray.SERVE_ENV`` unless the environment says otherwise (worker
+niceness 0, Serve's gRPC data plane), as ``make serve`` starts it; the JSON line records the values. Prints a table,
+then one JSON line.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.near_tie import first_divergence
 from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
+from app.serving.local_ray import SERVE_ENV, init_local_ray
 from loadtest.prompts import load_prompt_spec
 from loadtest.server import DEFAULT_CONFIG, app_args, free_port, parse_overrides
 from loadtest.stream import RequestRecord, StreamObserver, observe_stream
 
 APP_NAME = "bench"
-NICENESS_ENV = "RAY_worker_niceness"  # Ray's worker niceness (default 15), read when the local Ray starts
 
 
 def engine_alone(config: AppConfig, prompts: list[str], *, max_tokens: int) -> dict:
@@ -169,8 +169,7 @@ def served(
 
     from app.serving.builder import build_app
 
-    os.environ.setdefault(NICENESS_ENV, "0")  # as `make serve` runs it (module docstring); read by the raylet
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    init_local_ray(num_cpus=num_cpus)  # as `make serve` starts it (module docstring)
     port = free_port()
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -242,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"WARNING {p}: {bug}")
     summary = {
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-        "worker_niceness": os.environ[NICENESS_ENV],
+        "ray_env": {name: os.environ[name] for name in SERVE_ENV},
         "requests": len(prompts), "max_tokens": opts.max_tokens, "prompts": opts.prompts,
         "engine_step_ms": round(step, 2), "drafter_round_ms": None if draft_ms is None else round(draft_ms, 2),
         "served": {p: {"tpot_ms": round(r["tpot_ms"], 2), "tok_s": round(r["tok_s"], 2),

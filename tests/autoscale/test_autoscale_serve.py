@@ -16,6 +16,7 @@ from ray.serve._private import api as serve_api
 from ray.serve.schema import ServeDeploySchema
 
 from app.serving.config import REPO_ROOT, AppConfig
+from app.serving.local_ray import init_local_ray
 from autoscale.policy import SLOAutoscalingPolicy
 from tests.serving.helpers import free_port
 
@@ -50,7 +51,7 @@ def running(status, deployment: str) -> int:
 
 @pytest.mark.slow
 def test_load_above_slo_adds_target_and_drafter_replicas():
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
+    init_local_ray(num_cpus=2)
     port = free_port()
     stop = threading.Event()
     try:

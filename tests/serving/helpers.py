@@ -9,6 +9,8 @@ import time
 
 import httpx
 
+from app.serving.local_ray import init_local_ray
+
 
 def free_port() -> int:
     with contextlib.closing(socket.socket()) as s:
@@ -18,11 +20,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def local_serve(**ray_init):
-    """Start a local Ray (CPU only, no dashboard) and Serve on a free loopback port; yield the base URL."""
+    """Start a local Ray (CPU only, no dashboard) the way ``make serve`` does (``SERVE_ENV``) and Serve on a free
+    loopback port; yield the base URL."""
     import ray
     from ray import serve
 
-    ray.init(include_dashboard=False, log_to_driver=False, **ray_init)
+    init_local_ray(**ray_init)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

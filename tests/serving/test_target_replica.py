@@ -42,15 +42,17 @@ class _Router:
     report = _Report()
 
 
+# the replicas' default config: the colocated mock drafter, dspark, gamma 4, 4 slots, vocabulary 512, 1 torch thread
+MOCK_FIELDS = dict(engine="mock", drafter="mock", drafter_placement="colocated", policy="dspark", gamma=4,
+                   max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=512, torch_threads=1)
+
+
 def make_replica(monkeypatch, handle=None, **overrides) -> target_module.TargetReplica:
     """A target replica outside Serve on the mock engine; ``handle`` stands in for the Drafter deployment's handle,
-    ``overrides`` replace fields of the default config (the colocated mock drafter, dspark, gamma 4, 4 slots,
-    vocabulary 512, 1 torch thread)."""
+    ``overrides`` replace fields of ``MOCK_FIELDS``."""
     monkeypatch.setattr(serve, "get_replica_context",
                         lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-0")))
-    fields = dict(engine="mock", drafter="mock", drafter_placement="colocated", policy="dspark", gamma=4,
-                  max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=512, torch_threads=1)
-    return target_module.TargetReplica(AppConfig(**{**fields, **overrides}), drafter=handle, router=_Router())
+    return target_module.TargetReplica(AppConfig(**{**MOCK_FIELDS, **overrides}), drafter=handle, router=_Router())
 
 
 @pytest.fixture
@@ -298,15 +300,13 @@ class _InProcessDrafter:
 
 def test_drafter_calls_with_many_feature_bytes_go_by_reference(monkeypatch):
     """Over Serve's gRPC data plane a call past 4 MiB fails; a long prompt's features alone are 6 MB on SmolLM2."""
-    fields = dict(drafter_placement="separate", gamma=4, max_model_len=256, max_num_seqs=4, engine="mock",
-                  drafter="mock", mock_step_ms=1, mock_vocab_size=512, torch_threads=1)
     monkeypatch.setattr(serve, "get_replica_context",
                         lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
-    drafter = _InProcessDrafter(AppConfig(**fields))
+    drafter = _InProcessDrafter(AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate"}))
     # the mock's features are 16 bytes a token: a prompt's 3 tokens pass the bound, a one-token update does not
     monkeypatch.setattr(target_module, "BY_REFERENCE_BYTES", 40)
-    replica = make_replica(monkeypatch, drafter, **fields)
-    plain = make_replica(monkeypatch, **{**fields, "policy": "none"})
+    replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
+    plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
     results, expected = run_requests(replica, [16, 16]), run_requests(plain, [16, 16])
     assert [[t for item in items for t in item.token_ids] for items in results] == \
         [[t for item in items for t in item.token_ids] for items in expected]

@@ -35,13 +35,13 @@ def test_sweep_against_stub_measures_the_timeline(tmp_path, capsys):
     with stub_server(TIMELINE) as url:
         code = sweep.main(["--url", url, "--policies", "stub", "--concurrency", "1,3", "--duration", "3",
                            "--warmup", "0", "--drain-timeout", "10", "--max-tokens", str(MAX_TOKENS),
-                           "--server-warmup", "1", "--slo-tpot-ms", "60", "--out", str(out), "--label", "stub"])
+                           "--server-warmup", "1", "--slo-tpot-ms", "150", "--out", str(out), "--label", "stub"])
     assert code == 0
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     assert summary["errors"] == 0 and len(summary["levels"]) == 2
     data = json.loads((out / "results.json").read_text())
-    assert data["config"]["label"] == "stub" and data["slo"]["tpot_ms"] == 60
+    assert data["config"]["label"] == "stub" and data["slo"]["tpot_ms"] == 150
     for level in data["levels"]:
         assert level["failed"] == 0 and level["completed"] >= 3 * level["concurrency"]
         assert 290 <= level["p50_ttft_ms"] <= 450, level["p50_ttft_ms"]
@@ -52,7 +52,9 @@ def test_sweep_against_stub_measures_the_timeline(tmp_path, capsys):
         assert level["output_tokens_from_usage"]
         # closed loop, one ~0.7 s answer after another per user: ~9 tokens / 0.7 s per user
         assert 8 * level["concurrency"] <= level["output_throughput"] <= 14 * level["concurrency"]
-        assert level["request_goodput"] == pytest.approx(level["request_throughput"])  # TPOT 50 < 60 ms
+        # every TPOT ~50 ms, far under the 150 ms SLO even when a busy host delays a chunk (which a 60 ms SLO
+        # did not survive on a 2-core CI machine); goodput's comparison itself is tested in test_metrics.py
+        assert level["request_goodput"] == pytest.approx(level["request_throughput"])
     assert (out / "pareto.png").is_file() and (out / "levels" / "stub-c3.json").is_file()
     locust_rows = {row["Name"]: row for row in csv.DictReader((out / "locust" / "stub-c1_stats.csv").open())}
     assert {"/v1/chat/completions", "ttft_ms", "tpot_ms", "itl_ms", "user_tok_s"} <= set(locust_rows)

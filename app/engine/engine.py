@@ -223,6 +223,8 @@ class TargetEngine:
             raise InvalidRequestError(f"request {request.request_id!r} already exists")
         if len(request.prompt_ids) == 0:
             raise InvalidRequestError("prompt is empty")
+        if request.params.controls():
+            raise InvalidRequestError(f"sampling controls not supported by this engine: {request.params.controls()}")
         ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")

@@ -35,6 +35,38 @@ class FinishReason(str, enum.Enum):
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
+MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
+
+
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """Structured output a request must follow (OpenAI's ``response_format``).
+
+    Attributes:
+        kind: ``json_object`` (any JSON object) or ``json_schema`` (JSON matching ``schema``).
+        schema: the JSON schema as a JSON string (``json_schema`` only).
+
+    Raises:
+        ValueError: an unknown kind, or a schema missing / given where it does not belong.
+    """
+
+    kind: str
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_object", "json_schema"):
+            raise ValueError(f"guided decoding kind must be json_object or json_schema, got {self.kind!r}")
+        if (self.kind == "json_schema") != (self.schema is not None):
+            raise ValueError(f"a schema goes with json_schema only (kind {self.kind!r})")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one output token and its most likely alternatives (``logprobs``)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first, len = SamplingParams.logprobs
 
 
 @dataclass(frozen=True)
@@ -50,6 +82,20 @@ class SamplingParams:
         seed: seed of this request's own random generator, a signed 64-bit integer (None: drawn from the OS).
         stop: stop strings; the output ends before the first occurrence (excluded, as OpenAI does).
         ignore_eos: keep generating past EOS (benchmarks).
+        presence_penalty: subtracted once from the logit of every token already in the output, in [-2, 2]
+            (OpenAI's definition; the prompt does not count).
+        frequency_penalty: subtracted from a token's logit once per earlier occurrence in the output, in [-2, 2].
+        repetition_penalty: > 0; a logit of a token seen in the prompt or the output is divided by it when positive,
+            multiplied by it when negative (CTRL, Keskar et al. 2019; vLLM's and transformers' definition); 1 = off.
+        logit_bias: (token id, bias) pairs added to the logits, bias in [-100, 100] (OpenAI's ``logit_bias``).
+        top_k: keep only the k most likely tokens before sampling; 0 = off.
+        min_p: drop tokens whose probability is below ``min_p`` times the most likely token's, in [0, 1]; 0 = off.
+        min_tokens: EOS and ``stop_token_ids`` cannot end the request before this many tokens (their logits are
+            masked), as in vLLM; stop strings are not checked before it either.
+        stop_token_ids: extra token ids that end the request (the token is included in the output, like EOS).
+        logprobs: None = off; k >= 0 = return the log-probability of each output token under the target and
+            the k most likely alternatives (k <= ``MAX_LOGPROBS``).
+        guided: structured output (``GuidedDecoding``) the output must follow, or None.
 
     Raises:
         ValueError: on any out-of-range value, naming it.
@@ -61,6 +107,16 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -76,10 +132,39 @@ class SamplingParams:
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        bias = tuple((int(t), float(b)) for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict)
+                                                    else self.logit_bias))
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
+            raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", bias)
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def controls(self) -> list[str]:
+        """Names of the sampling controls set away from their neutral value (penalties, biases, truncations,
+        ``min_tokens``, ``stop_token_ids``, ``logprobs``, ``guided``)."""
+        neutral = SamplingParams()
+        names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "top_k", "min_p",
+                 "min_tokens", "stop_token_ids", "logprobs", "guided")
+        return [n for n in names if getattr(self, n) != getattr(neutral, n)]
 
 
 @dataclass(frozen=True)
@@ -153,3 +238,4 @@ class StepOutput:
     text: str = ""
     # [T_new, F] features of the tokens that entered the cache this step (dtype of the model)
     features: torch.Tensor | None = field(default=None, repr=False)
+    logprobs: list[TokenLogprob] | None = None  # one per new_token_ids entry when SamplingParams.logprobs is set

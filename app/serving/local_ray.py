@@ -8,9 +8,9 @@ variable can be set from ``deployments/*.yaml``; against a running cluster, set 
 - ``RAY_worker_niceness=0``: Ray starts worker processes at niceness 15, so on a machine shared with anything else
   the engine replicas lose the CPU to it.
 - ``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``: Serve's gRPC data plane for the proxy's and the replicas' handle calls
-  instead of Ray actor calls. Plain decoding at 16 users on the 2-core CPU: 173.6-180.4 output tok/s against
-  144.7-161.1 without it, four interleaved pairs (docs/loadtest.md, session 14); in the proxy alone or the replicas
-  alone it gained less or nothing. Drafter calls over 1 MiB still go by reference (``target.BY_REFERENCE_BYTES``).
+  instead of Ray actor calls: more plain-decoding throughput under load (docs/serving.md); in the proxy alone or the
+  replicas alone it gained less or nothing. Drafter calls over 1 MiB still go by reference
+  (``target.BY_REFERENCE_BYTES``).
 """
 
 from __future__ import annotations

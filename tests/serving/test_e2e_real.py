@@ -71,7 +71,7 @@ def test_served_greedy_equals_plain_greedy_under_batching(url, engine, eval_prom
     # Each divergence above was checked to start at a near-tie; this bound only catches a path that diverges on
     # most prompts. bf16 logits depend on the verify step's shape, so a drafter whose drafts are accepted more
     # often (longer verify runs) meets more near-ties: 2-3 of 10 with the first checkpoint, 4 with the GPU-trained,
-    # 6 once prompt lookup drafted in every round (session 10).
+    # 6 once prompt lookup drafted in every round.
     assert len(ties) <= 7, ties
     print(f"drafter {DRAFTER}: {len(ties)} near-ties of 10: {ties}")
     assert sum(b["spec_stats"]["accepted_tokens"] for b in served) > 0, "the drafter never contributed"

@@ -1,9 +1,9 @@
 """The target's greedy next token without a float32 LM-head matmul over the whole vocabulary.
 
 Why: the engine computes logits with a float32 copy of the LM head (bfloat16 logits tie and depend on the batch
-shape: ``TargetModel.logits_from_final_hidden``). On the 2-core CPU that matmul is a third of a step: 9.3 ms of a
-36 ms single-token step of SmolLM2-135M, 16 ms for 8 rows, 30 ms for 64, against 4.2 / 6.2 / 14.0 ms for this
-module (bfloat16 matmul + rescoring). A greedy row only needs the argmax.
+shape: ``TargetModel.logits_from_final_hidden``). On a small CPU that matmul is about a third of a single-token
+step of SmolLM2-135M, and this module (bfloat16 matmul + rescoring) takes about half its time at 1-64 rows. A greedy
+row only needs the argmax.
 
 Rule (``ScreenedArgmax``): bfloat16 logits s = bf16(h) . W_bf16 screen the vocabulary; of the ``top`` best tokens
 by s, those within 2 * ``margin`` of the row's best are rescored exactly (float64 dot products of the float32 head

@@ -1,10 +1,9 @@
 """Linear layers on weights prepacked once into oneDNN's blocked layout (CPU, bfloat16).
 
 Why: ``F.linear`` on a bfloat16 CPU tensor hands oneDNN a plain row-major weight, which it reorders into its
-blocked layout inside every call. At decode sizes that reorder is most of the call: on the 2-core AMD EPYC
-(avx512_bf16), the 120 decoder matmuls of SmolLM2-135M took 19.3-19.9 ms at 1 row and 24 ms at 16 rows, against
-12.5 and 14.4-16.9 ms on prepacked weights (30 layers' distinct weights, cold in cache); the greedy screen's
-[49152, 576] head 4.1 -> 2.0 ms at one row. Prefill sizes (160 rows) gain little. The outputs were bit-identical
+blocked layout inside every call. At decode sizes that reorder is most of the call: on an avx512_bf16 CPU,
+prepacked weights made the 120 decoder matmuls of SmolLM2-135M about 1.4-1.6x faster at 1-16 rows and the greedy
+screen's [49152, 576] head about 2x faster at one row; prefill sizes (160 rows) gain little. The outputs were bit-identical
 to ``F.linear``'s on every shape tried (1-160 rows, each layer shape of the model), including where ``F.linear``
 itself rounds a row differently at another row count; ``tests/engine/test_prepack.py`` checks layers and the real
 target's decoding.

@@ -6,9 +6,9 @@ and are released afterwards; draft tokens continue that text.
 
 Why natural text: random token ids give the target flat next-token distributions, and on CPU the greedy screen
 (``app/engine/greedy_head.py``) sends a flat row to the float32 LM head over the whole vocabulary. Timed with random
-prompts and drafts, a verify step of SmolLM2-135M on the 2-core AMD EPYC took 67.5 ms at 4 requests x 4 tokens
-and 147 ms at 16 x 4, against 50.8 and 118.5 ms on a real chat prompt with the target's own continuation as the
-draft (no flat rows): the profile overstated multi-token verification, so the scheduler verified too little.
+prompts and drafts, a multi-token verify step of SmolLM2-135M on CPU looked about 25-35% dearer than on a real chat
+prompt with the target's own continuation as the draft (no flat rows): the profile overstated multi-token
+verification, so the scheduler verified too little.
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ class DecoderShape(BaseModel):
     rms_norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     rope_theta: float = Field(100000.0, gt=0, description="Rotary base (the target's).")
     max_positions: int = Field(8192, ge=16, description="Longest context the rotary table covers.")
+    qk_norm: bool = Field(
+        False, description="Per-head RMSNorm of queries and keys before the rotary embedding (Qwen3 layers; applied "
+        "to the injected context keys as well)."
+    )
 
     @model_validator(mode="after")
     def _check_shape(self) -> "DecoderShape":
@@ -67,10 +71,40 @@ class DrafterConfig(DecoderShape):
     """One DSpark drafter, or the DFlash-style one with ``head="none"`` (``app/drafters/dspark.py``)."""
 
     num_layers: int = Field(2, ge=1, le=8, description="Parallel backbone decoder layers.")
-    head: Literal["markov", "rnn", "none"] = Field(
-        "markov", description="Sequential head: low-rank Markov bias, GRU state, or none (purely parallel, DFlash)."
+    head: Literal["markov", "gated", "rnn", "joint_rnn", "none"] = Field(
+        "markov", description="Sequential head: low-rank Markov bias (DeepSpec 'vanilla'), the Markov bias through a "
+        "sigmoid gate of [h; W1[x]] ('gated'), GRU state ('rnn'), DeepSpec's 'rnn' (one joint projection of "
+        "[s; W1[x]; h] into gate, candidate and output: 'joint_rnn'), or none (purely parallel, DFlash)."
     )
     rank: int = Field(64, ge=1, description="r: width of the token table W1 [V, r] and of W2 [r, V].")
+    feature_norm: bool = Field(
+        True, description="RMS-normalise each target layer's feature before fc (this project's drafters; DeepSpec's "
+        "format feeds the concatenated features to fc as they are)."
+    )
+    mask_token_id: int | None = Field(
+        None, ge=0, description="Block positions after the anchor take the target's embedding row of this token id "
+        "(DeepSpec); None: a learned mask embedding."
+    )
+    confidence: Literal["auto", "hidden", "hidden_prev", "none"] = Field(
+        "auto", description="Input of the confidence head: h_k ('hidden'), [h_k; W1[x_{k-1}]] ('hidden_prev'), or "
+        "'auto' (head 'rnn': [h_k; s_k], 'none': h_k, others: [h_k; W1[x_{k-1}]]); 'none': no confidence head, "
+        "every draft reports confidence 1 (the whole block is verified, as DFlash does)."
+    )
+
+    @model_validator(mode="after")
+    def _check_head(self) -> "DrafterConfig":
+        if self.mask_token_id is not None and self.mask_token_id >= self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.confidence == "hidden_prev" and self.head == "none":
+            raise ValueError("confidence 'hidden_prev' needs a sequential head (W1), but head is 'none'")
+        return self
+
+    @property
+    def confidence_input(self) -> Literal["hidden", "hidden_prev", "hidden_state", "none"]:
+        """The confidence head's input with 'auto' resolved: 'hidden_state' is [h_k; s_k] (head 'rnn')."""
+        if self.confidence != "auto":
+            return self.confidence
+        return {"rnn": "hidden_state", "none": "hidden"}.get(self.head, "hidden_prev")
 
 
 class EagleConfig(DecoderShape):

@@ -74,7 +74,7 @@ def save_checkpoint(
 
 def read_checkpoint_config(path: Path | str) -> dict:
     """The parsed ``config.json`` of the checkpoint folder ``path`` (kind, config, calibration, metadata); for a
-    DeepSpec-format folder, its translation: kind "dspark", the ``DrafterConfig`` fields, ``"format": "deepspec"``
+    DeepSpec-format folder, its translation: kind "dspark" or "eagle", the config fields, ``"format": "deepspec"``
     (its calibration is read by ``load_checkpoint``).
 
     Raises:
@@ -89,8 +89,9 @@ def read_checkpoint_config(path: Path | str) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON: {e}") from None
     if is_deepspec_config(doc):
-        config = drafter_config(doc, where=str(file)).model_dump(mode="json")
-        return {"kind": "dspark", "config": config, "metadata": {}, "format": "deepspec"}
+        config = drafter_config(doc, where=str(file))
+        kind = "eagle" if isinstance(config, EagleConfig) else "dspark"
+        return {"kind": kind, "config": config.model_dump(mode="json"), "metadata": {}, "format": "deepspec"}
     if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict) or "target" not in doc["config"]:
         raise ValueError(f"{file} has no 'config' object with a 'target' field")
     return doc
@@ -105,8 +106,8 @@ def load_checkpoint(
 
     Args:
         embed_weight: [V, Dm] the target's embedding (shared, frozen; the LM head too without ``head_weight``).
-        head_weight: [V, Dm] the target's LM head when it is not tied to the embedding (DSpark kinds only; a
-            DeepSpec folder's own ``lm_head`` takes precedence).
+        head_weight: [V, Dm] the target's LM head when it is not tied to the embedding (a DeepSpec folder's own
+            ``lm_head`` takes precedence).
         dtype: parameter dtype (None: the embedding's dtype).
 
     Returns:
@@ -116,7 +117,7 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: missing files; ValueError: an unknown kind, a config that does not validate or
         match the weights, a draft vocabulary that is not sorted distinct ids in [0, V) or not on a DSpark
-        drafter, ``head_weight`` for an EAGLE-style drafter, or a DeepSpec folder that ``load_deepspec`` rejects
+        drafter, or a DeepSpec folder that ``load_deepspec`` rejects
         (the message names the missing or mismatching tensor or field).
     """
     path = Path(path)
@@ -127,14 +128,7 @@ def load_checkpoint(
     if kind not in KINDS:
         raise ValueError(f"checkpoint {path}: unknown drafter kind {kind!r}; expected one of {sorted(KINDS)}")
     config_cls, drafter_cls = KINDS[kind]
-    config = config_cls.model_validate(doc["config"])
-    if drafter_cls is DSparkDrafter:
-        drafter = DSparkDrafter(config, embed_weight, head_weight)
-    elif head_weight is not None:
-        raise ValueError(f"checkpoint {path}: a {kind!r} drafter uses the tied embedding as its LM head; "
-                         "head_weight is not supported")
-    else:
-        drafter = drafter_cls(config, embed_weight)
+    drafter = drafter_cls(config_cls.model_validate(doc["config"]), embed_weight, head_weight)
     state = load_file(str(path / WEIGHTS), device=str(embed_weight.device))
     draft_vocab = state.pop(DRAFT_VOCAB, None)
     missing, unexpected = drafter.load_state_dict(state, strict=False)

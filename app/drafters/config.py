@@ -114,6 +114,17 @@ class EagleConfig(DecoderShape):
     fused_layers: tuple[int, ...] = Field(
         (5, 17, 29), description="Subset of feature_layers fused into the input (EAGLE-3: low, mid, high; MTP: last)."
     )
+    fusion: Literal["in_proj", "concat"] = Field(
+        "in_proj", description="How the layer reads [state; token embedding]: projected to Dm by in_proj, then the "
+        "layer's own input norm ('in_proj'), or, as DeepSpec's EAGLE-3, the attention reads [RMSNorm(emb); "
+        "RMSNorm(state)] (2 Dm) directly with the state as the residual ('concat')."
+    )
+    feature_norm: bool = Field(
+        True, description="RMS-normalise each fused target layer's feature before fc (DeepSpec's format: no)."
+    )
+    confidence: bool = Field(
+        True, description="A confidence head on the normed hidden; without one every draft reports confidence 1."
+    )
 
     @model_validator(mode="after")
     def _check_fused(self) -> "EagleConfig":
@@ -121,6 +132,8 @@ class EagleConfig(DecoderShape):
         if not self.fused_layers or unknown or len(set(self.fused_layers)) != len(self.fused_layers):
             raise ValueError(f"fused_layers {self.fused_layers} must be distinct members of feature_layers "
                              f"{self.feature_layers}")
+        if len(self.fused_layers) == 1 and self.fusion == "concat":
+            raise ValueError("fusion 'concat' needs fc, so at least two fused_layers")
         if len(self.fused_layers) == 1 and self.target_hidden_size != self.hidden_size:
             raise ValueError(f"one fused layer is used without a projection, so target_hidden_size "
                              f"{self.target_hidden_size} must equal hidden_size {self.hidden_size}")

@@ -102,17 +102,22 @@ class HeadStep:
 
 
 class BackboneLayer(nn.Module):
-    """A pre-norm decoder layer whose attention also sees injected context keys/values (shared by every kind)."""
+    """A pre-norm decoder layer whose attention also sees injected context keys/values (shared by every kind).
 
-    def __init__(self, c: DecoderShape) -> None:
+    With ``attn_features`` (EAGLE-3's reference layout) the attention reads an already-normed input of that width,
+    given to ``forward`` as ``attn_in``, and the layer has no input norm of its own.
+    """
+
+    def __init__(self, c: DecoderShape, *, attn_features: int | None = None) -> None:
         super().__init__()
         self.c = c
         self.q_out, self.kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv = nn.Linear(c.hidden_size, self.q_out + 2 * self.kv_out, bias=False)
+        self.qkv = nn.Linear(attn_features or c.hidden_size, self.q_out + 2 * self.kv_out, bias=False)
         self.o_proj = nn.Linear(self.q_out, c.hidden_size, bias=False)
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
+        if attn_features is None:
+            self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))
         if c.qk_norm:  # Qwen3: RMSNorm over each head's Dh before the rotary embedding
             self.q_norm = nn.Parameter(torch.ones(c.head_dim))
@@ -139,11 +144,14 @@ class BackboneLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor,
+        attn_in: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, Q, Dm]; ctx_k/v [B, Hkv, T, Dh]; cos/sin [B, 1, Q, Dh]; mask [B, 1, Q, T + Q] bool -> [B, Q, Dm]."""
+        """x [B, Q, Dm] (the residual stream); ctx_k/v [B, Hkv, T, Dh]; cos/sin [B, 1, Q, Dh];
+        mask [B, 1, Q, T + Q] bool; attn_in [B, Q, A] the attention's input with ``attn_features`` (else the layer
+        norms x itself) -> [B, Q, Dm]."""
         c = self.c
         b, q_len, _ = x.shape
-        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        h = rms_norm(x, self.input_norm, c.rms_norm_eps) if attn_in is None else attn_in
         qkv = self.qkv(h)
         q = qkv[..., : self.q_out].view(b, q_len, c.num_heads, c.head_dim).transpose(1, 2)
         k = qkv[..., self.q_out : self.q_out + self.kv_out].view(b, q_len, c.num_kv_heads, c.head_dim).transpose(1, 2)

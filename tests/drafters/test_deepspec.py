@@ -4,7 +4,8 @@ round trips, and clear errors for wrong or partial folders.
 ``tests/fixtures/deepspec`` (see its README) holds tiny random drafters written in the reference's format over a
 tiny random 3-layer Qwen3 target, the target's stored hidden states, and what DeepSpec's own modules computed from
 them (run outside this repository): the backbone hidden states, base and Markov-adjusted draft logits, probabilities,
-greedy drafts, confidences and teacher-forced logits at two anchors.
+greedy drafts, confidences and teacher-forced logits at two anchors; and an EAGLE-3 drafter over a 6-layer target
+with its greedy drafting loop's hidden states, logits and drafts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from app.drafters.checkpoint import load_checkpoint, read_checkpoint_config
 from app.drafters.config import DrafterConfig
 from app.drafters.deepspec import export_deepspec, load_deepspec
 from app.drafters.dspark import DSparkDrafter
+from app.drafters.eagle import EagleDrafter
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepspec"
 VARIANTS = {  # fixture folder -> (head, confidence) it must translate to
@@ -88,6 +90,61 @@ def test_the_markov_head_changes_the_drafts(target):
     assert not torch.allclose(expected["anchor5.logits"], expected["anchor5.base_logits"], **TOL)
 
 
+def eagle_draft(drafter: EagleDrafter, target: dict, anchor: int) -> dict[str, torch.Tensor]:
+    """Greedy drafting at ``anchor`` as ``EagleProposer`` runs it: a causal pass over the context rows < anchor
+    (row j with token j + 1), then one step per draft at positions anchor, anchor + 1, ..."""
+    ids, k = target["input_ids"], drafter.config.block_size
+    with torch.no_grad():
+        x = drafter.inputs(drafter.fuse(target["features"][:, :anchor]), ids[:, 1 : anchor + 1])
+        empty = drafter.empty_kv(1, x)
+        out, keys, values = drafter.attend(x, positions=torch.arange(anchor)[None], past_k=empty, past_v=empty,
+                                           mask=torch.ones(anchor, anchor, dtype=torch.bool).tril()[None])
+        h, hidden, logits, tokens = out[:, -1], [], [], []
+        for i in range(k):
+            hidden.append(h[0])
+            step_logits, _ = drafter.head(h)
+            logits.append(step_logits[0])
+            tokens.append(step_logits[0].argmax())
+            if i + 1 == k:
+                break
+            out, k_new, v_new = drafter.attend(drafter.inputs(h[:, None], tokens[-1].view(1, 1)),
+                                               positions=torch.tensor([[anchor + i]]), past_k=keys, past_v=values,
+                                               mask=torch.ones(1, 1, keys.shape[2] + 1, dtype=torch.bool))
+            h, keys, values = out[:, 0], torch.cat([keys, k_new], 2), torch.cat([values, v_new], 2)
+    logits = torch.stack(logits)
+    return {"hidden": torch.stack(hidden), "logits": logits, "probs": torch.softmax(logits, -1),
+            "tokens": torch.stack(tokens)}
+
+
+@pytest.fixture(scope="module")
+def eagle_target() -> dict[str, torch.Tensor]:
+    return load_file(str(FIXTURE / "eagle3" / "target.safetensors"))
+
+
+def test_eagle3_outputs_equal_the_reference_implementation(eagle_target):
+    drafter = load(FIXTURE / "eagle3", eagle_target)
+    assert isinstance(drafter, EagleDrafter) and drafter.config.fusion == "concat"
+    expected = load_file(str(FIXTURE / "eagle3" / "expected.safetensors"))
+    for anchor in ANCHORS:
+        ours = eagle_draft(drafter, eagle_target, anchor)
+        assert torch.equal(ours["tokens"], expected[f"anchor{anchor}.tokens"])
+        for name in ("hidden", "logits", "probs"):
+            torch.testing.assert_close(ours[name], expected[f"anchor{anchor}.{name}"], **TOL, msg=name)
+        _, conf = drafter.head(ours["hidden"])
+        assert torch.equal(torch.sigmoid(conf), torch.ones(drafter.config.block_size))  # no confidence head
+
+
+def test_eagle3_export_then_load_gives_identical_drafts(eagle_target, tmp_path):
+    drafter = load(FIXTURE / "eagle3", eagle_target)
+    export_deepspec(drafter, tmp_path / "out", dtype=torch.float32)
+    again = load(tmp_path / "out", eagle_target)
+    assert read_checkpoint_config(tmp_path / "out")["kind"] == "eagle"
+    for anchor in ANCHORS:
+        a, b = eagle_draft(drafter, eagle_target, anchor), eagle_draft(again, eagle_target, anchor)
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
 def test_read_checkpoint_config_translates_the_folder():
     doc = read_checkpoint_config(FIXTURE / "dspark_vanilla")
     assert doc["format"] == "deepspec" and doc["kind"] == "dspark"
@@ -148,10 +205,10 @@ def test_export_refuses_options_the_format_cannot_express(target):
         export_deepspec(DSparkDrafter(c, target["embed"]), "/nonexistent/never-written")
 
 
-def _broken_copy(tmp_path: Path, *, config=None, tensors=None) -> Path:
-    """A copy of the vanilla fixture with its config dict and/or tensor dict edited in place by the callables."""
+def _broken_copy(tmp_path: Path, *, config=None, tensors=None, variant: str = "dspark_vanilla") -> Path:
+    """A copy of a fixture drafter with its config dict and/or tensor dict edited in place by the callables."""
     folder = tmp_path / "broken"
-    shutil.copytree(FIXTURE / "dspark_vanilla", folder)
+    shutil.copytree(FIXTURE / variant, folder)
     if config:
         doc = json.loads((folder / "config.json").read_text())
         config(doc)
@@ -180,6 +237,20 @@ def _broken_copy(tmp_path: Path, *, config=None, tensors=None) -> Path:
 def test_a_wrong_or_partial_folder_names_what_is_wrong(edit, message, target, tmp_path):
     with pytest.raises(ValueError) as err:
         load_checkpoint(_broken_copy(tmp_path, **edit), target["embed"])
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (dict(config=lambda d: d.update(num_hidden_layers=2)), "num_hidden_layers 2"),
+    (dict(config=lambda d: d.pop("ttt_length")), "'ttt_length' is missing"),
+    (dict(tensors=lambda s: s.pop("layers.0.hidden_norm.weight")), "layers.0.hidden_norm.weight"),
+    (dict(tensors=lambda s: s.update({"layers.0.self_attn.q_proj.weight": torch.zeros(32, 32)})),
+     "'layers.0.self_attn.q_proj.weight' has shape (32, 32), expected (32, 64)"),
+    (dict(config=lambda d: d.update(draft_vocab_size=128)), "draft_vocab_size 128"),
+])
+def test_a_wrong_eagle3_folder_names_what_is_wrong(edit, message, eagle_target, tmp_path):
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(_broken_copy(tmp_path, variant="eagle3", **edit), eagle_target["embed"])
     assert message in str(err.value)
 
 

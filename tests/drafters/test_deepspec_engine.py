@@ -8,6 +8,7 @@ sized for SmolLM2; losslessness does not depend on its weights. Uses the session
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from app.engine.decode import generate
 from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
 from app.serving.drafter import make_proposer
+from app.serving.target import make_engine
 from tests.engine.near_tie import check_same_or_near_tie
 
 PROMPTS = [
@@ -65,3 +67,15 @@ def test_served_greedy_run_with_a_deepspec_drafter_is_lossless(engine, exported)
     for prompt, p, s in zip(ids, plain, spec):
         check_same_or_near_tie(engine, prompt, p.token_ids, s.token_ids)
     assert sum(r.num_draft for r in spec) > 0  # drafts were proposed and verified
+
+
+def test_served_engine_returns_the_feature_layers_of_the_drafter(monkeypatch):
+    """A DeepSpec drafter's target_layer_ids (here [0, 1]) become the served engine's feature layers."""
+    import app.engine.engine
+
+    built = []
+    monkeypatch.setattr(app.engine.engine, "TargetEngine", built.append)
+    folder = Path(__file__).resolve().parents[1] / "fixtures" / "deepspec" / "dspark_vanilla"
+    make_engine(AppConfig(drafter="dspark", drafter_checkpoint=str(folder), prompt_lookup=False))
+    make_engine(AppConfig(drafter="ngram"))
+    assert [c.feature_layers for c in built] == [(0, 1), None]

@@ -205,6 +205,25 @@ def test_export_refuses_options_the_format_cannot_express(target):
         export_deepspec(DSparkDrafter(c, target["embed"]), "/nonexistent/never-written")
 
 
+def test_training_loss_of_a_drafter_without_confidence_head_is_finite(target):
+    """DFlash (no confidence head, confidence logits +inf) trains on the draft losses alone: bce is 0, not inf."""
+    from types import SimpleNamespace
+
+    from app.drafters.train.trainer import BlockOutputs, dspark_loss
+
+    drafter = load(FIXTURE / "dflash", target)
+    out = draft(drafter, target, 5)
+    logits = out["teacher_forced_logits"][None].requires_grad_()
+    _, conf = drafter.teacher_forced(out["base_logits"][None], out["hidden"][None], target["input_ids"][:, 5:9])
+    ids = target["input_ids"][:, 6:10]
+    batch = SimpleNamespace(labels=ids, valid=torch.ones(1, 4, dtype=torch.bool), topk_ids=ids[..., None],
+                            topk_probs=torch.ones(1, 4, 1))
+    loss, parts = dspark_loss(BlockOutputs(logits=logits, conf_logits=conf), batch, gamma_decay=4.0,
+                              device=torch.device("cpu"))
+    loss.backward()
+    assert parts["bce"] == 0.0 and torch.isfinite(loss) and torch.isfinite(logits.grad).all()
+
+
 def _broken_copy(tmp_path: Path, *, config=None, tensors=None, variant: str = "dspark_vanilla") -> Path:
     """A copy of a fixture drafter with its config dict and/or tensor dict edited in place by the callables."""
     folder = tmp_path / "broken"

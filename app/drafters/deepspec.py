@@ -260,7 +260,8 @@ def load_deepspec(
         raise ValueError(f"{where}: missing tensor(s) {missing}")
     unexpected = sorted(tensors.keys() - expected - set(OPTIONAL))
     if unexpected:
-        raise ValueError(f"{where}: unexpected tensor(s) {unexpected} for {hf['architectures'][0]} with config {c}")
+        raise ValueError(f"{where}: unexpected tensor(s) {unexpected}: not part of a {hf['architectures'][0]} with "
+                         "this config (num_hidden_layers, markov_rank, markov_head_type, enable_confidence_head)")
     ids = _draft_vocab(tensors, hf, c, where)
     rows = c.vocab_size if ids is None else len(ids)  # rows of lm_head and markov_w2
 

@@ -243,7 +243,8 @@ def load_deepspec(
 
     Raises:
         FileNotFoundError: no ``config.json`` / ``model.safetensors``; ValueError: the config is not a supported
-        DeepSpec drafter, a tensor is missing, unexpected or of the wrong shape (the message names it).
+        DeepSpec drafter or not one for this target (vocabulary, hidden size), a tensor is missing, unexpected or
+        of the wrong shape (the message names it).
     """
     path = Path(path)
     for name in (CONFIG, WEIGHTS):
@@ -251,6 +252,9 @@ def load_deepspec(
             raise FileNotFoundError(f"no DeepSpec drafter in {path}: {name} is missing")
     hf = json.loads((path / CONFIG).read_text())
     c = drafter_config(hf, where=str(path / CONFIG))
+    if tuple(embed_weight.shape) != (c.vocab_size, c.hidden_size):
+        raise ValueError(f"{path / CONFIG}: the drafter is for a target of vocab_size {c.vocab_size} and hidden_size "
+                         f"{c.hidden_size}, but the target's embedding is {tuple(embed_weight.shape)}")
     where = str(path / WEIGHTS)
     tensors = load_file(where, device=str(embed_weight.device))
     entries = tensor_map(c)

@@ -273,6 +273,13 @@ def test_a_wrong_eagle3_folder_names_what_is_wrong(edit, message, eagle_target, 
     assert message in str(err.value)
 
 
+def test_a_drafter_for_another_target_is_refused(target, eagle_target):
+    with pytest.raises(ValueError, match="vocab_size 256 and hidden_size 32, but the target's embedding is"):
+        load_checkpoint(FIXTURE / "dspark_vanilla", torch.zeros(300, 32))
+    with pytest.raises(ValueError, match="hidden_size 32"):
+        load_checkpoint(FIXTURE / "eagle3", torch.zeros(256, 64))
+
+
 def test_a_folder_without_lm_head_needs_the_targets_head(target, tmp_path):
     folder = _broken_copy(tmp_path, tensors=lambda s: s.pop("lm_head.weight"))
     with pytest.raises(ValueError, match="'lm_head.weight' is missing"):

@@ -28,6 +28,8 @@ Tensor layout (reference name -> this project's):
 Draft vocabulary (vLLM's reading of the format): with ``draft_vocab_size`` V' < V, ``lm_head`` is [V', Dm],
 ``markov_head.markov_w2`` is [V', r] and ``d2t`` [V'] int64 holds offsets, token id = i + d2t[i]; ``t2d`` [V] bool
 (training only) marks the draft ids. They load as ``DSparkDrafter.set_draft_vocab`` (DSpark / DFlash only).
+A ``mask_embedding`` tensor, a placeholder some DSpark checkpoints carry, is not used (the mask positions take the
+embedding row of ``mask_token_id``; vLLM skips it as well).
 
 Beside the weights, an export writes this project's confidence calibration (``dspark_calibration.json``, per-position
 temperatures of the confidence logits) and, when given, the throughput profile (``dspark_cost_table.json``, the
@@ -61,7 +63,7 @@ DSPARK, EAGLE3 = "Qwen3DSparkModel", "Qwen3Eagle3Model"
 ARCHITECTURES = (DSPARK, EAGLE3)
 HEADS = {"vanilla": "markov", "gated": "gated", "rnn": "joint_rnn"}  # markov_head_type -> DrafterConfig.head
 UNSPECIFIED_TARGET = "unspecified (DeepSpec checkpoint)"
-OPTIONAL = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d")
+OPTIONAL = ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d", "mask_embedding")
 
 
 def is_deepspec_config(doc: dict) -> bool:

@@ -273,6 +273,12 @@ def test_a_wrong_eagle3_folder_names_what_is_wrong(edit, message, eagle_target, 
     assert message in str(err.value)
 
 
+def test_an_unused_mask_embedding_placeholder_is_accepted(target, tmp_path):
+    folder = _broken_copy(tmp_path, tensors=lambda s: s.update({"mask_embedding": torch.ones(32)}))
+    expected = load_file(str(FIXTURE / "dspark_vanilla" / "expected.safetensors"))
+    torch.testing.assert_close(draft(load(folder, target), target, 5)["logits"], expected["anchor5.logits"], **TOL)
+
+
 def test_a_drafter_for_another_target_is_refused(target, eagle_target):
     with pytest.raises(ValueError, match="vocab_size 256 and hidden_size 32, but the target's embedding is"):
         load_checkpoint(FIXTURE / "dspark_vanilla", torch.zeros(300, 32))

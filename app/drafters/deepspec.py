@@ -404,7 +404,11 @@ def export_deepspec(
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``export CHECKPOINT OUT``: a drafter checkpoint of this project to DeepSpec's format, on the embedding
-    and LM head of its target (``--target``, default: the checkpoint's ``target``)."""
+    and LM head of its target (``--target``, default: the checkpoint's ``target``).
+
+    Raises:
+        ValueError: an unknown kind, or a config the format cannot express (before the target is loaded).
+    """
     p = argparse.ArgumentParser(prog="python -m app.drafters.deepspec", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a drafter checkpoint of this project in DeepSpec's format")
@@ -415,15 +419,19 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = p.parse_args(argv)
     # checkpoint.py dispatches DeepSpec folders to this module, so it is imported here, not at the top
-    from app.drafters.checkpoint import load_checkpoint, read_checkpoint_config
+    from app.drafters.checkpoint import KINDS, load_checkpoint, read_checkpoint_config
     from app.engine.engine import EngineConfig, TargetEngine
 
-    target = args.target or read_checkpoint_config(args.checkpoint)["config"]["target"]
-    model = TargetEngine(EngineConfig(model=target, max_num_seqs=1, max_model_len=64)).model
+    doc, dtype = read_checkpoint_config(args.checkpoint), getattr(torch, args.dtype)
+    kind = doc.get("kind", "dspark")
+    if kind not in KINDS:
+        raise ValueError(f"checkpoint {args.checkpoint}: unknown drafter kind {kind!r}; expected {sorted(KINDS)}")
+    deepspec_config(KINDS[kind][0].model_validate(doc["config"]), dtype=dtype)  # refuse before loading the target
+    model = TargetEngine(EngineConfig(model=args.target or doc["config"]["target"], max_num_seqs=1,
+                                      max_model_len=64)).model
     drafter, calibration, _ = load_checkpoint(args.checkpoint, model.embed_tokens.weight,
                                               head_weight=model.lm_head.weight, dtype=torch.float32)
-    out = export_deepspec(drafter, args.out, calibration=calibration, profile=args.profile,
-                          dtype=getattr(torch, args.dtype))
+    out = export_deepspec(drafter, args.out, calibration=calibration, profile=args.profile, dtype=dtype)
     print(json.dumps({"exported": str(out), "config": str(out / CONFIG)}))
 
 

@@ -224,6 +224,16 @@ def test_training_loss_of_a_drafter_without_confidence_head_is_finite(target):
     assert parts["bce"] == 0.0 and torch.isfinite(loss) and torch.isfinite(logits.grad).all()
 
 
+def test_export_cli_refuses_the_committed_checkpoint_naming_the_option(tmp_path):
+    """The committed SmolLM2 checkpoint uses this project's layout (no q/k norm, normed features, learned mask)."""
+    from app.drafters.deepspec import main
+    from app.eval.evaluate import DEFAULT_CHECKPOINT
+
+    with pytest.raises(ValueError, match="cannot express qk_norm=False"):
+        main(["export", str(DEFAULT_CHECKPOINT), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 def _broken_copy(tmp_path: Path, *, config=None, tensors=None, variant: str = "dspark_vanilla") -> Path:
     """A copy of a fixture drafter with its config dict and/or tensor dict edited in place by the callables."""
     folder = tmp_path / "broken"

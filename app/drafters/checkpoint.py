@@ -7,6 +7,10 @@ never stored.
 A DSpark checkpoint may hold a draft vocabulary: the int64 tensor ``draft_vocab`` [V'] in ``model.safetensors``
 (``DSparkDrafter.set_draft_vocab``; written by ``app.drafters.train.draft_vocab``). Loading validates it and
 restricts drafting to it; a checkpoint without it drafts over the full vocabulary.
+
+A folder in DeepSpec's format (DeepSeek's reference code: a ``config.json`` naming ``architectures``) loads through
+the same functions (``deepspec.py``): ``read_checkpoint_config`` returns its translated config with
+``"format": "deepspec"``, ``load_checkpoint`` maps its tensors.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from app.drafters.calibration import Calibration
 from app.drafters.config import DrafterConfig, EagleConfig
+from app.drafters.deepspec import drafter_config, is_deepspec_config, load_deepspec
 from app.drafters.dspark import DSparkDrafter, check_draft_vocab
 from app.drafters.eagle import EagleDrafter
 
@@ -68,11 +73,13 @@ def save_checkpoint(
 
 
 def read_checkpoint_config(path: Path | str) -> dict:
-    """The parsed ``config.json`` of the checkpoint folder ``path`` (kind, config, calibration, metadata).
+    """The parsed ``config.json`` of the checkpoint folder ``path`` (kind, config, calibration, metadata); for a
+    DeepSpec-format folder, its translation: kind "dspark" or "eagle", the config fields, ``"format": "deepspec"``
+    (its calibration is read by ``load_checkpoint``).
 
     Raises:
-        FileNotFoundError: no ``config.json`` in ``path``; ValueError: the file is not JSON, or has no ``config``
-        object naming its ``target``.
+        FileNotFoundError: no ``config.json`` in ``path``; ValueError: the file is not JSON, has no ``config``
+        object naming its ``target``, or is a DeepSpec config that ``deepspec.drafter_config`` rejects.
     """
     file = Path(path) / CONFIG
     if not file.is_file():
@@ -81,18 +88,26 @@ def read_checkpoint_config(path: Path | str) -> dict:
         doc = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if is_deepspec_config(doc):
+        config = drafter_config(doc, where=str(file))
+        kind = "eagle" if isinstance(config, EagleConfig) else "dspark"
+        return {"kind": kind, "config": config.model_dump(mode="json"), "metadata": {}, "format": "deepspec"}
     if not isinstance(doc, dict) or not isinstance(doc.get("config"), dict) or "target" not in doc["config"]:
         raise ValueError(f"{file} has no 'config' object with a 'target' field")
     return doc
 
 
 def load_checkpoint(
-    path: Path | str, embed_weight: torch.Tensor, *, dtype: torch.dtype | None = None
+    path: Path | str, embed_weight: torch.Tensor, *, head_weight: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[Drafter, Calibration, dict]:
-    """Rebuild a drafter of the checkpoint's kind from ``path`` on ``embed_weight``'s device.
+    """Rebuild a drafter of the checkpoint's kind from ``path`` (this project's format or DeepSpec's) on
+    ``embed_weight``'s device.
 
     Args:
-        embed_weight: [V, Dm] the target's tied embedding (shared, frozen).
+        embed_weight: [V, Dm] the target's embedding (shared, frozen; the LM head too without ``head_weight``).
+        head_weight: [V, Dm] the target's LM head when it is not tied to the embedding (a DeepSpec folder's own
+            ``lm_head`` takes precedence).
         dtype: parameter dtype (None: the embedding's dtype).
 
     Returns:
@@ -101,16 +116,19 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: missing files; ValueError: an unknown kind, a config that does not validate or
-        match the weights, or a draft vocabulary that is not sorted distinct ids in [0, V) or not on a DSpark
-        drafter.
+        match the weights, a draft vocabulary that is not sorted distinct ids in [0, V) or not on a DSpark
+        drafter, or a DeepSpec folder that ``load_deepspec`` rejects
+        (the message names the missing or mismatching tensor or field).
     """
     path = Path(path)
     doc = read_checkpoint_config(path)
+    if doc.get("format") == "deepspec":
+        return load_deepspec(path, embed_weight, head_weight=head_weight, dtype=dtype)
     kind = doc.get("kind", "dspark")
     if kind not in KINDS:
         raise ValueError(f"checkpoint {path}: unknown drafter kind {kind!r}; expected one of {sorted(KINDS)}")
     config_cls, drafter_cls = KINDS[kind]
-    drafter = drafter_cls(config_cls.model_validate(doc["config"]), embed_weight)
+    drafter = drafter_cls(config_cls.model_validate(doc["config"]), embed_weight, head_weight)
     state = load_file(str(path / WEIGHTS), device=str(embed_weight.device))
     draft_vocab = state.pop(DRAFT_VOCAB, None)
     missing, unexpected = drafter.load_state_dict(state, strict=False)

@@ -35,6 +35,10 @@ class DecoderShape(BaseModel):
     rms_norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     rope_theta: float = Field(100000.0, gt=0, description="Rotary base (the target's).")
     max_positions: int = Field(8192, ge=16, description="Longest context the rotary table covers.")
+    qk_norm: bool = Field(
+        False, description="Per-head RMSNorm of queries and keys before the rotary embedding (Qwen3 layers; applied "
+        "to the injected context keys as well)."
+    )
 
     @model_validator(mode="after")
     def _check_shape(self) -> "DecoderShape":
@@ -67,10 +71,40 @@ class DrafterConfig(DecoderShape):
     """One DSpark drafter, or the DFlash-style one with ``head="none"`` (``app/drafters/dspark.py``)."""
 
     num_layers: int = Field(2, ge=1, le=8, description="Parallel backbone decoder layers.")
-    head: Literal["markov", "rnn", "none"] = Field(
-        "markov", description="Sequential head: low-rank Markov bias, GRU state, or none (purely parallel, DFlash)."
+    head: Literal["markov", "gated", "rnn", "joint_rnn", "none"] = Field(
+        "markov", description="Sequential head: low-rank Markov bias (DeepSpec 'vanilla'), the Markov bias through a "
+        "sigmoid gate of [h; W1[x]] ('gated'), GRU state ('rnn'), DeepSpec's 'rnn' (one joint projection of "
+        "[s; W1[x]; h] into gate, candidate and output: 'joint_rnn'), or none (purely parallel, DFlash)."
     )
     rank: int = Field(64, ge=1, description="r: width of the token table W1 [V, r] and of W2 [r, V].")
+    feature_norm: bool = Field(
+        True, description="RMS-normalise each target layer's feature before fc (this project's drafters; DeepSpec's "
+        "format feeds the concatenated features to fc as they are)."
+    )
+    mask_token_id: int | None = Field(
+        None, ge=0, description="Block positions after the anchor take the target's embedding row of this token id "
+        "(DeepSpec); None: a learned mask embedding."
+    )
+    confidence: Literal["auto", "hidden", "hidden_prev", "none"] = Field(
+        "auto", description="Input of the confidence head: h_k ('hidden'), [h_k; W1[x_{k-1}]] ('hidden_prev'), or "
+        "'auto' (head 'rnn': [h_k; s_k], 'none': h_k, others: [h_k; W1[x_{k-1}]]); 'none': no confidence head, "
+        "every draft reports confidence 1 (the whole block is verified, as DFlash does)."
+    )
+
+    @model_validator(mode="after")
+    def _check_head(self) -> "DrafterConfig":
+        if self.mask_token_id is not None and self.mask_token_id >= self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        if self.confidence == "hidden_prev" and self.head == "none":
+            raise ValueError("confidence 'hidden_prev' needs a sequential head (W1), but head is 'none'")
+        return self
+
+    @property
+    def confidence_input(self) -> Literal["hidden", "hidden_prev", "hidden_state", "none"]:
+        """The confidence head's input with 'auto' resolved: 'hidden_state' is [h_k; s_k] (head 'rnn')."""
+        if self.confidence != "auto":
+            return self.confidence
+        return {"rnn": "hidden_state", "none": "hidden"}.get(self.head, "hidden_prev")
 
 
 class EagleConfig(DecoderShape):
@@ -80,6 +114,17 @@ class EagleConfig(DecoderShape):
     fused_layers: tuple[int, ...] = Field(
         (5, 17, 29), description="Subset of feature_layers fused into the input (EAGLE-3: low, mid, high; MTP: last)."
     )
+    fusion: Literal["in_proj", "concat"] = Field(
+        "in_proj", description="How the layer reads [state; token embedding]: projected to Dm by in_proj, then the "
+        "layer's own input norm ('in_proj'), or, as DeepSpec's EAGLE-3, the attention reads [RMSNorm(emb); "
+        "RMSNorm(state)] (2 Dm) directly with the state as the residual ('concat')."
+    )
+    feature_norm: bool = Field(
+        True, description="RMS-normalise each fused target layer's feature before fc (DeepSpec's format: no)."
+    )
+    confidence: bool = Field(
+        True, description="A confidence head on the normed hidden; without one every draft reports confidence 1."
+    )
 
     @model_validator(mode="after")
     def _check_fused(self) -> "EagleConfig":
@@ -87,6 +132,8 @@ class EagleConfig(DecoderShape):
         if not self.fused_layers or unknown or len(set(self.fused_layers)) != len(self.fused_layers):
             raise ValueError(f"fused_layers {self.fused_layers} must be distinct members of feature_layers "
                              f"{self.feature_layers}")
+        if len(self.fused_layers) == 1 and self.fusion == "concat":
+            raise ValueError("fusion 'concat' needs fc, so at least two fused_layers")
         if len(self.fused_layers) == 1 and self.target_hidden_size != self.hidden_size:
             raise ValueError(f"one fused layer is used without a projection, so target_hidden_size "
                              f"{self.target_hidden_size} must equal hidden_size {self.hidden_size}")

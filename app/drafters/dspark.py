@@ -6,19 +6,26 @@ inference, ``train/trainer.py`` in training; both go through the same functions.
 
 Architecture (DSpark, arXiv 2607.05147, on the DFlash backbone):
     * Context: target features of the tokens already in the target's cache ([T, F], F = 5 x 576) are
-      RMS-normalised per target layer, projected by ``fc`` (F -> Dm) and RMSNorm-ed into ``ctx``; every backbone
-      layer turns ``ctx`` into extra keys/values with its own k/v projections (KV injection).
+      RMS-normalised per target layer (``feature_norm``; DeepSpec's format skips this), projected by ``fc``
+      (F -> Dm) and RMSNorm-ed into ``ctx``; every backbone layer turns ``ctx`` into extra keys/values with its
+      own k/v projections (KV injection; with ``qk_norm``, the Qwen3 per-head key RMSNorm applies to them too).
     * Block: the anchor (the last committed token, the engine's pending token, at absolute position T) and
-      K-1 learned mask embeddings at positions T+1 .. T+K-1; bidirectional attention inside the block plus
-      attention to the whole context. Block position i's output h_i gives the base logits U_{i+1} of draft
-      token i+1 through the target's frozen, tied LM head: one forward gives K base logits.
-    * Sequential head, left to right: logits_k = U_k + B_k with B_k = W2 W1[x_{k-1}] ("markov", low rank r),
-      B_k = W2 s_k with s_k = GRU([h_k; W1[x_{k-1}]], s_{k-1}) ("rnn"), or B_k = 0 ("none", purely parallel).
-      x_0 is the anchor; in training x_{k-1} is the target's token (teacher forcing), at inference the draft.
-    * Confidence: c_k = sigmoid(w . [h_k; W1[x_{k-1}]] + b) ("rnn": [h_k; s_k]; "none": [h_k]), the
-      probability that draft k is accepted given drafts 1..k-1 were.
+      K-1 mask embeddings (learned, or the embedding row of ``mask_token_id``) at positions T+1 .. T+K-1;
+      bidirectional attention inside the block plus attention to the whole context. Block position i's output
+      h_i gives the base logits U_{i+1} of draft token i+1 through the frozen LM head: one forward gives K base
+      logits.
+    * Sequential head, left to right, with e_k = W1[x_{k-1}] (rank r): logits_k = U_k + W2 z_k where
+      z_k = e_k ("markov", DeepSpec "vanilla"); z_k = sigmoid(G [h_k; e_k] + g) * e_k ("gated");
+      z_k = s_k = GRU([h_k; e_k], s_{k-1}) ("rnn"); or, DeepSpec's "rnn" ("joint_rnn"):
+      [a; c; o] = J [s_{k-1}; e_k; h_k] + j, s_k = sigmoid(a) s_{k-1} + (1 - sigmoid(a)) tanh(c), z_k = tanh(o);
+      no bias at all with "none" (purely parallel, DFlash). x_0 is the anchor, s_0 = 0; in training x_{k-1} is
+      the target's token (teacher forcing), at inference the draft.
+    * Confidence: c_k = sigmoid(w . [h_k; e_k] + b) (``confidence`` "hidden": [h_k]; head "rnn" by default:
+      [h_k; s_k]), the probability that draft k is accepted given drafts 1..k-1 were; without a confidence
+      head (``confidence="none"``) every c_k is 1.
 
-The token embedding and LM head are the target's (passed in, frozen, never saved with the drafter).
+The token embedding and LM head are the target's (passed in, frozen, never saved with the drafter); the LM head is
+the embedding unless ``head_weight`` is given (an untied target, or a DeepSpec checkpoint's own ``lm_head``).
 
 Draft vocabulary: ``set_draft_vocab(ids)`` restricts drafting to a sorted subset of V' token ids (EAGLE-3's
 frequent-token head). The embedding rows and W2 rows of those ids are sliced once; with ``draft=True``,
@@ -90,23 +97,35 @@ class HeadStep:
     logits: torch.Tensor
     # [B] float32 confidence logit of draft k (before sigmoid and calibration)
     conf_logit: torch.Tensor
-    # [B, r] recurrent state after step k ("rnn"), else None
+    # [B, r] recurrent state s_k after step k ("rnn", "joint_rnn"), else None
     state: torch.Tensor | None
 
 
 class BackboneLayer(nn.Module):
-    """A pre-norm decoder layer whose attention also sees injected context keys/values (shared by every kind)."""
+    """A pre-norm decoder layer whose attention also sees injected context keys/values (shared by every kind).
 
-    def __init__(self, c: DecoderShape) -> None:
+    With ``attn_features`` (EAGLE-3's reference layout) the attention reads an already-normed input of that width,
+    given to ``forward`` as ``attn_in``, and the layer has no input norm of its own.
+    """
+
+    def __init__(self, c: DecoderShape, *, attn_features: int | None = None) -> None:
         super().__init__()
         self.c = c
         self.q_out, self.kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv = nn.Linear(c.hidden_size, self.q_out + 2 * self.kv_out, bias=False)
+        self.qkv = nn.Linear(attn_features or c.hidden_size, self.q_out + 2 * self.kv_out, bias=False)
         self.o_proj = nn.Linear(self.q_out, c.hidden_size, bias=False)
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
+        if attn_features is None:
+            self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))
+        if c.qk_norm:  # Qwen3: RMSNorm over each head's Dh before the rotary embedding
+            self.q_norm = nn.Parameter(torch.ones(c.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(c.head_dim))
+
+    def _norm_head(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        """x [B, H, L, Dh] -> per-head RMSNorm with ``q_norm`` / ``k_norm`` (``qk_norm``), else x."""
+        return rms_norm(x, getattr(self, which), self.c.rms_norm_eps) if self.c.qk_norm else x
 
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ctx [B, T, Dm] (already normed), cos/sin [B, 1, T, Dh] -> keys, values [B, Hkv, T, Dh]."""
@@ -114,7 +133,7 @@ class BackboneLayer(nn.Module):
         kv = F.linear(ctx, self.qkv.weight[self.q_out :])
         k = kv[..., : self.kv_out].view(b, t, self.c.num_kv_heads, self.c.head_dim).transpose(1, 2)
         v = kv[..., self.kv_out :].view(b, t, self.c.num_kv_heads, self.c.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        return apply_rope(self._norm_head(k, "k_norm"), cos, sin), v
 
     def forward(
         self,
@@ -125,16 +144,19 @@ class BackboneLayer(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor,
+        attn_in: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, Q, Dm]; ctx_k/v [B, Hkv, T, Dh]; cos/sin [B, 1, Q, Dh]; mask [B, 1, Q, T + Q] bool -> [B, Q, Dm]."""
+        """x [B, Q, Dm] (the residual stream); ctx_k/v [B, Hkv, T, Dh]; cos/sin [B, 1, Q, Dh];
+        mask [B, 1, Q, T + Q] bool; attn_in [B, Q, A] the attention's input with ``attn_features`` (else the layer
+        norms x itself) -> [B, Q, Dm]."""
         c = self.c
         b, q_len, _ = x.shape
-        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        h = rms_norm(x, self.input_norm, c.rms_norm_eps) if attn_in is None else attn_in
         qkv = self.qkv(h)
         q = qkv[..., : self.q_out].view(b, q_len, c.num_heads, c.head_dim).transpose(1, 2)
         k = qkv[..., self.q_out : self.q_out + self.kv_out].view(b, q_len, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = qkv[..., self.q_out + self.kv_out :].view(b, q_len, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(self._norm_head(q, "q_norm"), cos, sin), apply_rope(self._norm_head(k, "k_norm"), cos, sin)
         keys = torch.cat([ctx_k.to(k.dtype), k], dim=2)
         values = torch.cat([ctx_v.to(v.dtype), v], dim=2)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
@@ -145,29 +167,42 @@ class BackboneLayer(nn.Module):
 
 
 class DSparkDrafter(nn.Module):
-    """DSpark drafter (module docstring). ``embed_weight`` [V, Dm] is the target's tied embedding / LM head."""
+    """DSpark drafter (module docstring). ``embed_weight`` [V, Dm] is the target's input embedding, also the LM head
+    unless ``head_weight`` [V, Dm] is given (frozen, shared, never saved with the drafter).
 
-    def __init__(self, config: DrafterConfig, embed_weight: torch.Tensor) -> None:
+    Raises:
+        ValueError: ``embed_weight`` or ``head_weight`` is not [V, Dm] of the config.
+    """
+
+    def __init__(
+        self, config: DrafterConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         c = self.config = config
-        if tuple(embed_weight.shape) != (c.vocab_size, c.hidden_size):
-            raise ValueError(f"embedding {tuple(embed_weight.shape)} does not match V={c.vocab_size}, Dm={c.hidden_size}")
+        for name, w in (("embedding", embed_weight), ("LM head", head_weight)):
+            if w is not None and tuple(w.shape) != (c.vocab_size, c.hidden_size):
+                raise ValueError(f"{name} {tuple(w.shape)} does not match V={c.vocab_size}, Dm={c.hidden_size}")
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("head_weight", None if head_weight is None else head_weight.detach(), persistent=False)
         self.fc = nn.Linear(c.feature_dim, c.hidden_size, bias=False)
         self.ctx_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.mask_embed = nn.Parameter(torch.randn(c.hidden_size) * 0.02)
+        if c.mask_token_id is None:
+            self.mask_embed = nn.Parameter(torch.randn(c.hidden_size) * 0.02)
         self.layers = nn.ModuleList(BackboneLayer(c) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
-        conf_in = c.hidden_size
         if c.head != "none":
             self.w1 = nn.Embedding(c.vocab_size, c.rank)
             nn.init.normal_(self.w1.weight, std=0.02)
             self.w2 = nn.Linear(c.rank, c.vocab_size, bias=False)
             nn.init.zeros_(self.w2.weight)  # starts as the purely parallel drafter
-            conf_in += c.rank
+        if c.head == "gated":
+            self.gate = nn.Linear(c.hidden_size + c.rank, c.rank)
         if c.head == "rnn":
             self.cell = nn.GRUCell(c.hidden_size + c.rank, c.rank)
-        self.conf = nn.Linear(conf_in, 1)
+        if c.head == "joint_rnn":
+            self.joint = nn.Linear(2 * c.rank + c.hidden_size, 3 * c.rank)
+        conf_in = {"hidden": c.hidden_size, "none": 0}.get(c.confidence_input, c.hidden_size + c.rank)
+        self.conf = nn.Linear(conf_in, 1) if conf_in else None
         cos, sin = rope_tables(head_dim=c.head_dim, theta=c.rope_theta, max_positions=c.max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -193,7 +228,7 @@ class DSparkDrafter(nn.Module):
             return
         ids = check_draft_vocab(ids, self.config.vocab_size).to(self.embed_weight.device)
         self.draft_vocab = ids
-        self.draft_embed = self.embed_weight.index_select(0, ids)
+        self.draft_embed = self.lm_head.index_select(0, ids)
         self.draft_w2 = self.w2.weight.detach().index_select(0, ids) if self.config.head != "none" else None
 
     @staticmethod
@@ -201,6 +236,11 @@ class DSparkDrafter(nn.Module):
         """load_state_dict post-hook: the cached draft rows must follow newly loaded weights."""
         if module.draft_vocab is not None:
             module.set_draft_vocab(module.draft_vocab)
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """[V, Dm] the frozen LM head: ``head_weight``, or the tied embedding without one."""
+        return self.embed_weight if self.head_weight is None else self.head_weight
 
     def draft_token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into the drafting vocabulary (any shape, int64) -> token ids: ``draft_vocab[index]``, or
@@ -210,11 +250,14 @@ class DSparkDrafter(nn.Module):
     # ---------------------------------------------------------------- context
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
-        """features [B, T, F] (target dtype) -> ctx [B, T, Dm]: per-layer RMS, ``fc``, RMSNorm."""
+        """features [B, T, F] (target dtype) -> ctx [B, T, Dm]: per-layer RMS (``feature_norm``), ``fc``, RMSNorm."""
         c = self.config
-        x = features.to(self.fc.weight.dtype).unflatten(-1, (len(c.feature_layers), c.target_hidden_size))
-        x = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
-        return rms_norm(self.fc(x.flatten(-2)), self.ctx_norm, c.rms_norm_eps)
+        x = features.to(self.fc.weight.dtype)
+        if c.feature_norm:
+            x = x.unflatten(-1, (len(c.feature_layers), c.target_hidden_size))
+            x = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
+            x = x.flatten(-2)
+        return rms_norm(self.fc(x), self.ctx_norm, c.rms_norm_eps)
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> ContextKV:
         """features [B, T, F], positions [B, T] -> the injected keys/values of every layer."""
@@ -226,11 +269,13 @@ class DSparkDrafter(nn.Module):
     # ---------------------------------------------------------------- parallel backbone
 
     def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
-        """anchors [B, M] -> block inputs [B, M * K, Dm]: each anchor's embedding followed by K-1 mask embeddings."""
+        """anchors [B, M] -> block inputs [B, M * K, Dm]: each anchor's embedding followed by K-1 mask embeddings
+        (learned, or the embedding row of ``mask_token_id``)."""
         b, m = anchors.shape
-        k = self.config.block_size
-        anchor_emb = F.embedding(anchors, self.embed_weight).to(self.mask_embed.dtype)  # [B, M, Dm]
-        masks = self.mask_embed.expand(b, m, k - 1, -1)
+        c = self.config
+        mask = self.mask_embed if c.mask_token_id is None else self.embed_weight[c.mask_token_id].to(self.norm.dtype)
+        anchor_emb = F.embedding(anchors, self.embed_weight).to(mask.dtype)  # [B, M, Dm]
+        masks = mask.expand(b, m, c.block_size - 1, -1)
         return torch.cat([anchor_emb[:, :, None], masks], dim=2).flatten(1, 2)
 
     def backbone(
@@ -244,9 +289,9 @@ class DSparkDrafter(nn.Module):
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def base_logits(self, hidden: torch.Tensor, *, draft: bool = False) -> torch.Tensor:
-        """normed hidden [..., Dm] -> U [..., V] float32 through the frozen tied LM head; with ``draft`` and a
+        """normed hidden [..., Dm] -> U [..., V] float32 through the frozen LM head; with ``draft`` and a
         draft vocabulary, U [..., V'] over its ids only (column j is token ``draft_vocab[j]``)."""
-        weight = self.draft_embed if draft and self.draft_vocab is not None else self.embed_weight
+        weight = self.draft_embed if draft and self.draft_vocab is not None else self.lm_head
         # one 2-D matmul: a non-contiguous [B, gamma < K, Dm] slice would go through bmm with a per-row copy of the weight
         flat = hidden.to(weight.dtype).reshape(-1, hidden.shape[-1])
         return F.linear(flat, weight).float().reshape(*hidden.shape[:-1], weight.shape[0])
@@ -258,21 +303,15 @@ class DSparkDrafter(nn.Module):
         *, draft: bool = False,
     ) -> HeadStep:
         """Draft k's logits and confidence logit: base [B, V], hidden [B, Dm], prev x_{k-1} [B] (token ids),
-        state [B, r] | None. With ``draft`` and a draft vocabulary, base and the logits are [B, V'] (the W2 bias
-        of the draft ids only); the confidence does not depend on the vocabulary."""
-        c = self.config
-        if c.head == "none":
-            return HeadStep(logits=base, conf_logit=self.conf(hidden).squeeze(-1).float(), state=None)
-        w2 = self._w2(draft)
+        state s_{k-1} [B, r] | None (None: s_0 = 0). With ``draft`` and a draft vocabulary, base and the logits are
+        [B, V'] (the W2 bias of the draft ids only); the confidence does not depend on the vocabulary. The
+        stateless heads ("markov", "gated", "none") accept any leading shape [...] in place of [B]."""
+        if self.config.head == "none":
+            return HeadStep(logits=base, conf_logit=self._confidence(hidden, None, None), state=None)
         e = self.w1(prev).to(hidden.dtype)  # [B, r]
-        if c.head == "markov":
-            return HeadStep(logits=base + F.linear(e, w2).float(),
-                            conf_logit=self.conf(torch.cat([hidden, e], -1)).squeeze(-1).float(), state=None)
-        if state is None:
-            state = hidden.new_zeros(hidden.shape[0], c.rank)
-        state = self.cell(torch.cat([hidden, e], -1), state)
-        return HeadStep(logits=base + F.linear(state, w2).float(),
-                        conf_logit=self.conf(torch.cat([hidden, state], -1)).squeeze(-1).float(), state=state)
+        z, state = self._latent(hidden, e, state)
+        return HeadStep(logits=base + F.linear(z, self._w2(draft)).float(),
+                        conf_logit=self._confidence(hidden, e, state), state=state)
 
     def teacher_forced(
         self, base: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor, *, draft: bool = False
@@ -281,12 +320,9 @@ class DSparkDrafter(nn.Module):
         logits [N, K, V] float32 and confidence logits [N, K]. Same math as K calls of ``head_step``; the
         stateless heads run all positions at once. With ``draft`` and a draft vocabulary, base and the logits
         are [N, K, V'] (training over V': W2's rows of V' get gradients, the others none)."""
-        c = self.config
-        if c.head == "none":
-            return base, self.conf(hidden).squeeze(-1).float()
-        if c.head == "markov":
-            e = self.w1(prev).to(hidden.dtype)  # [N, K, r]
-            return base + F.linear(e, self._w2(draft)).float(), self.conf(torch.cat([hidden, e], -1)).squeeze(-1).float()
+        if self.config.head in ("markov", "gated", "none"):
+            step = self.head_step(base, hidden, prev, None, draft=draft)
+            return step.logits, step.conf_logit
         state, logits, conf = None, [], []
         for k in range(base.shape[1]):
             step = self.head_step(base[:, k], hidden[:, k], prev[:, k], state, draft=draft)
@@ -294,6 +330,34 @@ class DSparkDrafter(nn.Module):
             logits.append(step.logits)
             conf.append(step.conf_logit)
         return torch.stack(logits, 1), torch.stack(conf, 1)
+
+    def _latent(
+        self, hidden: torch.Tensor, e: torch.Tensor, state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """z_k [..., r] (the input of W2) and s_k [..., r] (None for the stateless heads) from h_k [..., Dm],
+        e_k [..., r] and s_{k-1} (module docstring)."""
+        head = self.config.head
+        if head == "markov":
+            return e, None
+        if head == "gated":
+            return torch.sigmoid(self.gate(torch.cat([hidden, e], -1))) * e, None
+        if state is None:
+            state = hidden.new_zeros(*hidden.shape[:-1], self.config.rank)
+        if head == "rnn":
+            state = self.cell(torch.cat([hidden, e], -1), state)
+            return state, state
+        a, c, o = self.joint(torch.cat([state, e, hidden], -1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(a)
+        return torch.tanh(o), gate * state + (1.0 - gate) * torch.tanh(c)
+
+    def _confidence(self, hidden: torch.Tensor, e: torch.Tensor | None, state: torch.Tensor | None) -> torch.Tensor:
+        """Confidence logits [...] float32 from h_k [..., Dm] and the head's e_k / s_k (``confidence_input``);
+        +inf (confidence 1) without a confidence head."""
+        kind = self.config.confidence_input
+        if kind == "none":
+            return torch.full(hidden.shape[:-1], float("inf"), device=hidden.device)
+        x = hidden if kind == "hidden" else torch.cat([hidden, e if kind == "hidden_prev" else state], -1)
+        return self.conf(x).squeeze(-1).float()
 
     # ---------------------------------------------------------------- helpers
 

@@ -20,6 +20,11 @@ is token T. Row T-1's input holds emb(x_T), so its output h_{T-1} gives draft 1;
 keys: one token per forward. Draft steps' keys are dropped after the round; committed tokens re-enter through
 their true features.
 
+DeepSpec's EAGLE-3 layout (``fusion="concat"``, with ``feature_norm=False``, ``qk_norm`` and no confidence head
+for its checkpoints): the fused feature is ``fc`` of the concatenated raw features; the attention reads
+a_j = [RMSNorm(emb(x_{j+1})); RMSNorm(s_j)] (2 Dm) directly, and the layer's residual stream starts from s_j
+itself (no in_proj, no input norm in the layer). Everything else (alignment, final norm, head, unroll) is shared.
+
 MTP-1 (DeepSeek-V3's multi-token-prediction module: [RMSNorm(h_t); RMSNorm(emb(x_{t+1}))] -> projection ->
 one transformer block -> shared head) is this class with ``fused_layers=(29,)`` (the target's last layer,
 before its final norm) and ``block_size=1``: one draft per round.
@@ -45,49 +50,76 @@ from app.engine.model import rms_norm, rope_tables
 
 
 class EagleDrafter(nn.Module):
-    """EAGLE-3-style drafter (module docstring). ``embed_weight`` [V, Dm] is the target's tied embedding / LM head."""
+    """EAGLE-3-style drafter (module docstring). ``embed_weight`` [V, Dm] is the target's input embedding, also the LM
+    head unless ``head_weight`` [V, Dm] is given (frozen, shared, never saved with the drafter).
 
-    def __init__(self, config: EagleConfig, embed_weight: torch.Tensor) -> None:
+    Raises:
+        ValueError: ``embed_weight`` or ``head_weight`` is not [V, Dm] of the config.
+    """
+
+    def __init__(
+        self, config: EagleConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         c = self.config = config
-        if tuple(embed_weight.shape) != (c.vocab_size, c.hidden_size):
-            raise ValueError(
-                f"embedding {tuple(embed_weight.shape)} does not match V={c.vocab_size}, Dm={c.hidden_size}")
+        for name, w in (("embedding", embed_weight), ("LM head", head_weight)):
+            if w is not None and tuple(w.shape) != (c.vocab_size, c.hidden_size):
+                raise ValueError(f"{name} {tuple(w.shape)} does not match V={c.vocab_size}, Dm={c.hidden_size}")
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("head_weight", None if head_weight is None else head_weight.detach(), persistent=False)
         fused = len(c.fused_layers)
         self.fc = nn.Linear(fused * c.target_hidden_size, c.hidden_size, bias=False) if fused > 1 else None
         self.state_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.embed_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.in_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
-        self.layer = BackboneLayer(c)
+        if c.fusion == "in_proj":
+            self.in_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+            self.layer = BackboneLayer(c)
+        else:
+            self.layer = BackboneLayer(c, attn_features=2 * c.hidden_size)
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.conf = nn.Linear(c.hidden_size, 1)
+        self.conf = nn.Linear(c.hidden_size, 1) if c.confidence else None
         cos, sin = rope_tables(head_dim=c.head_dim, theta=c.rope_theta, max_positions=c.max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     # ---------------------------------------------------------------- building blocks
 
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """[V, Dm] the frozen LM head: ``head_weight``, or the tied embedding without one."""
+        return self.embed_weight if self.head_weight is None else self.head_weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the drafter's own parameters (and of its keys / values)."""
+        return self.norm.dtype
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """features [..., F] (all engine layers) -> fused feature [..., Dm]: per-layer RMS of the fused layers, fc."""
+        """features [..., F] (all engine layers) -> fused feature [..., Dm]: the fused layers, per-layer RMS
+        (``feature_norm``), fc."""
         c = self.config
-        x = features.to(self.in_proj.weight.dtype).unflatten(-1, (len(c.feature_layers), c.target_hidden_size))
+        x = features.to(self.dtype).unflatten(-1, (len(c.feature_layers), c.target_hidden_size))
         x = x[..., list(c.fused_index), :]
-        x = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
+        if c.feature_norm:
+            x = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(x.dtype)
         x = x.flatten(-2)
         return x if self.fc is None else self.fc(x)
 
     def inputs(self, state: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """state [..., Dm] (fused feature or own hidden), next_tokens [...] -> layer input [..., Dm]."""
+        """state [..., Dm] (fused feature or own hidden), next_tokens [...] -> layer input [..., Din]: Din = Dm
+        ("in_proj": the projection of [RMSNorm(state); RMSNorm(emb)]), or Din = 3 Dm ("concat": the attention input
+        [RMSNorm(emb); RMSNorm(state)] followed by the residual, state itself)."""
         eps = self.config.rms_norm_eps
-        emb = F.embedding(next_tokens, self.embed_weight).to(state.dtype)
-        return self.in_proj(torch.cat([rms_norm(state, self.state_norm, eps), rms_norm(emb, self.embed_norm, eps)], -1))
+        emb = rms_norm(F.embedding(next_tokens, self.embed_weight).to(state.dtype), self.embed_norm, eps)
+        if self.config.fusion == "concat":
+            return torch.cat([emb, rms_norm(state, self.state_norm, eps), state], -1)
+        return self.in_proj(torch.cat([rms_norm(state, self.state_norm, eps), emb], -1))
 
     def attend(
         self, x: torch.Tensor, *, positions: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor,
         mask: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The decoder layer on x [B, Q, Dm] at positions [B, Q], attending to earlier keys/values
+        """The decoder layer on x [B, Q, Din] (``inputs``) at positions [B, Q], attending to earlier keys/values
         past_k/v [B, Hkv, S, Dh] and to its own queries under mask [B, Q, S + Q] bool.
 
         Returns:
@@ -96,14 +128,21 @@ class EagleDrafter(nn.Module):
         """
         cos = self.rope_cos[positions].to(x.dtype)[:, None]
         sin = self.rope_sin[positions].to(x.dtype)[:, None]
-        k, v = self.layer.context_kv(rms_norm(x, self.layer.input_norm, self.config.rms_norm_eps), cos, sin)
-        out = self.layer(x, ctx_k=past_k, ctx_v=past_v, cos=cos, sin=sin, mask=mask[:, None])
+        if self.config.fusion == "concat":
+            attn_in, x = x[..., : 2 * self.config.hidden_size], x[..., 2 * self.config.hidden_size :]
+        else:
+            attn_in = rms_norm(x, self.layer.input_norm, self.config.rms_norm_eps)
+        k, v = self.layer.context_kv(attn_in, cos, sin)
+        out = self.layer(x, ctx_k=past_k, ctx_v=past_v, cos=cos, sin=sin, mask=mask[:, None], attn_in=attn_in)
         return out, k, v
 
     def head(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [..., Dm] -> draft logits [..., V] float32 (frozen tied LM head), confidence logits [...] float32."""
+        """hidden [..., Dm] -> draft logits [..., V] float32 (frozen LM head), confidence logits [...] float32
+        (+inf, confidence 1, without a confidence head)."""
         h = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        logits = F.linear(h.to(self.embed_weight.dtype), self.embed_weight).float()
+        logits = F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
+        if self.conf is None:
+            return logits, torch.full(h.shape[:-1], float("inf"), device=h.device)
         return logits, self.conf(h).squeeze(-1).float()
 
     def empty_kv(self, batch: int, like: torch.Tensor) -> torch.Tensor:

@@ -151,7 +151,7 @@ class EagleProposer(RequestProposerBase):
         t_max = max(s.length for s in states)
         lengths = torch.tensor([s.length for s in states], device=device)
         valid = torch.arange(t_max, device=device)[None] < lengths[:, None]
-        kv = torch.zeros(2, len(states), c.num_kv_heads, t_max, c.head_dim, dtype=d.in_proj.weight.dtype,
+        kv = torch.zeros(2, len(states), c.num_kv_heads, t_max, c.head_dim, dtype=d.dtype,
                          device=device)
         for i, s in enumerate(states):
             if s.length:

@@ -181,7 +181,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as e:
         ap.error(f"--checkpoint: {e}")
     engine = TargetEngine(EngineConfig(model=doc["config"]["target"], max_num_seqs=args.max_batch,
-                                       max_draft_len=max(8, args.gamma)))
+                                       max_draft_len=max(8, args.gamma),
+                                       feature_layers=tuple(doc["config"]["feature_layers"])))
     drafter, calibration, _ = load_checkpoint(args.checkpoint, engine.model.embed_tokens.weight)
 
     rates = read_lookup_rates(args.checkpoint) if args.lookup else None

@@ -112,6 +112,8 @@ def make_prompt_lookup(config: AppConfig) -> PromptLookup | None:
 
 
 def make_engine(config: AppConfig) -> Engine:
+    """The target engine of ``config``: the mock, or the real engine returning the hidden states of the feature
+    layers of the drafter checkpoint (``drafter_checkpoint``, any format) when a trained drafter speculates."""
     if config.engine == "mock":
         from app.serving.mock import MockEngine, MockEngineConfig
 
@@ -119,11 +121,15 @@ def make_engine(config: AppConfig) -> Engine:
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, max_draft_len=config.gamma,
             vocab_size=config.mock_vocab_size, step_ms=config.mock_step_ms, fails_after=config.mock_verify_fails_after,
         ))
+    from app.drafters.checkpoint import read_checkpoint_config
     from app.engine.engine import EngineConfig, TargetEngine
 
+    feature_layers = None  # the engine's default; a trained drafter reads the target layers it was trained on
+    if config.speculates and config.drafter == "dspark":
+        feature_layers = tuple(read_checkpoint_config(config.drafter_checkpoint)["config"]["feature_layers"])
     return TargetEngine(EngineConfig(
         model=config.model, dtype=config.dtype, device=config.device, max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs, max_draft_len=config.gamma,
+        max_num_seqs=config.max_num_seqs, max_draft_len=config.gamma, feature_layers=feature_layers,
     ))
 
 

@@ -108,7 +108,10 @@ def dspark_loss(
     ce = lse - out.logits.gather(-1, labels[..., None]).squeeze(-1)
     p = torch.exp(out.logits.gather(-1, top_ids) - lse[..., None]) * top_in  # [N, K, Kt]
     tv = 0.5 * ((p - q).abs().sum(-1) + (q.sum(-1) - p.sum(-1)).abs())
-    bce = F.binary_cross_entropy_with_logits(out.conf_logits, (1.0 - tv).detach(), reduction="none")
+    if torch.isposinf(out.conf_logits).all():  # no confidence head (confidence 1 everywhere): nothing to train
+        bce = torch.zeros_like(tv)
+    else:
+        bce = F.binary_cross_entropy_with_logits(out.conf_logits, (1.0 - tv).detach(), reduction="none")
     w = torch.exp(-torch.arange(k, device=ce.device, dtype=torch.float32) / gamma_decay)[None] * valid
     norm = w.sum().clamp(min=1e-9)
     w_ce = w * in_vocab

@@ -42,14 +42,15 @@ def is_loopback(host: str) -> bool:
 
 
 def init_local_ray(*, http_host: str = "127.0.0.1", **ray_init) -> None:
-    """``ray.init`` a fresh local Ray (no dashboard, worker logs not forwarded) with ``SERVE_ENV`` in its processes'
-    environment; a variable already set in this process's environment keeps its value.
+    """``ray.init`` a fresh local Ray (by default no dashboard, worker logs not forwarded) with ``SERVE_ENV`` in its
+    processes' environment; a variable already set in this process's environment keeps its value.
 
     Args:
         http_host: the host Serve's HTTP proxy will listen on; a loopback one starts Ray in its single-machine mode
             (``LOOPBACK_ENV``, unless the environment sets the variable): node address and metrics export endpoint on
             127.0.0.1. Any other host leaves Ray's own choice (metrics on every interface).
-        ray_init: more ``ray.init`` arguments (``num_cpus``, ``_metrics_export_port`` (default: a free port), ...).
+        ray_init: more ``ray.init`` arguments (``num_cpus``, ``include_dashboard``, ``log_to_driver``,
+            ``_metrics_export_port`` (default: a free port), ...).
     """
     import ray
 
@@ -62,4 +63,6 @@ def init_local_ray(*, http_host: str = "127.0.0.1", **ray_init) -> None:
             os.environ.setdefault(name, value)
         # read once, when ray is imported: this process may have imported it before the variable was set
         ray_constants.ENABLE_RAY_CLUSTER = os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"].lower() in ("1", "true")
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, **ray_init)
+    ray_init.setdefault("include_dashboard", False)
+    ray_init.setdefault("log_to_driver", False)
+    ray.init(address="local", **ray_init)

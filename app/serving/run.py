@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
     from ray.serve.scripts import cli
 
-    init_local_ray(http_host=http_host(config), _metrics_export_port=args.metrics_port or None)
+    # as `serve run` starts Ray: the replicas' logs in this terminal, Ray's default dashboard (it writes the metrics
+    # service discovery file Prometheus reads, docs/observability.md)
+    init_local_ray(http_host=http_host(config), include_dashboard=None, log_to_driver=True,
+                   _metrics_export_port=args.metrics_port or None)
     signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, whose core worker installs its own handler
     try:
         cli.main(["run", "--non-blocking", str(args.config)], standalone_mode=False)

@@ -102,6 +102,7 @@ def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None) -> list[TokenL
     """The engine's logprobs with each token (and alternative) decoded alone by ``tokenizer.decode``."""
     if logprobs is None:
         return None
+
     def text(token_id: int) -> str:
         return tokenizer.decode([token_id])
 

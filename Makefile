@@ -17,12 +17,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The local Ray's environment, app.serving.local_ray.SERVE_ENV (why each, there): worker niceness 0 and Serve's gRPC
-# data plane. Only the environment of the process that starts Ray reaches all its workers, not a Serve YAML.
-SERVE_ENV = RAY_worker_niceness=0 RAY_SERVE_USE_GRPC_BY_DEFAULT=1
-
+# `serve run` on a local Ray started as app/serving/local_ray.py says (its environment; Ray's metrics endpoint on
+# loopback like the HTTP host), with one log line when the application is ready (app/serving/run.py).
 serve: install
-	$(SERVE_ENV) $(VENV)/bin/serve run deployments/dspark.yaml
+	$(PY) -m app.serving.run deployments/dspark.yaml
 
 demo: install
 	$(PY) -m app.demo

@@ -201,7 +201,7 @@ def serve_until_signalled(
     from app.serving.builder import build_app
     from app.serving.local_ray import init_local_ray
 
-    init_local_ray(num_cpus=num_cpus)
+    init_local_ray(http_host=host, num_cpus=num_cpus)  # Ray's metrics endpoint on loopback when the host is
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, whose own SIGTERM handler exits at once
         signal.signal(sig, lambda *_: stop.set())

@@ -21,11 +21,14 @@ from ray.serve.config import RequestRouterConfig
 
 from app.serving.config import AppConfig
 from app.serving.drafter import DrafterReplica
-from app.serving.ingress import FastAPIIngress
+from app.serving.ingress import FastAPIIngress, admission_limit
 from app.serving.router import PinnedReplicaRouter, Router
 from app.serving.target import TargetReplica
 
 SERVE_QUEUE_MARGIN = 8  # calls a replica accepts beyond its own admission limit (its own 503 answers them)
+# HTTP requests an ingress replica takes beyond its admission limit: those it answers at once (503s, 4xx, models,
+# metrics). Beyond them Serve's proxy would hold requests in its own queue and retry with back-off for seconds.
+INGRESS_REQUEST_MARGIN = 1000
 
 
 def build_app(args: dict) -> Application:
@@ -43,6 +46,8 @@ def build_app(args: dict) -> Application:
     router = serve.deployment(
         Router, name="Router", num_replicas=1,
         ray_actor_options={"num_cpus": config.router_num_cpus, "resources": dict(config.router_resources)},
+        # its calls (load reports every stats_interval_s, one target choice per request) are not worth a log line
+        logging_config={"enable_access_log": False},
     ).bind(config)
     drafter = None
     if config.speculates and config.drafter_placement == "separate":
@@ -62,7 +67,7 @@ def build_app(args: dict) -> Application:
     return serve.deployment(
         FastAPIIngress, name="Ingress", num_replicas=config.ingress.num_replicas,
         ray_actor_options=config.ingress.actor_options(),
-        max_ongoing_requests=4 * per_target * max_targets,
+        max_ongoing_requests=admission_limit(config) + INGRESS_REQUEST_MARGIN,
     ).bind(config, target, router)
 
 

@@ -1,36 +1,50 @@
 """The HTTP ingress: OpenAI-compatible routes on FastAPI, in front of the target replicas.
 
-Owns: ``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and non-streaming), ``/v1/models``,
-``/health``; the API key check (``Authorization: Bearer``; health stays open); parsing and validation (every
-failure is an OpenAI-style JSON error with a 4xx, overload a 503 with ``Retry-After``); asking the Router for
-a target replica (once per request) and relaying the target's chunks. The first chunk is awaited before any
-byte is sent, so errors found at admission (context length, overload) still get their status code. A client
-that disconnects cancels the target stream, which frees the request's KV slot and drafter state.
+Owns: ``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and non-streaming), ``/v1/models`` and
+``/v1/models/{id}``, ``/metrics`` (Prometheus text), ``/health``; the API key check (``Authorization: Bearer`` on
+``/v1`` routes); parsing and validation (every failure is an OpenAI-style JSON error with a 4xx, before any work);
+admission (at most ``admission_limit`` target requests in flight per ingress replica: beyond it a JSON 503 with
+``Retry-After`` at once, so Ray Serve's own queues never fill and its plain-text backpressure never reaches a
+client); one target request per choice (``n`` x prompts), each placed by the Router; relaying the target's chunks.
+The first chunk of every choice is awaited before any byte is sent, so errors found at admission (context length,
+overload) still get their status code. A client that disconnects cancels the target streams, which frees the
+requests' KV slots and drafter state.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import logging
+import math
 import secrets
+import time
 import uuid
+import weakref
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.serve import context as serve_context
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.serving.config import AppConfig
+from app.serving.metrics import prometheus_text
 from app.serving.openai_api import (
-    ChatCompletionRequest, CompletionRequest, chunk_body, completion_body, error_body, usage, validation_error,
+    ChatCompletionRequest, CompletionRequest, chat_logprobs, choice_body, chunk_body, completion_body,
+    completion_logprobs, error_body, usage, validation_error,
 )
-from app.serving.protocol import ErrorItem, GenerateRequest, TextChunk
+from app.serving.protocol import ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText
 
 log = logging.getLogger("ray.serve")
+
+MAX_JSON_DEPTH = 64  # deepest nesting of arrays and objects a request body may have (deeper: 400)
 
 app = FastAPI(title="dspark-serve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -48,6 +62,66 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
+@app.exception_handler(Exception)
+async def server_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug in a route: a JSON 500 in the OpenAI error shape instead of Starlette's plain text (logged)."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    err = ErrorItem(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
+    return JSONResponse(error_body(err), status_code=500)
+
+
+def json_too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether parsed JSON nests arrays / objects deeper than ``limit`` levels (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def admission_limit(config: AppConfig) -> int:
+    """Target requests one ingress replica lets in flight: every target replica's KV slots and queue
+    (``max_num_seqs + max_queued_requests``; with autoscaling, at the most replicas), shared by the ingress replicas."""
+    slo = config.autoscaling
+    targets = slo.max_target_replicas if slo.enabled else config.target.num_replicas
+    capacity = (config.max_num_seqs + config.max_queued_requests) * targets
+    return max(1, math.ceil(capacity / config.ingress.num_replicas))
+
+
+@dataclass
+class _Choice:
+    """One choice of an HTTP request: its target stream and what it has produced."""
+
+    index: int
+    stream: object  # Serve's DeploymentResponseGenerator
+    first: TextChunk | ErrorItem
+    echo: str = ""  # the prompt, sent before the completion (completions' ``echo``)
+    chunks: list[TextChunk] = field(default_factory=list)
+    done: bool = False
+
+
+class _InFlight:
+    """The target streams of one HTTP request and its admission slots: ``close`` (idempotent) cancels the streams
+    still running and gives the slots back."""
+
+    def __init__(self, ingress: "Ingress", slots: int) -> None:
+        self._ingress, self._slots = ingress, slots
+        self.choices: list[_Choice] = []
+
+    def close(self) -> None:
+        for choice in self.choices:
+            if not choice.done:
+                choice.done = True
+                choice.stream.cancel()
+        self._ingress._inflight -= self._slots
+        self._slots = 0
+
+
 class Ingress:
     """The Ingress deployment class (``FastAPIIngress`` below is it wrapped with ``serve.ingress(app)``)."""
 
@@ -56,6 +130,9 @@ class Ingress:
         self.target = target
         self.router = router
         self.api_key = config.resolved_api_key
+        self.created = int(time.time())
+        self.limit = admission_limit(config)
+        self._inflight = 0
 
     @app.get("/health")
     async def health(self) -> dict:
@@ -65,8 +142,22 @@ class Ingress:
     async def models(self, request: Request):
         if (denied := self._auth(request)) is not None:
             return denied
-        return {"object": "list", "data": [
-            {"id": self.config.served_model_name, "object": "model", "owned_by": "dspark-serve"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        if model_id != self.config.served_model_name:
+            return error_response(self._unknown_model(model_id))
+        return self._model_card()
+
+    @app.get("/metrics")
+    async def metrics(self) -> PlainTextResponse:
+        """The target replicas' speculative-decoding counters (as the Router last heard them), Prometheus text."""
+        counters = await self.router.counters.remote()
+        text = prometheus_text(counters, model_name=self.config.served_model_name, positions=self.config.gamma)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/router/snapshot")
     async def snapshot(self, request: Request):
@@ -83,6 +174,16 @@ class Ingress:
         return await self._complete(request, chat=False)
 
     # ------------------------------------------------------------------ helpers
+
+    def _model_card(self) -> dict:
+        """A ``/v1/models`` entry shaped like vLLM's (``root``: the model served, ``max_model_len``)."""
+        return {"id": self.config.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "dspark-serve", "root": self.config.model, "parent": None,
+                "max_model_len": self.config.max_model_len}
+
+    def _unknown_model(self, name: str) -> ErrorItem:
+        return ErrorItem(404, f"model {name!r} does not exist; this server serves {self.config.served_model_name!r}",
+                         type="not_found_error", param="model", code="model_not_found")
 
     def _auth(self, request: Request) -> JSONResponse | None:
         if self.api_key is None:
@@ -115,6 +216,10 @@ class Ingress:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             return ErrorItem(400, f"request body is not valid JSON: {err}")
+        except RecursionError:
+            body = None
+        if body is None or json_too_deep(body):
+            return ErrorItem(400, f"request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels")
         if not isinstance(body, dict):
             return ErrorItem(400, "request body must be a JSON object")
         try:
@@ -122,26 +227,43 @@ class Ingress:
         except ValidationError as err:
             return validation_error(err)
         if req.model != self.config.served_model_name:
-            return ErrorItem(404, f"model {req.model!r} does not exist; this server serves "
-                                  f"{self.config.served_model_name!r}", param="model", code="model_not_found")
+            return self._unknown_model(req.model)
+        if req.return_token_ids and (req.num_choices > 1 or not chat and len(req.prompts) > 1):
+            return ErrorItem(400, "return_token_ids: needs a single choice (n = 1, one prompt)",
+                             param="return_token_ids")
         return req
 
-    async def _complete(self, request: Request, *, chat: bool):
-        if (denied := self._auth(request)) is not None:
-            return denied
-        req = await self._parse(request, chat)
-        if isinstance(req, ErrorItem):
-            return error_response(req)
-        try:
-            params = req.params()
-        except ValueError as err:
-            return error_response(ErrorItem(400, str(err)))
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        generate = GenerateRequest(
-            request_id=request_id, params=params,
-            messages=[m.model_dump() for m in req.messages] if chat else None,
-            prompt=None if chat else req.prompt_text,
-        )
+    def _generates(self, req, *, chat: bool, request_id: str) -> list[tuple[int, GenerateRequest, str]]:
+        """One target request per choice: (choice index, request, echoed prompt). Completions' choice ``i * n + j``
+        is prompt ``i``'s ``j``-th, as OpenAI orders them.
+
+        Raises:
+            ValueError: sampling settings ``SamplingParams`` refuses.
+        """
+        n = req.num_choices
+        prompts = [None] if chat else req.prompts
+        messages = req.chat_messages() if chat else None
+        out = []
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                index = i * n + j
+                rid = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
+                echo = prompt if not chat and req.echo else ""
+                out.append((index, GenerateRequest(request_id=rid, params=req.params(j), messages=messages,
+                                                   prompt=prompt), echo))
+        return out
+
+    async def _start(self, generate: GenerateRequest, *, own_context: bool):
+        """Place one target request (the Router's choice) and await its first chunk; returns (stream, first).
+
+        ``own_context``: one of several choices (run as its own task): its calls get their own Serve request ids.
+        Serve keys a handle call's bookkeeping by the caller's request id, and concurrent calls sharing one
+        sometimes never got their first chunk (n = 2 on the mock engine: about 1 request in 6 hung).
+        """
+        if own_context:
+            context = serve_context._get_serve_request_context()
+            serve_context._serve_request_context.set(dataclasses.replace(
+                context, request_id=generate.request_id, _internal_request_id=uuid.uuid4().hex))
         try:
             key = await self.router.choose_target.remote()
         except (RayActorError, RayTaskError) as err:  # balance is lost, not the request: any replica will do
@@ -149,82 +271,172 @@ class Ingress:
             key = None
         stream = self.target.options(stream=True).generate.remote(generate, replica_key=key)
         try:
-            first = await stream.__anext__()
+            return stream, await stream.__anext__()
         except BackPressureError:
             stream.cancel()
-            first = ErrorItem(503, "server overloaded", type="server_overloaded", code="overloaded")
+            return stream, ErrorItem(503, "server overloaded: the target replicas' request queues are full",
+                                     type="server_overloaded", code="overloaded")
         except (RayActorError, RayTaskError) as err:
             log.error("target replica failed: %s", err)
-            first = ErrorItem(503, "target replica unavailable, retry", type="server_error", code="unavailable")
-        if isinstance(first, ErrorItem):
-            return error_response(first, self.config.retry_after_s)
-        model = self.config.served_model_name
-        if req.stream:
-            return StreamingResponse(
-                self._sse(stream, first, chat=chat, request_id=request_id, model=model,
-                          include_usage=req.include_usage, spec_stats=req.spec_stats),
-                media_type="text/event-stream",
-            )
-        text, token_ids, last = [first.text], list(first.token_ids), first
-        finished = first.finish_reason is not None
+            return stream, ErrorItem(503, "target replica unavailable, retry", type="server_error",
+                                     code="unavailable")
+
+    def _overloaded(self, needed: int) -> JSONResponse | None:
+        """The 503 answer when ``needed`` more target requests would pass the admission limit (None: room)."""
+        if self._inflight + needed <= self.limit:
+            return None
+        cfg = self.config
+        return error_response(ErrorItem(
+            503, f"server overloaded: {self._inflight} requests in flight, the limit is {self.limit} "
+            f"({cfg.max_num_seqs} running + {cfg.max_queued_requests} queued per target replica); retry after "
+            f"{cfg.retry_after_s} s", type="server_overloaded", code="overloaded"), cfg.retry_after_s)
+
+    async def _complete(self, request: Request, *, chat: bool):
+        if (denied := self._auth(request)) is not None:
+            return denied
+        if (full := self._overloaded(1)) is not None:  # before reading the body: rejecting must stay cheap
+            return full
+        req = await self._parse(request, chat)
+        if isinstance(req, ErrorItem):
+            return error_response(req)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
-            while not finished:
-                last = await stream.__anext__()
-                if isinstance(last, ErrorItem):  # the target failed the request after its first chunk
-                    finished = True
-                    return error_response(last, self.config.retry_after_s)
-                text.append(last.text)
-                token_ids.extend(last.token_ids)
-                finished = last.finish_reason is not None
+            generates = self._generates(req, chat=chat, request_id=request_id)
+        except ValueError as err:
+            return error_response(ErrorItem(400, str(err)))
+        if (full := self._overloaded(len(generates))) is not None:
+            return full
+        flight = _InFlight(self, len(generates))
+        self._inflight += len(generates)
+        streaming = False
+        try:
+            started = await asyncio.gather(*[self._start(g, own_context=len(generates) > 1)
+                                             for _, g, _ in generates])
+            flight.choices = [_Choice(index, stream, first, echo)
+                              for (index, _, echo), (stream, first) in zip(generates, started)]
+            for choice in flight.choices:
+                if isinstance(choice.first, ErrorItem):
+                    choice.done = True
+            failed = next((c.first for c in flight.choices if isinstance(c.first, ErrorItem)), None)
+            if failed is not None:
+                return error_response(failed, self.config.retry_after_s)
+            if req.stream:
+                events = self._sse(flight, chat=chat, request_id=request_id, req=req)
+                weakref.finalize(events, flight.close)  # a stream the server never starts still frees its slots
+                streaming = True
+                return StreamingResponse(events, media_type="text/event-stream")
+            return await self._body(flight, chat=chat, request_id=request_id, req=req)
         finally:
-            if not finished:  # the client went away: stop the target stream (frees its state)
-                stream.cancel()
+            if not streaming:
+                flight.close()
+
+    async def _body(self, flight: _InFlight, *, chat: bool, request_id: str, req) -> JSONResponse | dict:
+        """The non-streamed response: every choice read to its end (or the first error)."""
+        async def read(choice: _Choice) -> ErrorItem | None:
+            chunk = choice.first
+            while True:
+                choice.chunks.append(chunk)
+                if chunk.finish_reason is not None:
+                    choice.done = True
+                    return None
+                chunk = await choice.stream.__anext__()
+                if isinstance(chunk, ErrorItem):  # the target failed the request after its first chunk
+                    choice.done = True
+                    return chunk
+
+        errors = [e for e in await asyncio.gather(*[read(c) for c in flight.choices]) if e is not None]
+        if errors:
+            return error_response(errors[0], self.config.retry_after_s)
+        choices = []
+        for c in flight.choices:
+            entries = [e for chunk in c.chunks for e in chunk.logprobs or ()]
+            logprobs = None
+            if c.chunks[0].logprobs is not None:
+                logprobs = chat_logprobs(entries) if chat else completion_logprobs(entries, offset=len(c.echo))
+            choices.append(choice_body(chat=chat, index=c.index, text=c.echo + "".join(x.text for x in c.chunks),
+                                       finish_reason=c.chunks[-1].finish_reason, logprobs=logprobs))
+        token_ids = [t for chunk in flight.choices[0].chunks for t in chunk.token_ids]
         return completion_body(
-            chat=chat, request_id=request_id, model=model, text="".join(text), finish_reason=last.finish_reason,
-            prompt_tokens=first.prompt_tokens, completion_tokens=len(token_ids),
-            spec=last.spec if req.spec_stats else None, token_ids=token_ids if req.return_token_ids else None,
+            chat=chat, request_id=request_id, model=self.config.served_model_name, choices=choices,
+            prompt_tokens=self._prompt_tokens(flight, req),
+            completion_tokens=sum(x.num_tokens for c in flight.choices for x in c.chunks),
+            spec=SpecStats.total([c.chunks[-1].spec or SpecStats() for c in flight.choices]) if req.spec_stats
+            else None, token_ids=token_ids if req.return_token_ids else None,
         )
 
-    async def _sse(
-        self, stream, first: TextChunk, *, chat: bool, request_id: str, model: str, include_usage: bool,
-        spec_stats: bool,
-    ) -> AsyncIterator[str]:
+    @staticmethod
+    def _prompt_tokens(flight: _InFlight, req) -> int:
+        """Prompt tokens of the request: each prompt once, however many choices it has."""
+        return sum(c.first.prompt_tokens for c in flight.choices if c.index % req.num_choices == 0)
+
+    async def _sse(self, flight: _InFlight, *, chat: bool, request_id: str, req) -> AsyncIterator[str]:
+        """The streamed response: the choices' chunks as they come, then usage (if asked) and ``[DONE]``."""
+        model = self.config.served_model_name
+        queue: asyncio.Queue[tuple[_Choice, TextChunk | ErrorItem]] = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            chunk = choice.first
+            try:
+                while True:
+                    queue.put_nowait((choice, chunk))
+                    if isinstance(chunk, ErrorItem) or chunk.finish_reason is not None:
+                        return
+                    chunk = await choice.stream.__anext__()
+            except (RayActorError, RayTaskError) as err:
+                log.error("target replica failed mid-stream: %s", err)
+                queue.put_nowait((choice, ErrorItem(503, "target replica failed mid-stream", type="server_error",
+                                                    code="unavailable")))
+
         def event(body: dict) -> str:
             return f"data: {json.dumps(body)}\n\n"
 
-        completion_tokens, last, finished = 0, first, False
+        def logprobs(choice: _Choice, entries: list[TokenLogprobText] | None, offset: int) -> dict | None:
+            if entries is None:
+                return None
+            return chat_logprobs(entries) if chat else completion_logprobs(entries, offset)
+
+        tasks = [asyncio.create_task(pump(c)) for c in flight.choices]
+        offsets = {c.index: 0 for c in flight.choices}  # characters sent per choice (completions' text_offset)
+        completion_tokens, remaining = 0, len(flight.choices)
         try:
             if chat:
-                yield event(chunk_body(chat=True, request_id=request_id, model=model, text="", role=True))
-            chunk: TextChunk = first
-            while True:
-                completion_tokens += chunk.num_tokens
-                last = chunk
-                if chunk.text:
-                    yield event(chunk_body(chat=chat, request_id=request_id, model=model, text=chunk.text))
-                if chunk.finish_reason is not None:
-                    finished = True
-                    break
-                chunk = await stream.__anext__()
+                for c in flight.choices:
+                    yield event(chunk_body(chat=True, request_id=request_id, model=model, text="", index=c.index,
+                                           role=True))
+            while remaining:
+                choice, chunk = await queue.get()
                 if isinstance(chunk, ErrorItem):  # failed mid-stream: an error event ends the stream (as vLLM)
-                    finished = True
+                    choice.done = True
                     yield event(error_body(chunk))
                     yield "data: [DONE]\n\n"
                     return
-            final = chunk_body(chat=chat, request_id=request_id, model=model, text=None if chat else "",
-                               finish_reason=last.finish_reason)
-            if spec_stats and last.spec is not None:
-                final["spec_stats"] = last.spec.to_json()
-            yield event(final)
-            if include_usage:
+                completion_tokens += chunk.num_tokens
+                text = chunk.text
+                if chunk is choice.first and choice.echo:
+                    text = choice.echo + text
+                    offsets[choice.index] = len(choice.echo)
+                if text or chunk.logprobs:
+                    yield event(chunk_body(chat=chat, request_id=request_id, model=model, text=text,
+                                           index=choice.index,
+                                           logprobs=logprobs(choice, chunk.logprobs, offsets[choice.index])))
+                    offsets[choice.index] += sum(len(e.token) for e in chunk.logprobs or ())
+                if chunk.finish_reason is not None:
+                    choice.done, remaining = True, remaining - 1
+                    final = chunk_body(chat=chat, request_id=request_id, model=model, text=None if chat else "",
+                                       index=choice.index, finish_reason=chunk.finish_reason)
+                    if req.spec_stats and chunk.spec is not None:
+                        final["spec_stats"] = chunk.spec.to_json()
+                    yield event(final)
+            if req.include_usage:
                 body = chunk_body(chat=chat, request_id=request_id, model=model, text=None)
-                body["choices"], body["usage"] = [], usage(first.prompt_tokens, completion_tokens)
+                body["choices"] = []
+                body["usage"] = usage(self._prompt_tokens(flight, req), completion_tokens)
                 yield event(body)
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:  # the client went away: stop the target stream (frees its state)
-                stream.cancel()
-
+            for task in tasks:
+                task.cancel()
+            flight.close()  # the client went away, or the stream ended: stop what still runs, free the slots
 
 
 # Applied at import time so every process that imports this module sees the same class-based routes (Serve

@@ -191,3 +191,41 @@ class RouterMetrics:
             for key, gauge in self.gauges.items():
                 gauge.set(float(figures[key]), tags=tags)
         self.live.set(len(snapshot["replicas"]))
+
+
+# GET /metrics on the API port: (counter name, description, SpecCounters field); each ``dspark_`` counter is also
+# exported under vLLM's name, so vLLM's benchmark client and dashboards read this server unchanged.
+API_COUNTERS = (
+    ("dspark_spec_decode_drafts", "vllm:spec_decode_num_drafts",
+     "Drafts verified: one request's block in one round.", "drafts"),
+    ("dspark_spec_decode_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", "draft_tokens"),
+    ("dspark_spec_decode_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     "accepted_tokens"),
+    ("dspark_rounds", None, "Rounds (one verify step over a replica's batch).", "rounds"),
+    ("dspark_output_tokens", None, "Tokens streamed to clients.", "output_tokens"),
+    ("dspark_requests_finished", None, "Requests that finished (EOS, stop or length).", "requests_finished"),
+)
+PER_POSITION = ("dspark_spec_decode_accepted_tokens_per_pos", "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at block position (0-based).")
+
+
+def prometheus_text(counters, *, model_name: str, positions: int) -> str:
+    """``counters`` (the target replicas' summed ``SpecCounters``) in Prometheus' text format (version 0.0.4),
+    every sample labelled ``model_name`` as vLLM labels its own; block positions 0 .. ``positions`` - 1 (gamma) are
+    always present."""
+    label = 'model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    lines = []
+
+    def counter(name: str, description: str, samples: list[tuple[str, int]]) -> None:
+        lines.extend([f"# HELP {name} {description}", f"# TYPE {name} counter"])
+        lines.extend(f"{name}_total{{{labels}}} {value}" for labels, value in samples)
+
+    for ours, vllm, description, attr in API_COUNTERS:
+        for name in (ours, vllm):
+            if name is not None:
+                counter(name, description, [(label, getattr(counters, attr))])
+    accepted = counters.accepted_per_pos + [0] * (positions - len(counters.accepted_per_pos))
+    per_pos = [(f'{label},position="{k}"', n) for k, n in enumerate(accepted)]
+    for name in PER_POSITION[:2]:
+        counter(name, PER_POSITION[2], per_pos)
+    return "\n".join(lines) + "\n"

@@ -6,11 +6,17 @@
 token is accepted while it equals the rule. ``MockProposer`` drafts the rule but deliberately errs at one
 position of each block, so rounds accept part of a block and the acceptance bookkeeping is exercised.
 
+Logprobs (``SamplingParams.logprobs``): the mock's distribution after token ``t`` gives rank ``r`` (0-based) the token
+``(next_token(t) + r) mod V`` with log-probability ``-(r + 1) ln 2``, so every output token has logprob ``-ln 2``
+(``mock_logprobs``). Like the real engine before it applies them, it refuses every other sampling control
+(``SamplingParams.controls``) with an ``InvalidRequestError`` naming them.
+
 Shape symbols: B batch, K block size, C committed tokens, F = 4 (mock feature width).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -18,7 +24,7 @@ from typing import Sequence
 import torch
 
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
-from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput
+from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob
 from app.serving.protocol import DraftRound
 
 MOCK_FEATURE_DIM = 4
@@ -32,6 +38,20 @@ def next_token(token: int, vocab_size: int) -> int:
 
 def token_text(token: int) -> str:
     return f" w{token}"
+
+
+def mock_logprobs(previous: int, k: int, vocab_size: int) -> TokenLogprob:
+    """The logprob of the token the mock emits after ``previous`` and its ``k`` top alternatives (module docstring)."""
+    first = next_token(previous, vocab_size)
+    top = tuple(((first + r) % vocab_size, -(r + 1) * math.log(2)) for r in range(k))
+    return TokenLogprob(token_id=first, logprob=-math.log(2), top=top)
+
+
+class MockTokenizer:
+    """``decode`` for the mock vocabulary (``token_text``)."""
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "".join(token_text(t) for t in token_ids)
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,7 @@ class MockEngine:
         self.config = config
         self.vocab_size = config.vocab_size
         self.feature_dim = MOCK_FEATURE_DIM
+        self.tokenizer = MockTokenizer()
         self._requests: dict[str, _MockRequest] = {}
 
     @property
@@ -103,6 +124,9 @@ class MockEngine:
             raise InvalidRequestError(f"request {request.request_id!r} already exists")
         if len(request.prompt_ids) == 0:
             raise InvalidRequestError("prompt is empty")
+        refused = [name for name in request.params.controls() if name != "logprobs"]
+        if refused:
+            raise InvalidRequestError(f"sampling controls not supported by this engine: {refused}")
         need = len(request.prompt_ids) + request.params.max_tokens + self.config.max_draft_len
         if need > self.config.max_model_len:
             raise ContextLengthError(
@@ -143,8 +167,10 @@ class MockEngine:
     def _commit(
         self, request_id: str, req: _MockRequest, tokens: list[int], num_draft: int, num_accepted: int, rows: int
     ) -> StepOutput:
-        kept, delta, reason = [], "", None
+        kept, delta, reason, logprobs = [], "", None, []
         for tok in tokens:
+            if req.params.logprobs is not None:
+                logprobs.append(mock_logprobs(req.last, req.params.logprobs, self.vocab_size))
             kept.append(tok)
             req.generated += 1
             req.last = tok
@@ -166,6 +192,7 @@ class MockEngine:
             request_id=request_id, new_token_ids=kept, num_draft=num_draft,
             num_accepted=min(num_accepted, len(kept)), finished=reason is not None, finish_reason=reason,
             text=delta, features=torch.zeros(rows, MOCK_FEATURE_DIM),
+            logprobs=logprobs if req.params.logprobs is not None else None,
         )
 
 

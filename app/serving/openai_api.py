@@ -1,54 +1,161 @@
 """OpenAI-compatible request and response schemas for ``/v1/chat/completions`` and ``/v1/completions``.
 
-Owns: validating a request body into ``SamplingParams`` (every out-of-range value is a 400 naming the field),
-building response / chunk / error JSON. Unknown request fields that do not change the output are ignored, as
-OpenAI-compatible servers do; fields this server cannot honour (``n`` > 1, ``logprobs``, ``best_of`` > 1) are
-rejected. Extension: ``spec_stats: true`` adds the request's speculative statistics to the response.
+Owns: validating a request body into one ``SamplingParams`` per choice (every out-of-range value is a 400 naming
+the field), building response / chunk / logprobs / error JSON. Nothing is silently ignored: every field of OpenAI's
+chat and completions requests is declared below and either acts as OpenAI documents (``ACTING``), is harmless by
+nature (``HARMLESS``: it names, tags, stores or bills the request and cannot change its output), or answers a 400
+naming it when set to anything but its neutral value (``REJECTED``); any other field is a 400 naming it too.
+Extensions, with vLLM's names: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
+``ignore_eos``; and ``spec_stats`` (the request's speculative statistics) and ``return_token_ids``.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from app.engine.types import SamplingParams
-from app.serving.protocol import ErrorItem, SpecStats
+from app.engine.types import MAX_LOGPROBS, GuidedDecoding, SamplingParams
+from app.serving.protocol import ErrorItem, SpecStats, TokenLogprobText
 
 DEFAULT_MAX_TOKENS = 256  # when the client sends neither max_tokens nor max_completion_tokens
+MAX_CHOICES = 16  # most choices (n x prompts) one request may ask for
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' integer logprobs
+
+# Request fields by what they do (the field walk test reads these); the extensions are ACTING too.
+ACTING_CHAT = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
+               "stream_options", "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs",
+               "top_logprobs", "response_format")
+ACTING_COMPLETIONS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+                      "seed", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "echo", "best_of")
+EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "spec_stats",
+              "return_token_ids")
+HARMLESS_CHAT = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                 "prompt_cache_options", "service_tier", "prediction", "parallel_tool_calls", "modalities")
+HARMLESS_COMPLETIONS = ("user",)
+REJECTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "audio", "reasoning_effort", "verbosity",
+                 "web_search_options", "moderation")
+REJECTED_COMPLETIONS = ("suffix",)
+
+
+def _unsupported(name: str, why: str) -> ValueError:
+    return ValueError(f"{name} is not supported by this server ({why})")
+
+
+class TextPart(BaseModel):
+    """One ``{"type": "text", "text": ...}`` part of a message's ``content`` list."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A message; ``content`` is a string or a list of text parts (joined with a newline, as vLLM does)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: str | list[dict[str, Any]]
+    # what an SDK sends back with an earlier assistant turn; only their empty values are accepted
+    refusal: str | None = None
+    tool_calls: list | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type")
+                if kind != "text":
+                    raise _unsupported(f"content part type {kind!r}", "text parts only")
+                TextPart.model_validate(part)
+        return value
+
+    @field_validator("refusal", "tool_calls")
+    @classmethod
+    def _empty(cls, value: Any, info) -> Any:
+        if value:
+            raise _unsupported(info.field_name, "tools are not supported; only an empty value is accepted")
+        return value
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p["text"] for p in self.content)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    include_obfuscation: bool = Field(True, description="Harmless: this server never adds an obfuscation field.")
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema`` (guided decoding)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type 'json_schema' only, and that type needs it")
+        return self
+
+    def guided(self) -> GuidedDecoding | None:
+        if self.type == "text":
+            return None
+        schema = None if self.json_schema is None else json.dumps(self.json_schema.schema_)
+        return GuidedDecoding(kind=self.type, schema=schema)
 
 
 class _Common(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=1, description="Only n = 1 is supported.")
-    stream: bool = False
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="None: 1.0, OpenAI's default.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="Choices; each is its own request on the engine.")
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="A signed 64-bit integer.")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions (vLLM's names)
+    top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens; 0 or -1 = off.")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int | None = Field(None, ge=0)
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     spec_stats: bool = Field(False, description="Extension: add speculative statistics to the response.")
     return_token_ids: bool = Field(False, description="Extension: add the completion's token ids (non-streamed).")
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_off(cls, value: Any) -> Any:
+        return 0 if value == -1 else value  # vLLM's "off"
 
     @field_validator("stop")
     @classmethod
@@ -58,68 +165,173 @@ class _Common(BaseModel):
             raise ValueError("stop must be up to 4 non-empty strings")
         return value
 
-    def stop_strings(self) -> tuple[str, ...]:
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
+        return value
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens or DEFAULT_MAX_TOKENS, temperature=self.temperature, top_p=self.top_p,
-            seed=self.seed, stop=self.stop_strings(), ignore_eos=self.ignore_eos,
-        )
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def _params(self, max_tokens: int | None, *, logprobs: int | None, guided: GuidedDecoding | None,
+                choice: int) -> SamplingParams:
+        """The engine's settings for choice ``choice`` (``seed + choice`` with a seed, so choices differ).
+
+        Raises:
+            ValueError: a combination ``SamplingParams`` refuses (``min_tokens`` over ``max_tokens``, ...).
+        """
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        seed = None if self.seed is None else (self.seed + choice + 2**63) % 2**64 - 2**63
+        return SamplingParams(
+            max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, seed=seed, stop=stops, ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
+            top_k=self.top_k or 0, min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
+            stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs, guided=guided,
+        )
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = Field(False, description="Not supported: must be false.")
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    # harmless by nature: they label, store, cache or bill the request, never change its tokens
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = Field(None, description="Predicted output: a latency hint only.")
+    parallel_tool_calls: bool | None = Field(None, description="Without tools there are no tool calls.")
+    modalities: list[Literal["text"]] | None = None
+    # rejected unless neutral
+    tools: list | None = None
+    tool_choice: Any = None
+    functions: list | None = None
+    function_call: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list | None, info) -> list | None:
+        if value:
+            raise _unsupported(info.field_name, "no tool calling; send the request without it")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: Any, info) -> Any:
+        if value not in (None, "none"):
+            raise _unsupported(info.field_name, "no tool calling; only 'none' is accepted")
+        return value
+
+    @field_validator("audio", "reasoning_effort", "verbosity", "web_search_options", "moderation")
+    @classmethod
+    def _not_offered(cls, value: Any, info) -> Any:
+        if value is not None:
+            raise _unsupported(info.field_name, "this model has no such option")
+        return value
 
     @model_validator(mode="after")
-    def _unsupported(self) -> "ChatCompletionRequest":
-        if self.logprobs:
-            raise ValueError("logprobs is not supported")
+    def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
-    def params(self) -> SamplingParams:
-        return self.sampling_params(self.max_completion_tokens or self.max_tokens)
+    def params(self, choice: int = 0) -> SamplingParams:
+        """Raises: ValueError (``SamplingParams``)."""
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        guided = self.response_format.guided() if self.response_format is not None else None
+        return self._params(self.max_completion_tokens or self.max_tokens, logprobs=logprobs, guided=guided,
+                            choice=choice)
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text} for m in self.messages]
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str]
-    logprobs: int | None = Field(None, description="Not supported: must be null.")
-    best_of: int = Field(1, ge=1, le=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool | None = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_prompts(cls, value: Any) -> Any:
+        if isinstance(value, list) and any(not isinstance(p, str) for p in value):
+            raise _unsupported("a token-id prompt", "send the prompt as text")
+        return value
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and len(value) != 1:
-            raise ValueError("exactly one prompt is supported")
-        if (value if isinstance(value, str) else value[0]) == "":
-            raise ValueError("prompt must not be empty")
+    def _prompts(cls, value: str | list[str]) -> str | list[str]:
+        prompts = [value] if isinstance(value, str) else value
+        if not prompts:
+            raise ValueError("at least one prompt is needed")
+        if any(p == "" for p in prompts):
+            raise ValueError("prompts must not be empty")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise _unsupported("suffix", "the model has no fill-in-the-middle mode")
         return value
 
     @model_validator(mode="after")
-    def _unsupported(self) -> "CompletionRequest":
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported")
+    def _checks(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.num_choices:
+            raise ValueError("best_of must equal n (choosing the best of several is not supported)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (it needs the prompt's logprobs)")
+        if len(self.prompts) * self.num_choices > MAX_CHOICES:
+            raise ValueError(f"prompts x n must be at most {MAX_CHOICES}")
         return self
 
     @property
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
-    def params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens)
+    def params(self, choice: int = 0) -> SamplingParams:
+        """Raises: ValueError (``SamplingParams``)."""
+        return self._params(self.max_tokens, logprobs=self.logprobs, guided=None, choice=choice)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def validation_error(err: ValidationError) -> ErrorItem:
     """The first pydantic error as a 400 naming the field."""
     first = err.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+    # pydantic adds the member type of a union to the location ("content.str"): a client's field path has none
+    param = ".".join(str(p) for p in first["loc"]
+                     if isinstance(p, int) or p.isidentifier() and p not in _UNION_TAGS) or None
     msg = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for errors raised by validators
+    if first["type"] == "extra_forbidden":
+        msg = "unknown field (not an OpenAI request field this server knows)"
     return ErrorItem(status=400, message=f"{param}: {msg}" if param else msg, param=param)
 
 
@@ -135,18 +347,36 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def chat_logprobs(entries: list[TokenLogprobText]) -> dict:
+    """OpenAI's chat ``logprobs`` object: per token its text, logprob, UTF-8 bytes and top alternatives."""
+    def item(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries: list[TokenLogprobText], offset: int) -> dict:
+    """OpenAI's completions ``logprobs`` object; ``offset`` is the text offset of the first token (characters).
+    ``top_logprobs`` maps the k alternatives and the chosen token to their logprobs (up to k + 1 entries)."""
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return {
+        "tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{**dict(e.top), e.token: e.logprob} for e in entries], "text_offset": offsets,
+    }
+
+
 def completion_body(
-    *, chat: bool, request_id: str, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
-    completion_tokens: int, spec: SpecStats | None, token_ids: list[int] | None = None,
+    *, chat: bool, request_id: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+    spec: SpecStats | None, token_ids: list[int] | None = None,
 ) -> dict:
-    """A non-streamed response (``chat.completion`` or ``text_completion``)."""
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    """A non-streamed response (``chat.completion`` or ``text_completion``); ``choices`` from ``choice_body``."""
     body = {
         "id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-        "model": model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens),
+        "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
     }
     if spec is not None:
         body["spec_stats"] = spec.to_json()
@@ -155,18 +385,25 @@ def completion_body(
     return body
 
 
+def choice_body(*, chat: bool, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
 def chunk_body(
-    *, chat: bool, request_id: str, model: str, text: str | None, finish_reason: str | None = None,
-    role: bool = False,
+    *, chat: bool, request_id: str, model: str, text: str | None, index: int = 0, finish_reason: str | None = None,
+    role: bool = False, logprobs: dict | None = None,
 ) -> dict:
-    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``)."""
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice ``index``."""
     if chat:
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
         "created": int(time.time()), "model": model, "choices": [choice],

@@ -51,6 +51,61 @@ class SpecStats:
             "fallback": self.fallback,
         }
 
+    @staticmethod
+    def total(stats: list["SpecStats"]) -> "SpecStats":
+        """The statistics of several choices of one HTTP request, summed (``fallback``: any of them)."""
+        return SpecStats(rounds=sum(s.rounds for s in stats), draft_tokens=sum(s.draft_tokens for s in stats),
+                         accepted_tokens=sum(s.accepted_tokens for s in stats),
+                         lookup_rounds=sum(s.lookup_rounds for s in stats), fallback=any(s.fallback for s in stats))
+
+
+@dataclass
+class SpecCounters:
+    """A target replica's cumulative counts since it started (``GET /metrics``; the Router sums the replicas').
+
+    Words as in vLLM: a *draft* is one request's verified block in one round (a round verifying no draft token for
+    the request is none).
+    """
+
+    drafts: int = 0
+    draft_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # draft tokens accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # [K] accepted tokens at block position k (0-based)
+    rounds: int = 0
+    output_tokens: int = 0  # tokens streamed to clients (prefill first tokens included)
+    requests_finished: int = 0
+
+    def add_round(self, num_draft: list[int], num_accepted: list[int]) -> None:
+        """One round: per request in the batch its verified and accepted draft tokens."""
+        self.rounds += 1
+        for n, a in zip(num_draft, num_accepted):
+            self.drafts += int(n > 0)
+            self.draft_tokens += n
+            self.accepted_tokens += a
+            if a > len(self.accepted_per_pos):
+                self.accepted_per_pos += [0] * (a - len(self.accepted_per_pos))
+            for k in range(a):
+                self.accepted_per_pos[k] += 1
+
+    def __add__(self, other: "SpecCounters") -> "SpecCounters":
+        width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = [0] * width
+        per_pos = [x + y for x, y in zip((self.accepted_per_pos + pad)[:width], (other.accepted_per_pos + pad)[:width])]
+        return SpecCounters(drafts=self.drafts + other.drafts, draft_tokens=self.draft_tokens + other.draft_tokens,
+                            accepted_tokens=self.accepted_tokens + other.accepted_tokens, accepted_per_pos=per_pos,
+                            rounds=self.rounds + other.rounds, output_tokens=self.output_tokens + other.output_tokens,
+                            requests_finished=self.requests_finished + other.requests_finished)
+
+
+@dataclass(frozen=True)
+class TokenLogprobText:
+    """The target's log-probability of one output token and of its top alternatives, with their texts (each token
+    decoded alone: a token that ends inside a UTF-8 character reads as U+FFFD, as in vLLM)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()  # (token text, logprob), most likely first
+
 
 @dataclass(frozen=True)
 class TextChunk:
@@ -61,6 +116,7 @@ class TextChunk:
     prompt_tokens: int
     finish_reason: str | None = None  # 'stop' | 'length' on the last chunk
     spec: SpecStats | None = None  # on the last chunk
+    logprobs: list[TokenLogprobText] | None = None  # one per token id when the request asked for logprobs
 
     @property
     def num_tokens(self) -> int:

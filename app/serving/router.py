@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional
 
 import torch
@@ -32,6 +32,7 @@ from app.scheduling.policies import best_uniform_length
 from app.scheduling.profile import ThroughputProfile, load_profile
 from app.serving.config import AppConfig
 from app.serving.metrics import RouterMetrics
+from app.serving.protocol import SpecCounters
 
 STALE_AFTER_REPORTS = 5  # a replica silent for this many report intervals is dropped from routing
 
@@ -48,6 +49,7 @@ class TargetLoad:
     tokens_per_step: float  # EMA of tokens committed per round (whole batch)
     acceptance: float  # EMA of accepted / verified draft tokens (0 when nothing was verified)
     drafter_failures: int  # requests failed over to plain decoding since start
+    counters: SpecCounters = field(default_factory=SpecCounters)  # cumulative since the replica started
     reported_at: float = 0.0
 
 
@@ -90,12 +92,14 @@ class Router:
         self.config = config
         self.profile = load_profile(config.profile_path())
         self._loads: dict[str, TargetLoad] = {}
+        self._counters: dict[str, SpecCounters] = {}  # every replica that ever reported, gone ones too
         self._assigned: dict[str, int] = {}  # requests sent to a replica since its last report
         self._choices = 0
         self.metrics = RouterMetrics(policy=config.policy)
 
     def report(self, load: TargetLoad) -> None:
-        self._loads[load.replica_id] = TargetLoad(**{**asdict(load), "reported_at": time.monotonic()})
+        self._loads[load.replica_id] = replace(load, reported_at=time.monotonic())
+        self._counters[load.replica_id] = load.counters
         self._assigned[load.replica_id] = 0
         self.metrics.snapshot(self.snapshot())
 
@@ -114,6 +118,11 @@ class Router:
         self._assigned[best.replica_id] = self._assigned.get(best.replica_id, 0) + 1
         return best.replica_id
 
+    def counters(self) -> SpecCounters:
+        """The target replicas' counters summed, including replicas that have since gone (so totals never drop
+        while this Router lives)."""
+        return sum(self._counters.values(), SpecCounters())
+
     def snapshot(self) -> dict:
         """Per-replica load, capacity and totals (for metrics and the autoscaler)."""
         replicas = {}
@@ -121,7 +130,8 @@ class Router:
             capacity = verification_capacity(
                 self.profile, batch=load.active, acceptance=load.acceptance, gamma=self.config.gamma
             ) if self.config.speculates else 0
-            replicas[load.replica_id] = {**asdict(load), "verify_capacity": capacity}
+            figures = {k: v for k, v in asdict(load).items() if k != "counters"}
+            replicas[load.replica_id] = {**figures, "verify_capacity": capacity}
         return {
             "replicas": replicas,
             "active": sum(r["active"] for r in replicas.values()),

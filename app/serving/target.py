@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
+import copy
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -36,14 +38,15 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from app.drafters.lookup import PromptLookup, prefer_lookup, read_lookup_rates
 from app.engine.admission import prefill_batch_size
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
-from app.engine.types import DraftBlock, NewRequest, SamplingParams, StepOutput
+from app.engine.types import DraftBlock, NewRequest, SamplingParams, StepOutput, TokenLogprob
 from app.scheduling.policies import make_policy
 from app.scheduling.profile import load_profile
 from app.scheduling.scheduler import VerifyScheduler
 from app.serving.config import AppConfig
 from app.serving.drafter import DrafterCore
 from app.serving.protocol import (
-    DraftCall, DraftRound, DraftStart, ErrorItem, GenerateRequest, SpecStats, TextChunk, strip_for_drafter,
+    DraftCall, DraftRound, DraftStart, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText,
+    strip_for_drafter,
 )
 from app.serving.router import TargetLoad
 from app.serving.telemetry import TargetTelemetry
@@ -84,6 +87,7 @@ class Engine(Protocol):
     """What a target replica needs from an engine (``TargetEngine`` and ``MockEngine`` provide it)."""
 
     num_free_slots: int
+    tokenizer: object  # ``decode(token_ids) -> str``
 
     def has_request(self, request_id: str) -> bool: ...
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
@@ -92,6 +96,18 @@ class Engine(Protocol):
     def add_requests(self, requests: Sequence[NewRequest]) -> list[StepOutput]: ...
     def verify(self, blocks: Sequence[DraftBlock]) -> list[StepOutput]: ...
     def release(self, request_id: str) -> None: ...
+
+
+def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None) -> list[TokenLogprobText] | None:
+    """The engine's logprobs with each token (and alternative) decoded alone by ``tokenizer.decode``."""
+    if logprobs is None:
+        return None
+
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return [TokenLogprobText(text(lp.token_id), lp.logprob, tuple((text(t), v) for t, v in lp.top))
+            for lp in logprobs]
 
 
 def internal_error(err: Exception) -> ErrorItem:
@@ -198,8 +214,9 @@ class TargetReplica:
             yield ErrorItem(400, str(err), param="messages" if request.messages is not None else "prompt")
             return
         if len(self._waiting) + len(self._active) >= self.config.max_num_seqs + self.config.max_queued_requests:
-            yield ErrorItem(503, f"server overloaded: {len(self._waiting)} requests already queued",
-                            type="server_overloaded", code="overloaded")
+            yield ErrorItem(503, f"server overloaded: {len(self._active)} requests running and {len(self._waiting)} "
+                            f"queued on this replica (limit {self.config.max_num_seqs} + "
+                            f"{self.config.max_queued_requests} queued)", type="server_overloaded", code="overloaded")
             return
         stream = _Stream(request=request, prompt_ids=prompt_ids)
         self._waiting.append(stream)
@@ -240,7 +257,10 @@ class TargetReplica:
     def _ensure_running(self) -> None:
         if self._wakeup is None:
             self._wakeup = asyncio.Event()
-            self._tasks = [asyncio.create_task(self._loop()), asyncio.create_task(self._report_loop())]
+            # started by the first request: an empty context, or Serve's request context (its id) sticks to every
+            # later round and load report
+            self._tasks = [asyncio.create_task(self._loop(), context=contextvars.Context()),
+                           asyncio.create_task(self._report_loop(), context=contextvars.Context())]
 
     async def _run(self, fn, *args):
         return await self._torch.run(fn, *args)
@@ -584,7 +604,7 @@ class TargetReplica:
         stream.queue.put_nowait(TextChunk(
             text=out.text, token_ids=list(out.new_token_ids), prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,
-            spec=stream.spec if out.finished else None,
+            spec=stream.spec if out.finished else None, logprobs=logprob_texts(self.engine.tokenizer, out.logprobs),
         ))
 
     def _observe_draft(self, draft_ms: float, drafter_ms: float, *, steady: bool) -> None:
@@ -624,7 +644,7 @@ class TargetReplica:
                 replica_id=self.replica_id, active=len(self._active), waiting=len(self._waiting),
                 max_num_seqs=self.config.max_num_seqs, step_ms=self._stats["step_ms"],
                 tokens_per_step=self._stats["tokens_per_step"], acceptance=self._stats["acceptance"],
-                drafter_failures=self._stats["drafter_failures"],
+                drafter_failures=self._stats["drafter_failures"], counters=copy.deepcopy(self.telemetry.counters),
             )
             self.telemetry.report(active=load.active, queued=load.waiting)
             try:

@@ -20,7 +20,7 @@ import numpy as np
 
 from app.engine.types import StepOutput
 from app.serving.metrics import TargetMetrics
-from app.serving.protocol import SpecStats
+from app.serving.protocol import SpecCounters, SpecStats
 from autoscale.config import REPORTED_PERCENTILES, SLOAutoscalingConfig
 from autoscale.policy import STAT_LOAD, STAT_SAMPLES, tpot_stat
 
@@ -91,10 +91,13 @@ class TargetTelemetry:
         self.clock = clock
         self.window = TpotWindow(slo.window_s)
         self.metrics = TargetMetrics(policy=policy, replica=replica, gamma=gamma)
+        self.counters = SpecCounters()  # what the load reports carry to the Router (``GET /metrics``)
 
     def tokens(self, request_id: str, n: int, *, finished: bool, spec: SpecStats) -> None:
         """A request emitted ``n`` tokens (prefill or round); ``spec`` is its running speculative stats."""
         self.metrics.tokens(n)
+        self.counters.output_tokens += n
+        self.counters.requests_finished += int(finished)
         tpot = self.window.tokens(request_id, n, now=self.clock(), finished=finished)
         if finished:
             self.metrics.finished(accepted_length=spec.mean_accepted_length if spec.draft_tokens else None,
@@ -108,6 +111,7 @@ class TargetTelemetry:
         """A round: ``drafted`` draft tokens offered for verification (drafter or prompt lookup), ``lookup`` requests
         verifying a prompt-lookup draft, ``verify_cpu`` the engine thread's (ms on a CPU, ms waiting for one) during
         the verify step (None: not measured)."""
+        self.counters.add_round([o.num_draft for o in outputs], [o.num_accepted for o in outputs])
         self.metrics.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called, drafted=drafted,
                            lookup=lookup,
                            num_draft=[o.num_draft for o in outputs], num_accepted=[o.num_accepted for o in outputs],

@@ -88,3 +88,25 @@ def test_streaming_concatenation_equals_non_streamed(url, eval_prompts):
         assert stream_text(events) == plain["choices"][0]["message"]["content"]
         assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == \
             plain["choices"][0]["finish_reason"]
+
+
+@pytest.mark.slow
+def test_openai_client_text_parts_and_models_on_the_real_engine(url):
+    """The official client against the real target: text parts read as their joined text, models.retrieve carries
+    the context limit, and a sampling control the engine does not apply is a 400 naming it (not ignored)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+    parts = [{"type": "text", "text": "What is 2+3?"}, {"type": "text", "text": "Answer briefly."}]
+    split = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=8,
+                                           messages=[{"role": "user", "content": parts}])
+    joined = client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=8,
+                                            messages=[{"role": "user", "content": "What is 2+3?\nAnswer briefly."}])
+    assert split.choices[0].message.content == joined.choices[0].message.content
+    assert split.usage.prompt_tokens == joined.usage.prompt_tokens
+    assert client.models.retrieve("smollm2-135m").model_extra["max_model_len"] == 1024
+    try:
+        client.chat.completions.create(model="smollm2-135m", max_tokens=4, presence_penalty=0.5,
+                                       messages=[{"role": "user", "content": "hi"}])
+    except openai.BadRequestError as err:
+        assert "presence_penalty" in err.body["message"]

@@ -1,18 +1,28 @@
-"""``make serve`` starts Ray with the same environment as the load-test server, the benchmark and the served tests
-(``app.serving.local_ray.SERVE_ENV``); the Makefile spells it out, so the two must not drift apart."""
+"""``make serve`` starts Ray the way the load-test server, the benchmark and the served tests do
+(``app.serving.local_ray.init_local_ray``, through ``app.serving.run``), and says when the application is ready."""
 
 from __future__ import annotations
 
 import re
 
+import yaml
+
 from app.serving.config import REPO_ROOT
-from app.serving.local_ray import SERVE_ENV
+from app.serving.local_ray import is_loopback
+from app.serving.run import http_host, ready_lines
 
 
-def test_make_serve_starts_ray_with_serve_env():
+def test_make_serve_runs_the_launcher():
     makefile = (REPO_ROOT / "Makefile").read_text()
-    spelled = re.search(r"^SERVE_ENV = (.*)$", makefile, re.MULTILINE)
-    assert spelled, "Makefile: no SERVE_ENV line"
-    assert dict(pair.split("=", 1) for pair in spelled.group(1).split()) == SERVE_ENV
-    assert re.search(r"^serve:.*\n\t\$\(SERVE_ENV\) \$\(VENV\)/bin/serve run deployments/dspark.yaml$", makefile,
-                     re.MULTILINE)
+    assert re.search(r"^serve:.*\n\t\$\(PY\) -m app\.serving\.run deployments/dspark\.yaml$", makefile, re.MULTILINE)
+
+
+def test_ready_line_names_url_and_model_and_loopback_hosts():
+    config = yaml.safe_load((REPO_ROOT / "deployments" / "dspark.yaml").read_text())
+    assert http_host(config) == "127.0.0.1" and is_loopback(http_host(config))
+    assert ready_lines(config) == ["ready: application 'dspark' serves model 'smollm2-135m' at "
+                                   "http://127.0.0.1:8000/v1"]
+    assert ready_lines({"applications": [{"name": "a", "route_prefix": "/x/", "args": {"served_model_name": "m"}}]}) \
+        == ["ready: application 'a' serves model 'm' at http://127.0.0.1:8000/x/v1"]
+    assert [is_loopback(h) for h in ("localhost", "127.0.0.2", "::1", "0.0.0.0", "10.1.2.3", "example.org")] == \
+        [True, True, True, False, False, False]

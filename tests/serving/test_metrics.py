@@ -107,3 +107,42 @@ def test_counters_move_consistently(served):
     assert "ray_dspark_active_requests" in m and "ray_dspark_slo_state" in m
     replicas = {dict(tags)["replica"] for tags in m["ray_dspark_accepted_tokens_total"]}
     assert len(replicas) == 1  # one target replica, tagged with its id
+
+
+def api_metrics(base: str) -> dict[tuple[str, tuple], float]:
+    """``GET /metrics`` on the API port: (sample name, sorted labels) -> value."""
+    r = httpx.get(f"{base}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+@pytest.mark.slow
+def test_api_port_metrics_carry_vllm_spec_decode_names_and_ray_metrics_stay_on_loopback(served):
+    """``/metrics`` on the API port agrees with Ray's own export (vLLM's names included); Ray's node address and
+    its metrics endpoint are on 127.0.0.1 as the HTTP host is (``local_ray.init_local_ray``)."""
+    import ray
+
+    base, port = served
+    assert {(n["NodeManagerAddress"], n["MetricsExportPort"]) for n in ray.nodes() if n["Alive"]} == {
+        ("127.0.0.1", port)}
+    label = (("model_name", MODEL),)
+
+    def settled() -> dict | None:
+        ours, theirs = api_metrics(base), scrape(port)
+        accepted = total(theirs, "ray_dspark_accepted_tokens_total")
+        same = ours.get(("vllm:spec_decode_num_accepted_tokens_total", label)) == accepted > 0 and \
+            ours.get(("vllm:spec_decode_num_draft_tokens_total", label)) == \
+            total(theirs, "ray_dspark_verified_tokens_total")
+        return ours if same else None
+
+    deadline = time.monotonic() + FLUSH_TIMEOUT_S
+    while (ours := settled()) is None:  # the Router hears every stats_interval_s, Ray's export every few seconds
+        assert time.monotonic() < deadline
+        time.sleep(1.0)
+    per_pos = [ours[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (*label, ("position", str(k))))]
+               for k in range(ARGS["gamma"])]
+    assert sum(per_pos) == ours[("vllm:spec_decode_num_accepted_tokens_total", label)]
+    assert per_pos == sorted(per_pos, reverse=True)  # accepting position k needs k - 1 accepted before it
+    assert ours[("vllm:spec_decode_num_drafts_total", label)] > 0
+    assert ours[("dspark_requests_finished_total", label)] >= REQUESTS

@@ -1,0 +1,101 @@
+"""``python -m app.serving.run deployments/dspark.yaml``: serve a Serve YAML on a fresh local Ray (``make serve``).
+
+What ``serve run`` does (Ray's CLI, run in this process), plus: Ray starts the way this project needs it
+(``local_ray.init_local_ray``: ``SERVE_ENV``; node address and metrics export endpoint on 127.0.0.1 when the YAML's
+HTTP host is a loopback address, on a fixed port), one log line per application says when it is ready to serve,
+with its URL and model, and Ctrl-C (or SIGTERM) shuts Serve and Ray down. Exit status 1 when an application fails
+to deploy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from app.serving.local_ray import init_local_ray
+
+log = logging.getLogger("dspark.serve")
+
+DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port (Prometheus scrapes it; the port Ray's docs use)
+READY_POLL_S = 1.0  # how often the deployment's status is read until every application runs
+SERVE_DEFAULT_HOST, SERVE_DEFAULT_PORT = "127.0.0.1", 8000  # Serve's http_options defaults
+
+
+def http_host(config: dict) -> str:
+    return (config.get("http_options") or {}).get("host", SERVE_DEFAULT_HOST)
+
+
+def ready_lines(config: dict) -> list[str]:
+    """One line per application of a Serve YAML: its URL and the model clients name (``args.served_model_name``)."""
+    port = (config.get("http_options") or {}).get("port", SERVE_DEFAULT_PORT)
+    lines = []
+    for app in config.get("applications", []):
+        model = (app.get("args") or {}).get("served_model_name", "smollm2-135m")
+        prefix = (app.get("route_prefix") or "/").rstrip("/")
+        lines.append(f"ready: application {app['name']!r} serves model {model!r} at "
+                     f"http://{http_host(config)}:{port}{prefix}/v1")
+    return lines
+
+
+def wait_until_running(names: list[str]) -> dict[str, str]:
+    """Block until every named application runs; returns {name: failure message} for those that failed instead."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    failed_states = (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
+    while True:
+        apps = serve.status().applications
+        failed = {n: apps[n].message for n in names if n in apps and apps[n].status in failed_states}
+        if failed or all(n in apps and apps[n].status == ApplicationStatus.RUNNING for n in names):
+            return failed
+        time.sleep(READY_POLL_S)
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM shuts down like Ctrl-C (a background job started by a script ignores SIGINT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Serve a Serve YAML on a fresh local Ray.")
+    parser.add_argument("config", type=Path, help="Serve YAML (deployments/*.yaml)")
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                        help=f"Ray's Prometheus metrics export port (default {DEFAULT_METRICS_PORT}; 0: a free one)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = yaml.safe_load(args.config.read_text())
+
+    import ray
+    from ray import serve
+    from ray.serve.scripts import cli
+
+    # as `serve run` starts Ray: the replicas' logs in this terminal, Ray's default dashboard (it writes the metrics
+    # service discovery file Prometheus reads, docs/observability.md)
+    init_local_ray(http_host=http_host(config), include_dashboard=None, log_to_driver=True,
+                   _metrics_export_port=args.metrics_port or None)
+    signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, whose core worker installs its own handler
+    try:
+        cli.main(["run", "--non-blocking", str(args.config)], standalone_mode=False)
+        failed = wait_until_running([app["name"] for app in config.get("applications", [])])
+        if failed:
+            log.error("deployment failed: %s", failed)
+            return 1
+        for line in ready_lines(config):
+            log.info(line)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        log.info("shutting down")
+        return 0
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

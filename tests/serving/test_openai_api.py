@@ -1,0 +1,142 @@
+"""The OpenAI request schemas without a server: each request field reaches ``SamplingParams`` as documented, the
+logprobs JSON shapes, ``GET /metrics``' text, the JSON depth check and the ingress admission limit."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from app.engine.types import GuidedDecoding
+from app.serving.config import AppConfig
+from app.serving.ingress import admission_limit, json_too_deep
+from app.serving.metrics import prometheus_text
+from app.serving.openai_api import (
+    ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs, validation_error,
+)
+from app.serving.protocol import SpecCounters, TokenLogprobText
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+# request field and value -> the SamplingParams field and value it must produce
+MAPPED = [
+    ({"max_completion_tokens": 7}, "max_tokens", 7),
+    ({"max_tokens": 9}, "max_tokens", 9),
+    ({"temperature": 0.5}, "temperature", 0.5),
+    ({"top_p": 0.8}, "top_p", 0.8),
+    ({"seed": 11}, "seed", 11),
+    ({"stop": "x"}, "stop", ("x",)),
+    ({"stop": ["x", "y"]}, "stop", ("x", "y")),
+    ({"presence_penalty": 0.5}, "presence_penalty", 0.5),
+    ({"frequency_penalty": -0.5}, "frequency_penalty", -0.5),
+    ({"repetition_penalty": 1.2}, "repetition_penalty", 1.2),
+    ({"logit_bias": {"42": -100, "7": 5}}, "logit_bias", ((42, -100.0), (7, 5.0))),
+    ({"top_k": 40}, "top_k", 40),
+    ({"top_k": -1}, "top_k", 0),
+    ({"min_p": 0.05}, "min_p", 0.05),
+    ({"min_tokens": 3}, "min_tokens", 3),
+    ({"stop_token_ids": [2, 5]}, "stop_token_ids", (2, 5)),
+    ({"ignore_eos": True}, "ignore_eos", True),
+    ({"logprobs": True}, "logprobs", 0),
+    ({"logprobs": True, "top_logprobs": 5}, "logprobs", 5),
+    ({"response_format": {"type": "json_object"}}, "guided", GuidedDecoding("json_object")),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}},
+     "guided", GuidedDecoding("json_schema", json.dumps({"type": "object"}))),
+    ({"response_format": {"type": "text"}}, "guided", None),
+]
+
+
+@pytest.mark.parametrize("fields,param,value", MAPPED, ids=[f"{p}={v}" for _, p, v in MAPPED])
+def test_chat_fields_reach_sampling_params(fields, param, value):
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, **fields})
+    assert getattr(req.params(), param) == value
+
+
+def test_defaults_seeds_per_choice_and_completion_logprobs():
+    params = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES}).params()
+    assert (params.temperature, params.top_p, params.max_tokens, params.logprobs) == (1.0, 1.0, 256, None)
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "n": 3, "seed": 2**63 - 1})
+    assert [req.params(j).seed for j in range(3)] == [2**63 - 1, -(2**63), -(2**63) + 1]  # wraps within int64
+    req = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "logprobs": 3, "n": 2})
+    assert req.prompts == ["a", "b"] and req.params().logprobs == 3 and req.num_choices == 2
+
+
+REFUSED = [  # request -> the field the 400 must name
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice"),
+    ({"messages": MESSAGES, "reasoning_effort": "low"}, "reasoning_effort"),
+    ({"messages": MESSAGES, "top_logprobs": 2}, None),  # a cross-field check: the message says why
+    ({"messages": MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"messages": MESSAGES, "unknown_thing": 1}, "unknown_thing"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.0.content"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"prompt": "a", "suffix": "b"}, "suffix"),
+    ({"prompt": "a", "best_of": 2}, None),
+    ({"prompt": "a", "echo": True, "logprobs": 1}, None),
+    ({"prompt": ["a"] * 17}, None),
+    ({"prompt": [1, 2, 3]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,param", REFUSED, ids=[str(b)[:60] for b, _ in REFUSED])
+def test_unsupported_fields_are_400s_naming_them(body, param):
+    schema = ChatCompletionRequest if "messages" in body else CompletionRequest
+    with pytest.raises(ValidationError) as err:
+        schema.model_validate({"model": "m", **body})
+    item = validation_error(err.value)
+    assert item.status == 400 and item.param == param, item
+    assert item.message and "Value error" not in item.message
+
+
+def test_text_parts_join_with_newlines():
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": "c", "refusal": None, "tool_calls": []}]})
+    assert req.chat_messages() == [{"role": "system", "content": "a\nb"}, {"role": "assistant", "content": "c"}]
+
+
+ENTRIES = [TokenLogprobText(" w1", -0.5, ((" w1", -0.5), (" w2", -1.5))), TokenLogprobText("é", -0.25, ())]
+
+
+def test_logprobs_json_shapes():
+    chat = chat_logprobs(ENTRIES)
+    assert chat["refusal"] is None and len(chat["content"]) == 2
+    assert chat["content"][0] == {"token": " w1", "logprob": -0.5, "bytes": [32, 119, 49], "top_logprobs": [
+        {"token": " w1", "logprob": -0.5, "bytes": [32, 119, 49]},
+        {"token": " w2", "logprob": -1.5, "bytes": [32, 119, 50]}]}
+    assert chat["content"][1]["bytes"] == [0xC3, 0xA9] and chat["content"][1]["top_logprobs"] == []
+    text = completion_logprobs(ENTRIES, offset=4)
+    assert text == {"tokens": [" w1", "é"], "token_logprobs": [-0.5, -0.25], "text_offset": [4, 7],
+                    "top_logprobs": [{" w1": -0.5, " w2": -1.5}, {"é": -0.25}]}
+
+
+def test_metrics_text_has_vllm_spec_decode_counters():
+    counters = SpecCounters()
+    counters.add_round([3, 0, 2], [2, 0, 2])
+    counters.add_round([3], [0])
+    total = counters + SpecCounters(drafts=1, draft_tokens=1, accepted_tokens=1, accepted_per_pos=[1])
+    text = prometheus_text(total, model_name='m"x', positions=4)
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    label = 'model_name="m\\"x"'
+    assert samples[f"vllm:spec_decode_num_drafts_total{{{label}}}"] == "4"
+    assert samples[f"vllm:spec_decode_num_draft_tokens_total{{{label}}}"] == "9"
+    assert samples[f"vllm:spec_decode_num_accepted_tokens_total{{{label}}}"] == "5"
+    assert samples[f"dspark_spec_decode_accepted_tokens_total{{{label}}}"] == "5"
+    per_pos = [samples[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{k}"}}']
+               for k in range(4)]
+    assert per_pos == ["3", "2", "0", "0"]
+    assert "# TYPE vllm:spec_decode_num_drafts counter" in text and text.endswith("\n")
+
+
+def test_json_depth_and_admission_limit():
+    assert not json_too_deep(json.loads("[" * 64 + "]" * 64))
+    assert json_too_deep(json.loads("[" * 65 + "]" * 65))
+    assert json_too_deep({"a": [{"b": json.loads("[" * 62 + "]" * 62)}]})
+    assert not json_too_deep({"a": "[[[[" * 100})
+    config = AppConfig(engine="mock", drafter="mock", max_num_seqs=4, max_queued_requests=2,
+                       target={"num_replicas": 3}, ingress={"num_replicas": 2}, profile="auto")
+    assert admission_limit(config) == math.ceil((4 + 2) * 3 / 2)

@@ -23,16 +23,21 @@ TINY_LLAMA = {  # a 2-layer Llama over SmolLM2's tokenizer (V = 49152): loads in
 
 def write_model_dir(directory: Path, config: dict, *, tokenizer: bool = True) -> Path:
     """A checkpoint directory without weights: ``config`` as config.json, and the embedded SmolLM2's tokenizer
-    files (from ``local_checkpoint()``) when ``tokenizer``."""
-    from app.engine.loader import local_checkpoint
-
+    files (``copy_tokenizer``) when ``tokenizer``."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     if tokenizer:
-        for src in local_checkpoint().iterdir():
-            if src.name.startswith(("tokenizer", "chat_template")):
-                shutil.copy(src, directory / src.name)
+        copy_tokenizer(directory)
     return directory
+
+
+def copy_tokenizer(directory: Path) -> None:
+    """Copy the embedded SmolLM2's tokenizer files (from ``local_checkpoint()``) into ``directory``."""
+    from app.engine.loader import local_checkpoint
+
+    for src in local_checkpoint().iterdir():
+        if src.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(src, Path(directory) / src.name)
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,27 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama", TINY_LLAMA)
 
 
+def save_tiny_model(directory: Path, config_class: str, config: dict):
+    """A tiny random transformers model of ``config_class`` (e.g. "LlamaConfig") built from ``config``, every weight
+    drawn at a visible scale (biases and norm scales too, so a missed qkv bias or q/k norm shows), saved to
+    ``directory`` with SmolLM2's tokenizer; returns the float32 model (eval mode)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**config))
+    model = model.float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(directory)
+    copy_tokenizer(directory)
+    return model
+
+
 def load_prompts(name: str, *, start: int = 0, count: int = 10) -> list[str]:
     """First user turns of ``shared/datasets/<name>.jsonl`` lines [start, start + count)."""
     lines = (SHARED / "datasets" / f"{name}.jsonl").read_text().splitlines()[start : start + count]

@@ -262,34 +262,45 @@ class AppConfig(BaseModel):
         return key or None
 
     def profile_path(self) -> str | None:
-        """The committed or cached throughput profile in force, or None when a target replica has to measure one.
+        """The throughput profile in force before any replica starts: ``committed_profile_path()``, else the one
+        this host measured at start-up before (``profiles.profile_cache_path``), else None (a target replica will
+        measure one).
 
-        ``profile`` when named; for 'auto' the first measured profile of ``model`` in ``PROFILES_DIR`` for this
+        Raises:
+            FileNotFoundError: 'auto', the mock engine and no measured profile of ``model`` at all.
+        """
+        committed = self.committed_profile_path()
+        if committed is not None or self.mock_engine:
+            return committed
+        from app.engine.loader import resolve_dtype
+        from app.scheduling.profiler import hardware_name
+        from app.serving.profiles import profile_cache_path
+
+        dtype = str(resolve_dtype(self.dtype)).removeprefix("torch.")
+        cached = profile_cache_path(self, hardware=hardware_name(self._torch_device(), self.torch_threads), dtype=dtype)
+        return str(cached) if cached.is_file() else None
+
+    def committed_profile_path(self) -> str | None:
+        """``profile`` when named; for 'auto' the first measured profile of ``model`` in ``PROFILES_DIR`` for this
         host's hardware (named as the profiler records it; real weights before dummy ones, each newest first), else
-        the one this host measured at start-up before (``profiles.profile_cache_path``). The mock engine cannot be
-        measured: it takes the newest measured profile of ``model`` on any hardware, with a warning.
+        None. The mock engine cannot be measured: it takes the newest measured profile of ``model`` on any hardware,
+        with a warning.
 
         Raises:
             FileNotFoundError: 'auto', the mock engine and no measured profile of ``model`` at all.
         """
         if self.profile != AUTO_PROFILE:
             return self.profile
-        from app.engine.loader import resolve_dtype
         from app.scheduling.profile import measured_profiles
         from app.scheduling.profiler import hardware_name
 
-        device = self._torch_device()
-        hardware = hardware_name(device, self.torch_threads)
+        hardware = hardware_name(self._torch_device(), self.torch_threads)
         profiles = measured_profiles(PROFILES_DIR, model=self.model)
         here = [path for provenance, path in profiles if provenance.hardware == hardware]
         if here:
             return str(here[0])
         if not self.mock_engine:
-            from app.serving.profiles import profile_cache_path
-
-            dtype = str(resolve_dtype(self.dtype)).removeprefix("torch.")
-            cached = profile_cache_path(self, hardware=hardware, dtype=dtype)
-            return str(cached) if cached.is_file() else None
+            return None
         if not profiles:
             raise FileNotFoundError(f"profile: auto found no measured profile of {self.model} in {PROFILES_DIR} "
                                     "for the mock engine; name a profile file")

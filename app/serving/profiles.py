@@ -52,7 +52,7 @@ def serving_profile(config: AppConfig, engine) -> ThroughputProfile:
         FileNotFoundError: an explicit profile file is missing.
         ValueError: the timing steps do not fit the engine (``measure_profile``).
     """
-    committed = config.profile_path()
+    committed = config.committed_profile_path()
     if committed is not None:
         return load_profile(committed)
     dtype = str(engine.cache.k.dtype).removeprefix("torch.")

@@ -11,7 +11,7 @@ from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.model import ModelArgs
 from app.engine.near_tie import teacher_forced_logits
 from app.engine.types import SamplingParams
-from tests.conftest import copy_tokenizer
+from tests.conftest import save_tiny_model
 
 SMALL = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
@@ -34,29 +34,10 @@ CASES = {
 }
 
 
-def _save_random_model(directory, config_class: str, overrides: dict):
-    """A tiny random transformers model of ``config_class``, every weight drawn at a visible scale (biases and
-    norm scales too, so a missed qkv bias or q/k norm shows), saved with SmolLM2's tokenizer; returns it."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = getattr(transformers, config_class)(**SMALL, **overrides)
-    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(directory)
-    copy_tokenizer(directory)
-    return model
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_architecture_matches_transformers(tmp_path, case):
     config_class, overrides = CASES[case]
-    hf = _save_random_model(tmp_path / case, config_class, overrides)
+    hf = save_tiny_model(tmp_path / case, config_class, {**SMALL, **overrides})
     engine = TargetEngine(EngineConfig(model=str(tmp_path / case), dtype="float32", device="cpu", max_model_len=128,
                                        max_num_seqs=2))
     prompt = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -332,7 +332,9 @@ class AppConfig(BaseModel):
         if self.speculates and self.drafter == "dspark" and not checkpoint.is_file():
             raise FileNotFoundError(
                 f"drafter_checkpoint: no DSpark checkpoint at {self.drafter_checkpoint} (expected config.json and "
-                "model.safetensors); train one (app/drafters/train) or set drafter: ngram"
+                f"model.safetensors). Train one for {self.model} with python -m app.drafters.train.pipeline --model "
+                f"{self.model} --out runs/drafter (docs/drafter.md) and set drafter_checkpoint: runs/drafter/checkpoint, "
+                "or use a drafter that needs no training: drafter: ngram, or policy: none"
             )
         if self.speculates and self.drafter == "dspark" and self.prompt_lookup:
             from app.drafters.lookup import read_lookup_rates

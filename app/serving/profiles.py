@@ -72,22 +72,37 @@ def serving_profile(config: AppConfig, engine) -> ThroughputProfile:
 
 
 def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> ThroughputProfile:
-    """Time the grid ``default_grid(max_batch=max_num_seqs, gamma=gamma)`` on ``engine``, with as many repeats per
-    cell (1 .. ``MAX_REPEATS``) as fit ``profile_budget_s`` by an estimate from the largest cell; a progress line per
-    batch row. The drafter step is timed with the n-gram drafter for ``drafter: ngram`` and with a randomly
-    initialised DSpark drafter sized for the target (``dummy_proposer``) for ``drafter: dspark``; 0 ms without
-    speculation."""
+    """Time a grid of ``default_grid(max_batch=max_num_seqs, gamma=gamma)`` on ``engine`` within about
+    ``profile_budget_s``, a progress line per batch size.
+
+    A probe of the largest cell (its prefill and two steps) bounds what one cell costs; when all cells do not fit the
+    budget, the verify lengths are thinned to evenly spaced ones (always 1 and gamma + 1; the profile interpolates
+    linearly between them, never below 2), then each cell gets as many timed steps (1 .. ``MAX_REPEATS``) as fit.
+    The drafter step is timed with the n-gram drafter for ``drafter: ngram`` and with a randomly initialised DSpark
+    drafter sized for the target (``dummy_proposer``) for ``drafter: dspark``; 0 ms without speculation.
+    """
     from app.engine.timing import time_verify_step
 
     batches, tokens = default_grid(max_batch=config.max_num_seqs, gamma=config.gamma)
     t0 = time.perf_counter()
     largest = time_verify_step(engine, batch=batches[-1], tokens_per_request=tokens[-1], context=STARTUP_CONTEXT,
                                repeats=1, warmup=1)
-    steps = len(batches) * len(tokens)  # one per cell per repeat, the largest cell's cost as the bound
-    repeats = max(1, min(MAX_REPEATS, int(config.profile_budget_s * 1000 / (largest * steps)) - 1))
-    log.info("profile: no measured profile of %s on %s; measuring %d batch sizes x %d verify lengths, %d repeats "
-             "(budget %.0f s, largest step %.1f ms)", config.model, hardware, len(batches), len(tokens), repeats,
-             config.profile_budget_s, largest)
+    cell_s = time.perf_counter() - t0  # prefill + 2 steps of the largest cell: a bound on any cell at 1 repeat
+    drafting = config.speculates and config.drafter in ("ngram", "dspark")
+    per_row = max(2, int(config.profile_budget_s / cell_s / len(batches)) - drafting)
+    if per_row < len(tokens):
+        tokens = sorted({tokens[round(i * (len(tokens) - 1) / (per_row - 1))] for i in range(per_row)})
+    cells = len(batches) * (len(tokens) + drafting)
+    spare_s = config.profile_budget_s / cells - cell_s
+    repeats = max(1, min(MAX_REPEATS, int(spare_s * 1000 / largest)))
+    estimate_s = cells * (cell_s + repeats * largest / 1000)
+    log.info("profile: no measured profile of %s on %s; measuring batch sizes %s x tokens per request %s, %d "
+             "repeats (largest cell %.1f s; about %.0f s of a %.0f s budget)", config.model, hardware, batches, tokens,
+             repeats, cell_s, estimate_s, config.profile_budget_s)
+    if estimate_s > config.profile_budget_s:
+        log.warning("profile: the grid is estimated at %.0f s, over profile_budget_s %.0f s (a larger "
+                    "model or a loaded host); commit a profile with python -m app.scheduling.profiler instead",
+                    estimate_s, config.profile_budget_s)
     if config.drafter == "ngram" and config.speculates:
         from app.drafters.ngram import NgramProposer
 
@@ -96,16 +111,15 @@ def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> Thro
         proposer = dummy_proposer(engine)
     else:
         proposer = None
-    per_row = len(tokens)
 
     def progress(done: int, total: int) -> None:
-        if done % per_row == 0:
+        if done % len(tokens) == 0:
             log.info("profile: %d/%d cells measured (%.1f s)", done, total, time.perf_counter() - t0)
 
     provenance = engine_provenance(
         engine, model=config.model, context=STARTUP_CONTEXT, hardware=hardware,
-        notes=f"measured at start-up: median of {repeats} steps after 2 warm-up steps per cell; rows made non-decreasing "
-        f"(running max); drafter: {proposer.__class__.__name__ if proposer else 'none'}",
+        notes=f"measured at start-up: median of {repeats} steps after 2 warm-up steps per cell; rows made "
+        f"non-decreasing (running max); drafter: {proposer.__class__.__name__ if proposer else 'none'}",
     )
     profile = measure_profile(engine, batch_sizes=batches, tokens_per_request=tokens, proposer=proposer,
                               provenance=provenance, context=STARTUP_CONTEXT, repeats=repeats, progress=progress)

@@ -5,7 +5,7 @@ loaded as it is (``AppConfig.check_files`` has already checked it against the mo
 order: the measured profile in ``profiles/`` of this model on this hardware; a profile this host measured before,
 cached under ``<cache_dir>/profiles`` keyed by model, dtype, hardware, torch version and drafter; else it measures
 one now with timing steps on the loaded engine over the batch sizes and verify lengths the config can
-reach (vLLM measures its adaptive-verification costs the same way), within ``profile_budget_s``, and caches it.
+reach, within about ``profile_budget_s``, and caches it.
 
 Does not own: the profile schema and interpolation (``app/scheduling/profile.py``), the timing of one step
 (``app/engine/timing.py``).

@@ -131,8 +131,10 @@ def load_target(
     else:
         state = _to_target_names(_load_state_dict(src), args)
     target.load_state_dict(state, strict=True, assign=True)
-    target.rope_cos, target.rope_sin = rope_tables(head_dim=args.head_dim, theta=args.rope_theta,
-                                                   max_positions=args.max_position_embeddings, scaling=args.rope_scaling)
+    target.rope_cos, target.rope_sin = rope_tables(
+        head_dim=args.head_dim, theta=args.rope_theta, max_positions=args.max_position_embeddings,
+        scaling=args.rope_scaling,
+    )
     if args.tie_word_embeddings:
         target.lm_head.weight = target.embed_tokens.weight
     target = target.to(device=dev, dtype=dt).eval().requires_grad_(False)

@@ -333,8 +333,8 @@ class AppConfig(BaseModel):
             raise FileNotFoundError(
                 f"drafter_checkpoint: no DSpark checkpoint at {self.drafter_checkpoint} (expected config.json and "
                 f"model.safetensors). Train one for {self.model} with python -m app.drafters.train.pipeline --model "
-                f"{self.model} --out runs/drafter (docs/drafter.md) and set drafter_checkpoint: runs/drafter/checkpoint, "
-                "or use a drafter that needs no training: drafter: ngram, or policy: none"
+                f"{self.model} --out runs/drafter (docs/drafter.md) and set drafter_checkpoint: "
+                "runs/drafter/checkpoint, or use a drafter that needs no training: drafter: ngram, or policy: none"
             )
         if self.speculates and self.drafter == "dspark" and self.prompt_lookup:
             from app.drafters.lookup import read_lookup_rates

@@ -75,9 +75,10 @@ def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> Thro
     """Time a grid of ``default_grid(max_batch=max_num_seqs, gamma=gamma)`` on ``engine`` within about
     ``profile_budget_s``, a progress line per batch size.
 
-    After one warm-up step, a probe of the largest cell (its prefill and two steps) bounds what one cell costs; when all cells do not fit the
-    budget, the verify lengths are thinned to evenly spaced ones (always 1 and gamma + 1; the profile interpolates
-    linearly between them, never below 2), then each cell gets as many timed steps (1 .. ``MAX_REPEATS``) as fit.
+    After one warm-up step, a probe of the largest cell (its prefill and two steps) bounds what one cell costs;
+    when all cells do not fit the budget, the verify lengths are thinned to evenly spaced ones (always 1 and
+    gamma + 1; the profile interpolates linearly between them, never below 2), then each cell gets as many timed
+    steps (1 .. ``MAX_REPEATS``) as fit.
     The drafter step is timed with the n-gram drafter for ``drafter: ngram`` and with a randomly initialised DSpark
     drafter sized for the target (``dummy_proposer``) for ``drafter: dspark``; 0 ms without speculation.
     """

@@ -23,22 +23,48 @@ TINY_LLAMA = {  # a 2-layer Llama over SmolLM2's tokenizer (V = 49152): loads in
 
 def write_model_dir(directory: Path, config: dict, *, tokenizer: bool = True) -> Path:
     """A checkpoint directory without weights: ``config`` as config.json, and the embedded SmolLM2's tokenizer
-    files (from ``local_checkpoint()``) when ``tokenizer``."""
-    from app.engine.loader import local_checkpoint
-
+    files (``copy_tokenizer``) when ``tokenizer``."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     if tokenizer:
-        for src in local_checkpoint().iterdir():
-            if src.name.startswith(("tokenizer", "chat_template")):
-                shutil.copy(src, directory / src.name)
+        copy_tokenizer(directory)
     return directory
+
+
+def copy_tokenizer(directory: Path) -> None:
+    """Copy the embedded SmolLM2's tokenizer files (from ``local_checkpoint()``) into ``directory``."""
+    from app.engine.loader import local_checkpoint
+
+    for src in local_checkpoint().iterdir():
+        if src.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(src, Path(directory) / src.name)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """``tiny-llama/``: ``TINY_LLAMA``'s config.json and tokenizer files, no weights (for ``load_format="dummy"``)."""
     return write_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama", TINY_LLAMA)
+
+
+def save_tiny_model(directory: Path, config_class: str, config: dict):
+    """A tiny random transformers model of ``config_class`` (e.g. "LlamaConfig") built from ``config``, every weight
+    drawn at a visible scale (biases and norm scales too, so a missed qkv bias or q/k norm shows), saved to
+    ``directory`` with SmolLM2's tokenizer; returns the float32 model (eval mode)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**config))
+    model = model.float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(directory)
+    copy_tokenizer(directory)
+    return model
 
 
 def load_prompts(name: str, *, start: int = 0, count: int = 10) -> list[str]:

@@ -44,6 +44,7 @@ LoadFormat = Literal["auto", "dummy"]
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them marks a tokenizer
 DUMMY_STD = 0.02  # std of dummy weight matrices (transformers' initializer_range default)
+EMBEDDING = "model.embed_tokens.weight"  # the input embedding's name in a transformers Llama/Qwen checkpoint
 
 
 @dataclass
@@ -130,8 +131,10 @@ def load_target(
     else:
         state = _to_target_names(_load_state_dict(src), args)
     target.load_state_dict(state, strict=True, assign=True)
-    target.rope_cos, target.rope_sin = rope_tables(head_dim=args.head_dim, theta=args.rope_theta,
-                                                   max_positions=args.max_position_embeddings)
+    target.rope_cos, target.rope_sin = rope_tables(
+        head_dim=args.head_dim, theta=args.rope_theta, max_positions=args.max_position_embeddings,
+        scaling=args.rope_scaling,
+    )
     if args.tie_word_embeddings:
         target.lm_head.weight = target.embed_tokens.weight
     target = target.to(device=dev, dtype=dt).eval().requires_grad_(False)
@@ -147,6 +150,36 @@ def load_target(
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
         eos_ids += (tokenizer.eos_token_id,)
     return LoadedTarget(model=target, tokenizer=tokenizer, name=model, eos_token_ids=eos_ids)
+
+
+def load_embedding(
+    model: str = "smollm2-135m", *, dtype: str = "auto", device: str = "auto", load_format: LoadFormat = "auto"
+) -> torch.Tensor:
+    """The target's input embedding [V, Dm] alone, without loading the rest of the target: read from the one
+    safetensors file that holds it (the embedded GGUF's de-quantised cache included), or for ``dummy`` drawn exactly
+    as ``load_target`` draws it. For processes that need only the embedding (a Drafter replica).
+
+    Raises:
+        FileNotFoundError: no local checkpoint, or (``auto``) no safetensors file holding the embedding.
+        ValueError: unsupported architecture, dtype, device or load format.
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    src = _local_checkpoint(model)
+    args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(src, local_files_only=True))
+    if load_format == "dummy":  # the first tensor _dummy_state draws
+        gen = torch.Generator(dev).manual_seed(0)
+        shape = (args.vocab_size, args.hidden_size)
+        return torch.empty(shape, device=dev, dtype=dt).normal_(0.0, DUMMY_STD, generator=gen)
+    for file in sorted(src.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            if EMBEDDING in f.keys():
+                return f.get_tensor(EMBEDDING).to(device=dev, dtype=dt)
+    raise FileNotFoundError(f"no {EMBEDDING} in any *.safetensors of {src}")
 
 
 def local_checkpoint(model: str = "smollm2-135m") -> Path:
@@ -243,8 +276,8 @@ def _dummy_state(target: TargetModel, *, device: torch.device, dtype: torch.dtyp
 
 def _to_target_names(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Map transformers' Llama/Qwen parameter names onto ``TargetModel`` (fusing qkv and gate/up)."""
-    out = {"embed_tokens.weight": state["model.embed_tokens.weight"], "norm": state["model.norm.weight"]}
-    out["lm_head.weight"] = state["model.embed_tokens.weight"] if args.tie_word_embeddings else state["lm_head.weight"]
+    out = {"embed_tokens.weight": state[EMBEDDING], "norm": state["model.norm.weight"]}
+    out["lm_head.weight"] = state[EMBEDDING] if args.tie_word_embeddings else state["lm_head.weight"]
     for i in range(args.num_layers):
         p = f"model.layers.{i}."
         attn = [state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]

@@ -20,6 +20,7 @@ Hkv key/value heads, G = H / Hkv, Dh head dim, Dm hidden size, Lq the longest qu
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,74 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding scaling as a transformers config's ``rope_parameters`` (or legacy ``rope_scaling``) gives it.
+
+    ``rope_type``: ``default`` (none), ``linear`` (positions divided by ``factor``), ``dynamic`` (NTK: the base grows
+    only for sequences longer than ``max_position_embeddings``, which the engine never runs, so inside the context
+    limit it equals ``default``), ``llama3`` (Llama 3.1+: low frequencies divided by ``factor``, a smooth ramp between
+    ``low_freq_factor`` and ``high_freq_factor`` wavelengths of ``original_max_position_embeddings``) and ``yarn``
+    (frequencies blended between interpolation and extrapolation over a ramp of rotation counts ``beta_slow`` ..
+    ``beta_fast``, cos/sin multiplied by ``attention_factor``).
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float = 1.0  # yarn: scale of cos/sin, resolved from factor / mscale when the config omits it
+    truncate: bool = True  # yarn: round the ramp's ends to whole dimensions
+
+    @classmethod
+    def from_dict(cls, rope: dict, *, max_position_embeddings: int) -> "RopeScaling":
+        """Read a ``rope_parameters`` / ``rope_scaling`` dict.
+
+        Raises:
+            ValueError: an unsupported ``rope_type``, a partial rotary factor, or a missing field the type needs.
+        """
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {ROPE_TYPES}")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"unsupported partial_rotary_factor {rope['partial_rotary_factor']!r} (only 1.0)")
+        if rope_type == "default":
+            return cls()
+        factor = rope.get("factor")
+        original = rope.get("original_max_position_embeddings")
+        if rope_type in ("llama3", "yarn") and original is None:
+            raise ValueError(f"rope_type {rope_type!r} needs original_max_position_embeddings in {rope}")
+        if factor is None and rope_type == "yarn":
+            factor = max_position_embeddings / original
+        if factor is None:
+            raise ValueError(f"rope_type {rope_type!r} needs a factor in {rope}")
+        attention = 1.0
+        if rope_type == "yarn":
+            attention = rope.get("attention_factor")
+            if attention is None:
+                mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+                attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                             else _yarn_mscale(factor, 1.0))
+        return cls(
+            rope_type=rope_type, factor=float(factor), original_max_position_embeddings=original,
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+            attention_factor=float(attention), truncate=bool(rope.get("truncate", True)),
+        )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature term: 1 + 0.1 * mscale * ln(factor), 1 for factor <= 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclass(frozen=True)
 class ModelArgs:
     """Hyperparameters of a Llama-family decoder (read from a transformers config)."""
@@ -48,14 +117,18 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # context limit the engine may use (capped at a sliding window, see from_hf_config)
     tie_word_embeddings: bool
     qkv_bias: bool = False
     qk_norm: bool = False
+    rope_scaling: RopeScaling = RopeScaling()
 
     @classmethod
     def from_hf_config(cls, config) -> "ModelArgs":
-        """Build from a ``transformers.PretrainedConfig``.
+        """Build from a ``transformers.PretrainedConfig`` (Llama 1/2/3.x, Mistral, Qwen2, Qwen3).
+
+        A sliding attention window (Mistral's ``sliding_window``, Qwen's with ``use_sliding_window``) is not
+        implemented: the context limit is capped at the window, where windowed attention equals full attention.
 
         Raises:
             ValueError: for an architecture or rope scaling this module does not implement.
@@ -69,11 +142,13 @@ class ModelArgs:
                 f"unsupported target architecture {archs or model_type!r}; supported: {SUPPORTED_ARCHITECTURES}"
             )
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"unsupported rope_type {rope_type!r} (only 'default' rotary embeddings)")
+        scaling = RopeScaling.from_dict(rope, max_position_embeddings=config.max_position_embeddings)
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        max_positions = config.max_position_embeddings
+        window = getattr(config, "sliding_window", None)
+        if window and (model_type == "mistral" or getattr(config, "use_sliding_window", False)):
+            max_positions = min(max_positions, window)
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -84,10 +159,11 @@ class ModelArgs:
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
             rope_theta=float(theta),
-            max_position_embeddings=config.max_position_embeddings,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.tie_word_embeddings),
             qkv_bias=bool(getattr(config, "attention_bias", False)) or model_type == "qwen2",
             qk_norm=model_type == "qwen3",
+            rope_scaling=scaling,
         )
 
 
@@ -184,12 +260,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def rope_tables(*, head_dim: int, theta: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 cos/sin tables [max_positions, Dh] of the default rotary embedding (target and drafters)."""
+def rope_inv_freq(*, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """float32 inverse frequencies [Dh / 2] of the rotary embedding with ``scaling`` (``RopeScaling``)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    s = scaling or RopeScaling()
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
+    if s.rope_type == "llama3":
+        wavelen = 2 * math.pi / inv_freq
+        old_len = s.original_max_position_embeddings
+        # 1 for high frequencies (kept), 0 for low ones (divided by factor), a linear ramp in between.
+        keep = ((old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)).clamp(0.0, 1.0)
+        return (1 - keep) * inv_freq / s.factor + keep * inv_freq
+    if s.rope_type == "yarn":
+        def dim_of(rotations: float) -> float:  # the dimension that turns ``rotations`` times over the old context
+            return head_dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(theta))
+
+        low, high = dim_of(s.beta_fast), dim_of(s.beta_slow)
+        if s.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2).float() - low) / max(high - low, 1e-3)).clamp(0.0, 1.0)
+        # ramp 0: extrapolate (keep the frequency), ramp 1: interpolate (divide by factor)
+        return inv_freq / s.factor * ramp + inv_freq * (1 - ramp)
+    return inv_freq  # default, and dynamic inside max_position_embeddings (RopeScaling docstring)
+
+
+def rope_tables(
+    *, head_dim: int, theta: float, max_positions: int, scaling: RopeScaling | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 cos/sin tables [max_positions, Dh] of the rotary embedding (target and drafters), with ``scaling``'s
+    frequencies and, for yarn, its attention factor."""
+    inv_freq = rope_inv_freq(head_dim=head_dim, theta=theta, scaling=scaling)
     angles = torch.outer(torch.arange(max_positions).float(), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
+    factor = scaling.attention_factor if scaling is not None else 1.0
+    return angles.cos() * factor, angles.sin() * factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -289,7 +396,7 @@ class TargetModel(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_tables(head_dim=args.head_dim, theta=args.rope_theta,
-                               max_positions=args.max_position_embeddings)
+                               max_positions=args.max_position_embeddings, scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -288,10 +289,13 @@ def load_profile(path: str | Path) -> ThroughputProfile:
 
 
 def save_profile(profile: ThroughputProfile, path: str | Path) -> Path:
-    """Write ``profile`` as indented JSON to ``path`` (parent folders created); returns the path."""
+    """Write ``profile`` as indented JSON to ``path`` (parent folders created; written beside it, then renamed, so a
+    concurrent reader never sees half a file); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile.model_dump(mode="json"), indent=1) + "\n")
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(profile.model_dump(mode="json"), indent=1) + "\n")
+    os.replace(tmp, path)
     return path
 
 

@@ -26,6 +26,7 @@ import datetime as dt
 import json
 import platform
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -38,7 +39,8 @@ from app.drafters.proposer import DSparkProposer
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.loader import LOAD_FORMATS
 from app.engine.timing import time_draft_step, time_verify_step
-from app.scheduling.profile import DUMMY_SUFFIX, Provenance, write_profile
+from app.engine.decode import Proposer
+from app.scheduling.profile import DUMMY_SUFFIX, Provenance, ThroughputProfile, write_profile
 
 ENGINE_NAME = "dspark-engine"
 
@@ -68,6 +70,60 @@ def dummy_proposer(engine: TargetEngine) -> DSparkProposer:
     return DSparkProposer(drafter.to(dtype=embed.dtype).eval())
 
 
+def default_grid(*, max_batch: int, gamma: int) -> tuple[list[int], list[int]]:
+    """The grid a server with ``max_batch`` KV slots and draft blocks of ``gamma`` tokens can reach: batch sizes 1, 2,
+    4, ... up to ``max_batch`` (always included) and tokens per request 1 .. ``gamma + 1``."""
+    batches = [b for b in (1 << i for i in range(max_batch.bit_length())) if b < max_batch] + [max_batch]
+    return batches, list(range(1, gamma + 2))
+
+
+def measure_profile(
+    engine: TargetEngine,
+    *,
+    batch_sizes: list[int],
+    tokens_per_request: list[int],
+    proposer: Proposer | None,
+    provenance: Provenance,
+    context: int,
+    repeats: int,
+    progress: Callable[[int, int], None] | None = None,
+) -> ThroughputProfile:
+    """Time the verify grid (and one drafter step per batch size with ``proposer``; 0 ms without) on ``engine``.
+
+    Each row is made non-decreasing in tokens per request (a running maximum, module docstring). ``progress`` is
+    called with (cells done, cells in all) after each cell.
+
+    Raises:
+        ValueError: the grid needs more slots or draft tokens than ``engine`` has (``time_verify_step``).
+    """
+    verify_ms, draft_ms = [], []
+    cells, done = len(batch_sizes) * len(tokens_per_request), 0
+    for b in batch_sizes:
+        row = []
+        for t in tokens_per_request:
+            row.append(time_verify_step(engine, batch=b, tokens_per_request=t, context=context, repeats=repeats))
+            done += 1
+            if progress is not None:
+                progress(done, cells)
+        verify_ms.append(np.maximum.accumulate(np.array(row)).round(3).tolist())
+        draft_ms.append(round(time_draft_step(engine, proposer, batch=b, context=context), 3) if proposer else 0.0)
+    gamma = getattr(proposer, "gamma", None) or tokens_per_request[-1] - 1
+    return ThroughputProfile(provenance=provenance, batch_sizes=batch_sizes, tokens_per_request=tokens_per_request,
+                             verify_ms=verify_ms, draft_ms=draft_ms, draft_gamma=gamma)
+
+
+def engine_provenance(
+    engine: TargetEngine, *, model: str, context: int, notes: str, hardware: str | None = None
+) -> Provenance:
+    """Provenance of a profile measured now on ``engine``: this process's torch version, ``hardware`` (default:
+    ``hardware_name`` of the engine's device at this process's torch threads)."""
+    return Provenance(
+        engine=ENGINE_NAME, model=model, dtype=str(engine.cache.k.dtype).removeprefix("torch."),
+        torch_version=torch.__version__, hardware=hardware or hardware_name(engine.device), date=dt.date.today(),
+        source="measured", context_tokens=context, notes=notes,
+    )
+
+
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -91,42 +147,29 @@ def main(argv: list[str] | None = None) -> Path:
         model=args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=max(batch_sizes),
         max_draft_len=max(tokens) - 1,
     ))
-    proposer, gamma = None, max(tokens) - 1
+    proposer = None
     if args.drafter:
         drafter, calibration, _ = load_checkpoint(args.drafter, engine.model.embed_tokens.weight)
         proposer = DSparkProposer(drafter, calibration=calibration)
     elif args.dummy_drafter:
         proposer = dummy_proposer(engine)
-    if proposer:
-        gamma = proposer.gamma
-    verify_ms, draft_ms = [], []
-    cells = tqdm(total=len(batch_sizes) * len(tokens), desc="profiling verify steps")
-    for b in batch_sizes:
-        row = []
-        for t in tokens:
-            row.append(time_verify_step(engine, batch=b, tokens_per_request=t, context=args.context,
-                                        repeats=args.repeats))
-            cells.update()
-        verify_ms.append(np.maximum.accumulate(np.array(row)).round(3).tolist())
-        draft_ms.append(round(time_draft_step(engine, proposer, batch=b, context=args.context), 3) if proposer else 0.0)
-    cells.close()
     dummy = args.load_format == "dummy"
     drafter_note = "dummy DSpark (random weights, target-sized)" if args.dummy_drafter else args.drafter or "none"
-    provenance = Provenance(
-        engine=ENGINE_NAME,
-        model=f"{Path(args.model).name}{DUMMY_SUFFIX}" if dummy else args.model,
-        dtype=str(engine.cache.k.dtype).removeprefix("torch."),
-        torch_version=torch.__version__,
-        hardware=hardware_name(engine.device),
-        date=dt.date.today(),
-        source="measured",
-        context_tokens=args.context,
+    provenance = engine_provenance(
+        engine, model=f"{Path(args.model).name}{DUMMY_SUFFIX}" if dummy else args.model, context=args.context,
         notes=f"median of {args.repeats} steps after 2 warm-up steps; rows made non-decreasing (running max); "
         + (f"weights: dummy (random, --load-format dummy) on the config of {args.model}; " if dummy else "")
         + f"drafter: {drafter_note}",
     )
+    cells = tqdm(total=len(batch_sizes) * len(tokens), desc="profiling verify steps")
+    profile = measure_profile(engine, batch_sizes=batch_sizes, tokens_per_request=tokens, proposer=proposer,
+                              provenance=provenance, context=args.context, repeats=args.repeats,
+                              progress=lambda done, total: cells.update())
+    cells.close()
+    verify_ms, draft_ms = profile.verify_ms, profile.draft_ms
     path = write_profile(directory=args.out, provenance=provenance, batch_sizes=batch_sizes,
-                         tokens_per_request=tokens, verify_ms=verify_ms, draft_ms=draft_ms, draft_gamma=gamma)
+                         tokens_per_request=tokens, verify_ms=verify_ms, draft_ms=draft_ms,
+                         draft_gamma=profile.draft_gamma)
     print(f"{'batch':>6}" + "".join(f"{t:>8}" for t in tokens) + f"{'draft':>8}")
     for b, row, d in zip(batch_sizes, verify_ms, draft_ms):
         print(f"{b:>6}" + "".join(f"{ms:>8.1f}" for ms in row) + f"{d:>8.1f}")

@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from app.engine.engine import EngineConfig
 from app.scheduling.policies import make_policy
 from autoscale.config import SLOAutoscalingConfig
 
@@ -25,6 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILES_DIR = REPO_ROOT / "profiles"
 AUTO_PROFILE = "auto"
 API_KEY_ENV = "DSPARK_API_KEY"
+TOP_LEVEL_ENGINE_KEYS = frozenset({"model", "dtype", "device", "max_model_len", "max_num_seqs"})  # engine shorthands
 
 
 def resolve_path(path: str) -> str:
@@ -57,17 +59,19 @@ class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
     # ------------------------------------------------------------------ target
-    model: str = Field("smollm2-135m", description="Target model reference (see app/engine/loader.py).")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="The target engine, every field of app/engine/engine.py's EngineConfig: model, load_format, "
+        "dtype, device, max_model_len, max_num_seqs, feature_layers, prepack, fp32_lm_head, greedy_screen "
+        "(max_draft_len is `gamma`). The keys model, dtype, device, max_model_len and max_num_seqs are also "
+        "accepted at the top level of `args`.",
+    )
     served_model_name: str = Field(
         "smollm2-135m", min_length=1, description="Name clients pass as `model`; anything else answers 404."
     )
-    engine: Literal["real", "mock"] = Field(
-        "real", description="'real': the TargetEngine; 'mock': a deterministic weight-free engine for tests."
+    mock_engine: bool = Field(
+        False, description="Replace the TargetEngine by a deterministic weight-free engine (tests; `engine` unused)."
     )
-    dtype: str = Field("auto", description="Target dtype: auto (bfloat16), bfloat16, float16, float32.")
-    device: str = Field("auto", description="Target device: auto, cpu, cuda, cuda:N.")
-    max_model_len: int = Field(2048, ge=32, description="Per-request context limit in tokens (prompt + output).")
-    max_num_seqs: int = Field(16, ge=1, description="Requests decoded concurrently per target replica (KV slots).")
     max_queued_requests: int = Field(
         32, ge=0, description="Requests waiting for a KV slot per target replica; beyond it answers 503."
     )
@@ -118,10 +122,15 @@ class AppConfig(BaseModel):
     )
     profile: str = Field(
         AUTO_PROFILE,
-        description="Throughput profile JSON of the target (verify-step and draft-step times), or 'auto': the "
-        "measured profile in profiles/ for `model` on this host's CPU (at `torch_threads` threads) or GPU, as "
-        "`python -m app.scheduling.profiler` writes it; without one, the newest measured profile of `model`, "
-        "with a warning (see `profile_path`).",
+        description="Throughput profile JSON of the target (verify-step and draft-step times), checked against "
+        "`engine.model` and dtype at build, or 'auto': the measured profile in profiles/ of `engine.model` on this "
+        "host's CPU (at `torch_threads` threads) or GPU, as `python -m app.scheduling.profiler` writes it; without "
+        "one, each target replica measures one at start-up within `profile_budget_s` and caches it on this host for "
+        "the next start (app/serving/profiles.py).",
+    )
+    profile_budget_s: float = Field(
+        60.0, gt=0, description="profile 'auto' with no measured profile: the time a target replica aims to spend "
+        "measuring one at start-up (seconds; fewer repeats per grid cell when the estimate exceeds it).",
     )
     drafter_placement: Literal["separate", "colocated"] = Field(
         "separate",
@@ -173,6 +182,22 @@ class AppConfig(BaseModel):
         "never); tests of a failing step.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_keys_at_top(cls, data):
+        """Move the top-level shorthands of ``TOP_LEVEL_ENGINE_KEYS`` into the ``engine`` section."""
+        if not isinstance(data, dict) or not TOP_LEVEL_ENGINE_KEYS & data.keys():
+            return data
+        data = dict(data)
+        engine = data.get("engine", {})
+        engine = dict(engine.model_dump(exclude_unset=True) if isinstance(engine, EngineConfig) else engine)
+        for key in sorted(TOP_LEVEL_ENGINE_KEYS & data.keys()):
+            if key in engine:
+                raise ValueError(f"{key} is set both at the top level and in the engine section; keep one")
+            engine[key] = data.pop(key)
+        data["engine"] = engine
+        return data
+
     @field_validator("policy")
     @classmethod
     def _check_policy(cls, value: str) -> str:
@@ -186,13 +211,51 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "AppConfig":
+        if "max_draft_len" in self.engine.model_fields_set:
+            raise ValueError("engine.max_draft_len is set by gamma (the draft block size); set gamma instead")
         if self.gamma >= self.max_model_len // 2:
             raise ValueError(f"gamma {self.gamma} leaves no room in max_model_len {self.max_model_len}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
-        if self.engine == "mock" and self.drafter == "dspark" and self.speculates:
-            raise ValueError("drafter 'dspark' needs engine 'real' (the mock engine has no features); use 'mock'")
+        if self.mock_engine and self.drafter == "dspark" and self.speculates:
+            raise ValueError("drafter 'dspark' needs the real engine (the mock engine has no features); use 'mock'")
         return self
+
+    def engine_config(self) -> EngineConfig:
+        """The target replica's ``EngineConfig``: the ``engine`` section with ``max_draft_len = gamma``, and, when a
+        trained drafter (``drafter: dspark``, any checkpoint format) speculates and the section names no
+        ``feature_layers``, the target layers that drafter was trained on."""
+        fields = {**self.engine.model_dump(exclude_unset=True), "max_draft_len": self.gamma}
+        if self.engine.feature_layers is None and self.speculates and self.drafter == "dspark" and not self.mock_engine:
+            from app.drafters.checkpoint import read_checkpoint_config
+
+            fields["feature_layers"] = tuple(read_checkpoint_config(self.drafter_checkpoint)["config"]["feature_layers"])
+        return EngineConfig.model_validate(fields)
+
+    @property
+    def model(self) -> str:
+        """The target model reference (``engine.model``)."""
+        return self.engine.model
+
+    @property
+    def dtype(self) -> str:
+        """The target dtype (``engine.dtype``)."""
+        return self.engine.dtype
+
+    @property
+    def device(self) -> str:
+        """The target device (``engine.device``)."""
+        return self.engine.device
+
+    @property
+    def max_model_len(self) -> int:
+        """Per-request context limit in tokens (``engine.max_model_len``)."""
+        return self.engine.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests decoded concurrently per target replica (``engine.max_num_seqs``)."""
+        return self.engine.max_num_seqs
 
     @property
     def speculates(self) -> bool:
@@ -205,53 +268,80 @@ class AppConfig(BaseModel):
         key = self.api_key if self.api_key is not None else os.environ.get(API_KEY_ENV)
         return key or None
 
-    def profile_path(self) -> str:
-        """The throughput profile in force: ``profile``, or for 'auto' the first measured profile of ``model`` in
-        ``PROFILES_DIR`` for this host's hardware (named as the profiler records it), else the first measured profile
-        of ``model`` on any hardware, with a warning (verify costs measured on another machine). First in the order
-        of ``measured_profiles``: timed on the model's real weights before dummy weights, each newest first.
+    def profile_path(self) -> str | None:
+        """The throughput profile in force before any replica starts: ``committed_profile_path()``, else the one
+        this host measured at start-up before (``profiles.profile_cache_path``), else None (a target replica will
+        measure one).
 
         Raises:
-            FileNotFoundError: 'auto' and no measured profile of ``model`` at all.
+            FileNotFoundError: 'auto', the mock engine and no measured profile of ``model`` at all.
+        """
+        committed = self.committed_profile_path()
+        if committed is not None or self.mock_engine:
+            return committed
+        from app.engine.loader import resolve_dtype
+        from app.scheduling.profiler import hardware_name
+        from app.serving.profiles import profile_cache_path
+
+        dtype = str(resolve_dtype(self.dtype)).removeprefix("torch.")
+        cached = profile_cache_path(self, hardware=hardware_name(self._torch_device(), self.torch_threads), dtype=dtype)
+        return str(cached) if cached.is_file() else None
+
+    def committed_profile_path(self) -> str | None:
+        """``profile`` when named; for 'auto' the first measured profile of ``model`` in ``PROFILES_DIR`` for this
+        host's hardware (named as the profiler records it; real weights before dummy ones, each newest first), else
+        None. The mock engine cannot be measured: it takes the newest measured profile of ``model`` on any hardware,
+        with a warning.
+
+        Raises:
+            FileNotFoundError: 'auto', the mock engine and no measured profile of ``model`` at all.
         """
         if self.profile != AUTO_PROFILE:
             return self.profile
-        import torch
-
         from app.scheduling.profile import measured_profiles
         from app.scheduling.profiler import hardware_name
 
-        if self.device == "auto":
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            device = torch.device(self.device)
-        hardware = hardware_name(device, self.torch_threads)
+        hardware = hardware_name(self._torch_device(), self.torch_threads)
         profiles = measured_profiles(PROFILES_DIR, model=self.model)
         here = [path for provenance, path in profiles if provenance.hardware == hardware]
         if here:
             return str(here[0])
+        if not self.mock_engine:
+            return None
         if not profiles:
-            raise FileNotFoundError(f"profile: auto found no measured profile of {self.model} in {PROFILES_DIR}; "
-                                    "measure one with python -m app.scheduling.profiler or name a profile file")
-        log.warning("profile: no measured profile of %s on %r in %s; using %s, measured on %r (verify costs may be "
-                    "off: python -m app.scheduling.profiler measures this host)", self.model, hardware, PROFILES_DIR,
-                    profiles[0][1].name, profiles[0][0].hardware)
+            raise FileNotFoundError(f"profile: auto found no measured profile of {self.model} in {PROFILES_DIR} "
+                                    "for the mock engine; name a profile file")
+        log.warning("profile: mock engine, no measured profile of %s on %r in %s; using %s, measured on %r",
+                    self.model, hardware, PROFILES_DIR, profiles[0][1].name, profiles[0][0].hardware)
         return str(profiles[0][1])
+
+    def _torch_device(self):
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
     def check_files(self) -> None:
         """Fail fast, naming the field, when a file the config points at is missing.
 
         Raises:
             FileNotFoundError: ``profile`` or (for drafter 'dspark') ``drafter_checkpoint`` does not exist.
+            ProfileMismatchError: a profile named explicitly was measured for another model or dtype.
             ValueError: ``prompt_lookup`` with a checkpoint that has no lookup table.
         """
-        if not Path(self.profile_path()).is_file():
+        path = self.profile_path()
+        if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"profile: no such file {self.profile}")
+        if self.profile != AUTO_PROFILE and not self.mock_engine:
+            self._check_profile_matches()
         checkpoint = Path(self.drafter_checkpoint) / "config.json"
         if self.speculates and self.drafter == "dspark" and not checkpoint.is_file():
             raise FileNotFoundError(
                 f"drafter_checkpoint: no DSpark checkpoint at {self.drafter_checkpoint} (expected config.json and "
-                "model.safetensors); train one (app/drafters/train) or set drafter: ngram"
+                f"model.safetensors). Train one for {self.model} with python -m app.drafters.train.pipeline --model "
+                f"{self.model} --out runs/drafter (docs/drafter.md) and set drafter_checkpoint: "
+                "runs/drafter/checkpoint, or use a drafter that needs no training: drafter: ngram, or policy: none"
             )
         if self.speculates and self.drafter == "dspark" and self.prompt_lookup:
             from app.drafters.lookup import read_lookup_rates
@@ -261,3 +351,16 @@ class AppConfig(BaseModel):
                     f"prompt_lookup: the checkpoint at {self.drafter_checkpoint} has no lookup table; fit one with "
                     "python -m app.drafters.train.calibrate_lookup or set prompt_lookup: false"
                 )
+
+    def _check_profile_matches(self) -> None:
+        """Raise ``ProfileMismatchError`` naming the profile file and the target unless ``profile`` was measured for
+        ``model`` (``profile.model_matches``) in the target's dtype."""
+        from app.engine.loader import resolve_dtype
+        from app.scheduling.profile import ProfileMismatchError, load_profile
+
+        dtype = str(resolve_dtype(self.dtype)).removeprefix("torch.")
+        try:
+            load_profile(self.profile).ensure_matches(self.model, dtype=dtype)
+        except ProfileMismatchError as e:
+            raise ProfileMismatchError(f"profile {self.profile} does not fit the target {self.model} ({dtype}): {e}; "
+                                       "or set profile: auto") from e

@@ -20,6 +20,7 @@ Shape symbols: B requests in a call, K block size (gamma).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Protocol, runtime_checkable
 
@@ -34,6 +35,8 @@ from app.serving.metrics import DrafterMetrics
 from app.serving.protocol import DraftCall, DraftRound
 from app.serving.torch_thread import TorchThread, intra_op_threads
 
+log = logging.getLogger("ray.serve")
+
 
 @runtime_checkable
 class TakesParams(Protocol):
@@ -44,7 +47,7 @@ class TakesParams(Protocol):
 
 def make_proposer(config: AppConfig, embed_weight: torch.Tensor | None = None) -> Proposer:
     """Build the configured drafter; a trained one shares ``embed_weight`` [V, Dm] (the target's input embedding,
-    loaded read-only from ``config.model`` when None).
+    read alone from ``config.model``'s files when None).
 
     Raises:
         FileNotFoundError: drafter 'dspark' without a checkpoint at ``drafter_checkpoint``.
@@ -62,16 +65,28 @@ def make_proposer(config: AppConfig, embed_weight: torch.Tensor | None = None) -
 
 def load_checkpoint_proposer(config: AppConfig, embed_weight: torch.Tensor | None = None) -> Proposer:
     """The trained drafter at ``drafter_checkpoint``, of any kind (DSpark, DFlash-style, EAGLE-3-style, MTP-1),
-    on the target's embedding / LM head (``embed_weight``, else loaded read-only here); it drafts at most
-    ``gamma`` tokens per round (prompt lookup, when on, runs on the target replica: ``target.py``)."""
+    on the target's embedding / LM head (``embed_weight``, else only that tensor is read from the target's files:
+    ``loader.load_embedding``, never the whole target); it drafts at most ``gamma`` tokens per round (prompt lookup,
+    when on, runs on the target replica: ``target.py``). Logs this process's resident memory before and after."""
     from app.drafters.registry import load_proposer
-    from app.engine.loader import load_target
+    from app.engine.loader import load_embedding
 
     config.check_files()
+    before = resident_mib()
     if embed_weight is None:
-        target = load_target(config.model, dtype=config.dtype, device=config.device, fp32_lm_head=False)
-        embed_weight = target.model.embed_tokens.weight
-    return load_proposer(config.drafter_checkpoint, embed_weight.detach(), gamma=config.gamma)
+        e = config.engine
+        embed_weight = load_embedding(e.model, dtype=e.dtype, device=e.device, load_format=e.load_format)
+    proposer = load_proposer(config.drafter_checkpoint, embed_weight.detach(), gamma=config.gamma)
+    log.info("drafter %s on %s: resident memory %.0f MiB before loading, %.0f MiB after (embedding %s)",
+             config.drafter_checkpoint, config.model, before, resident_mib(), tuple(embed_weight.shape))
+    return proposer
+
+
+def resident_mib() -> float:
+    """This process's resident set size (MiB)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
 
 
 class DrafterCore:

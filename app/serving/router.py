@@ -21,6 +21,7 @@ state). No key: any replica with room.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional
@@ -35,6 +36,8 @@ from app.serving.metrics import RouterMetrics
 from app.serving.protocol import SpecCounters
 
 STALE_AFTER_REPORTS = 5  # a replica silent for this many report intervals is dropped from routing
+
+log = logging.getLogger("ray.serve")
 
 
 @dataclass(frozen=True)
@@ -90,11 +93,12 @@ class Router:
 
     def __init__(self, config: AppConfig) -> None:
         self.config = config
-        self.profile = load_profile(config.profile_path())
+        self.profile: ThroughputProfile | None = None  # see _capacity_profile
         self._loads: dict[str, TargetLoad] = {}
         self._counters: dict[str, SpecCounters] = {}  # every replica that ever reported, gone ones too
         self._assigned: dict[str, int] = {}  # requests sent to a replica since its last report
         self._choices = 0
+        self._warned_no_profile = False
         self.metrics = RouterMetrics(policy=config.policy)
 
     def report(self, load: TargetLoad) -> None:
@@ -127,9 +131,10 @@ class Router:
         """Per-replica load, capacity and totals (for metrics and the autoscaler)."""
         replicas = {}
         for load in self._live():
+            profile = self._capacity_profile() if self.config.speculates else None
             capacity = verification_capacity(
-                self.profile, batch=load.active, acceptance=load.acceptance, gamma=self.config.gamma
-            ) if self.config.speculates else 0
+                profile, batch=load.active, acceptance=load.acceptance, gamma=self.config.gamma
+            ) if profile is not None else 0
             figures = {k: v for k, v in asdict(load).items() if k != "counters"}
             replicas[load.replica_id] = {**figures, "verify_capacity": capacity}
         return {
@@ -138,6 +143,20 @@ class Router:
             "waiting": sum(r["waiting"] for r in replicas.values()),
             "policy": self.config.policy,
         }
+
+    def _capacity_profile(self) -> ThroughputProfile | None:
+        """The profile of ``AppConfig.profile_path``, read once it exists: with 'auto' and nothing measured, the
+        first target replica measures and caches it at start-up (``profiles.py``) before it reports; until then
+        (or on a node without that cache) the capacity is reported as 0, logged once."""
+        if self.profile is None:
+            path = self.config.profile_path()
+            if path is not None:
+                self.profile = load_profile(path)
+            elif not self._warned_no_profile:
+                self._warned_no_profile = True
+                log.warning("router: no throughput profile of %s on this node yet; verify_capacity reads 0 until "
+                            "a target replica here has cached one", self.config.model)
+        return self.profile
 
     def _live(self) -> list[TargetLoad]:
         cutoff = time.monotonic() - STALE_AFTER_REPORTS * self.config.stats_interval_s

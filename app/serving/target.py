@@ -40,9 +40,10 @@ from app.engine.admission import prefill_batch_size
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from app.engine.types import DraftBlock, NewRequest, SamplingParams, StepOutput, TokenLogprob
 from app.scheduling.policies import make_policy
-from app.scheduling.profile import load_profile
+from app.scheduling.profile import ThroughputProfile, load_profile
 from app.scheduling.scheduler import VerifyScheduler
 from app.serving.config import AppConfig
+from app.serving.profiles import serving_profile
 from app.serving.drafter import DrafterCore
 from app.serving.protocol import (
     DraftCall, DraftRound, DraftStart, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText,
@@ -128,25 +129,18 @@ def make_prompt_lookup(config: AppConfig) -> PromptLookup | None:
 
 
 def make_engine(config: AppConfig) -> Engine:
-    """The target engine of ``config``: the mock, or the real engine returning the hidden states of the feature
-    layers of the drafter checkpoint (``drafter_checkpoint``, any format) when a trained drafter speculates."""
-    if config.engine == "mock":
+    """The target engine of ``config``: the mock, or the real engine (``AppConfig.engine_config``: a trained drafter's
+    checkpoint names the feature layers the engine returns)."""
+    if config.mock_engine:
         from app.serving.mock import MockEngine, MockEngineConfig
 
         return MockEngine(MockEngineConfig(
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, max_draft_len=config.gamma,
             vocab_size=config.mock_vocab_size, step_ms=config.mock_step_ms, fails_after=config.mock_verify_fails_after,
         ))
-    from app.drafters.checkpoint import read_checkpoint_config
-    from app.engine.engine import EngineConfig, TargetEngine
+    from app.engine.engine import TargetEngine
 
-    feature_layers = None  # the engine's default; a trained drafter reads the target layers it was trained on
-    if config.speculates and config.drafter == "dspark":
-        feature_layers = tuple(read_checkpoint_config(config.drafter_checkpoint)["config"]["feature_layers"])
-    return TargetEngine(EngineConfig(
-        model=config.model, dtype=config.dtype, device=config.device, max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs, max_draft_len=config.gamma, feature_layers=feature_layers,
-    ))
+    return TargetEngine(config.engine_config())
 
 
 @dataclass
@@ -180,7 +174,7 @@ class TargetReplica:
         self.router = router
         self.policy = make_policy(config.policy)
         self.scheduler = VerifyScheduler(
-            self.policy, load_profile(config.profile_path()), max_batch=config.max_num_seqs, gamma=config.gamma,
+            self.policy, self._torch.call(self._profile, config), max_batch=config.max_num_seqs, gamma=config.gamma,
             draft_gate=config.draft_gate,
         ) if self.speculates else None
         self.telemetry = TargetTelemetry(slo=config.autoscaling, policy=config.policy, replica=self.replica_id,
@@ -196,6 +190,12 @@ class TargetReplica:
         self._tasks: list[asyncio.Task] = []
         self._stats = {"step_ms": 0.0, "tokens_per_step": 0.0, "acceptance": 0.0, "drafter_failures": 0,
                        "draft_ms": 0.0, "drafter_ms": 0.0, "drafted_rounds": 0, "rounds": 0, "verify_scale": 1.0}
+
+    def _profile(self, config: AppConfig) -> ThroughputProfile:
+        """The profile to schedule with (runs on the torch thread: it may time the engine, ``profiles.py``)."""
+        if config.mock_engine:
+            return load_profile(config.profile_path())
+        return serving_profile(config, self.engine)
 
     def _colocated_drafter(self, config: AppConfig) -> DrafterCore:
         """The colocated drafter, sharing the engine's input embedding (runs on the torch thread)."""

@@ -28,7 +28,7 @@ SLO = {  # TPOT of the mock at 40 ms per verify step is far above 5 ms: violated
     "metrics_interval_s": 0.5, "look_back_period_s": 1.0,
 }
 ARGS = {
-    "engine": "mock", "drafter": "mock", "policy": "dspark", "gamma": 4, "served_model_name": MODEL,
+    "mock_engine": True, "drafter": "mock", "policy": "dspark", "gamma": 4, "served_model_name": MODEL,
     "max_model_len": 256, "max_num_seqs": 4, "max_queued_requests": 8, "mock_step_ms": 40, "api_key": "",
     "stats_interval_s": 0.2, "target": {"num_cpus": 0.1}, "drafter_replicas": {"num_cpus": 0.1},
     "ingress": {"num_cpus": 0.1}, "router_num_cpus": 0.05, "autoscaling": SLO,

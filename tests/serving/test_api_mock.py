@@ -24,7 +24,7 @@ MODEL = "mock-model"
 VOCAB = 512
 MAX_MODEL_LEN = 256
 ARGS = {
-    "engine": "mock", "drafter": "mock", "policy": "dspark", "gamma": 4, "served_model_name": MODEL,
+    "mock_engine": True, "drafter": "mock", "policy": "dspark", "gamma": 4, "served_model_name": MODEL,
     "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "max_queued_requests": 2, "mock_step_ms": 10,
     "mock_vocab_size": VOCAB, "api_key": KEY, "drafter_timeout_s": 2.0, "stats_interval_s": 0.2,
     "target": {"num_cpus": 0.1}, "drafter_replicas": {"num_cpus": 0.1}, "ingress": {"num_cpus": 0.1},

@@ -10,7 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from app.drafters.ngram import lookup
-from app.scheduling.profile import load_profile
+from app.scheduling.profile import ProfileMismatchError, load_profile
 from app.serving.config import REPO_ROOT, AppConfig
 from app.serving.router import verification_capacity
 
@@ -65,19 +65,58 @@ def write_measured(directory: Path, name: str, *, hardware: str, date: str, mode
 def test_auto_profile_picks_this_hosts_measured_profile(tmp_path, monkeypatch, caplog):
     from app.scheduling import profiler
     from app.serving import config as config_module
+    from app.serving.profiles import profile_cache_path
 
     monkeypatch.setattr(config_module, "PROFILES_DIR", tmp_path)
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(profiler, "hardware_name", lambda device, threads=None: f"CPU X {threads} threads")
     write_measured(tmp_path, "a.json", hardware="CPU X 2 threads", date="2026-11-01")
     new = write_measured(tmp_path, "b.json", hardware="CPU X 2 threads", date="2026-11-20")
     write_measured(tmp_path, "c.json", hardware="CPU X 4 threads", date="2026-11-25")
     write_measured(tmp_path, "d.json", hardware="CPU X 2 threads", date="2026-11-28", model="other-model")
     assert AppConfig(device="cpu", torch_threads=2).profile_path() == str(new)  # the newer of a.json, b.json
-    # another host: the newest measured profile of the model, with a warning naming where it was measured
-    assert AppConfig(device="cpu", torch_threads=8).profile_path() == str(tmp_path / "c.json")
+    # another host: nothing committed, so the target replica measures one at start-up and caches it
+    other_host = AppConfig(device="cpu", torch_threads=8)
+    assert other_host.profile_path() is None
+    cached = profile_cache_path(other_host, hardware="CPU X 8 threads", dtype="bfloat16")
+    assert cached.parent == tmp_path / "cache" / "profiles"
+    cached.parent.mkdir(parents=True)
+    cached.write_text((tmp_path / "c.json").read_text())
+    assert other_host.profile_path() == str(cached)
+    assert profile_cache_path(AppConfig(device="cpu", dtype="float32"), hardware="CPU X 8 threads",
+                              dtype="float32") != cached
+    # the mock engine cannot be measured: the newest measured profile of the model, with a warning naming its host
+    assert AppConfig(device="cpu", torch_threads=8, mock_engine=True, drafter="mock").profile_path() == str(
+        tmp_path / "c.json")
     assert "CPU X 4 threads" in caplog.text
     with pytest.raises(FileNotFoundError, match="no measured profile of third-model"):
-        AppConfig(device="cpu", model="third-model").profile_path()
+        AppConfig(device="cpu", model="third-model", mock_engine=True, drafter="mock").profile_path()
+
+
+def test_named_profile_of_another_model_fails_naming_both(tmp_path):
+    other = write_measured(tmp_path, "other.json", hardware="CPU X 2 threads", date="2026-11-01", model="Qwen3-8B")
+    with pytest.raises(ProfileMismatchError, match=r"profile .*other.json does not fit the target smollm2-135m"):
+        AppConfig(profile=str(other), drafter="ngram").check_files()
+    with pytest.raises(ProfileMismatchError, match="dtype 'bfloat16' does not match the running dtype 'float32'"):
+        AppConfig(profile=str(write_measured(tmp_path, "own.json", hardware="h", date="2026-11-01")),
+                  drafter="ngram", dtype="float32").check_files()
+    AppConfig(profile=str(tmp_path / "own.json"), drafter="ngram").check_files()
+
+
+def test_engine_section_holds_every_engine_setting():
+    config = AppConfig.model_validate({"engine": {"model": "/m", "load_format": "dummy", "feature_layers": [0, 1],
+                                                  "prepack": False, "max_num_seqs": 4}, "gamma": 5})
+    engine = config.engine_config()
+    assert (engine.model, engine.load_format, engine.feature_layers, engine.prepack) == ("/m", "dummy", (0, 1), False)
+    assert (engine.max_num_seqs, engine.max_draft_len, config.max_num_seqs, config.model) == (4, 5, 4, "/m")
+    # the top-level shorthands land in the same section
+    assert AppConfig(model="/m", max_num_seqs=4).engine == AppConfig(engine={"model": "/m", "max_num_seqs": 4}).engine
+    with pytest.raises(ValidationError, match="model is set both at the top level and in the engine section"):
+        AppConfig.model_validate({"model": "/a", "engine": {"model": "/b"}})
+    with pytest.raises(ValidationError, match="set gamma instead"):
+        AppConfig.model_validate({"engine": {"max_draft_len": 3}})
+    with pytest.raises(ValidationError, match="engine.prepak"):
+        AppConfig.model_validate({"engine": {"prepak": True}})
 
 
 def test_api_key_from_environment(monkeypatch):

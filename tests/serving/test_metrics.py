@@ -19,7 +19,7 @@ from tests.serving.helpers import free_port, local_serve
 
 MODEL = "mock-model"
 ARGS = {
-    "engine": "mock", "drafter": "mock", "policy": "dspark", "gamma": 4, "served_model_name": MODEL,
+    "mock_engine": True, "drafter": "mock", "policy": "dspark", "gamma": 4, "served_model_name": MODEL,
     "max_model_len": 256, "max_num_seqs": 4, "max_queued_requests": 8, "mock_step_ms": 5, "api_key": "",
     "stats_interval_s": 0.2, "target": {"num_cpus": 0.1}, "drafter_replicas": {"num_cpus": 0.1},
     "ingress": {"num_cpus": 0.1}, "router_num_cpus": 0.05,

@@ -21,7 +21,7 @@ def test_replicas_land_on_their_resource_groups():
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app({
-            "engine": "mock", "drafter": "mock", "policy": "fixed-2", "gamma": 3, "served_model_name": "m",
+            "mock_engine": True, "drafter": "mock", "policy": "fixed-2", "gamma": 3, "served_model_name": "m",
             "max_model_len": 128, "max_num_seqs": 2,
             "target": {"num_replicas": 2, "num_cpus": 0.1, "resources": {"target_group": 1}},
             "drafter_replicas": {"num_replicas": 2, "num_cpus": 0.1, "resources": {"drafter_group": 1}},

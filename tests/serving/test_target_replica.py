@@ -43,7 +43,7 @@ class _Router:
 
 
 # the replicas' default config: the colocated mock drafter, dspark, gamma 4, 4 slots, vocabulary 512, 1 torch thread
-MOCK_FIELDS = dict(engine="mock", drafter="mock", drafter_placement="colocated", policy="dspark", gamma=4,
+MOCK_FIELDS = dict(mock_engine=True, drafter="mock", drafter_placement="colocated", policy="dspark", gamma=4,
                    max_model_len=256, max_num_seqs=4, mock_step_ms=1, mock_vocab_size=512, torch_threads=1)
 
 

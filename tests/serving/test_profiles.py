@@ -1,0 +1,44 @@
+"""profile 'auto' on a target replica (no Ray): measure what is missing, cache it, reuse it while it covers the
+config."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.engine.engine import TargetEngine
+from app.serving import profiles
+from app.serving.config import AppConfig
+
+
+def test_startup_profile_is_measured_cached_and_reused(tmp_path, monkeypatch, tiny_llama_dir):
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    args = {"engine": {"model": str(tiny_llama_dir), "load_format": "dummy", "device": "cpu", "max_model_len": 256,
+                       "max_num_seqs": 2}, "policy": "dspark", "drafter": "ngram", "gamma": 2, "profile_budget_s": 60}
+    config = AppConfig.model_validate(args)
+    engine = TargetEngine(config.engine_config())
+    assert config.profile_path() is None
+    profile = profiles.serving_profile(config, engine)
+    assert profile.batch_sizes == [1, 2] and profile.tokens_per_request == [1, 2, 3]
+    assert profile.provenance.model == str(tiny_llama_dir) and "measured at start-up" in profile.provenance.notes
+    assert config.profile_path() is not None
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    with monkeypatch.context() as m:
+        m.setattr(profiles, "measure_startup_profile", no_measuring)
+        assert profiles.serving_profile(config, engine) == profile  # reused from the cache
+        wider = AppConfig.model_validate({**args, "gamma": 3})  # verify lengths the cached grid does not reach
+        with pytest.raises(AssertionError, match="measured again"):
+            profiles.serving_profile(wider, TargetEngine(wider.engine_config()))
+
+
+def test_a_small_budget_thins_the_verify_lengths(tmp_path, monkeypatch, tiny_llama_dir, caplog):
+    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
+    config = AppConfig.model_validate({
+        "engine": {"model": str(tiny_llama_dir), "load_format": "dummy", "device": "cpu", "max_model_len": 256,
+                   "max_num_seqs": 2}, "policy": "dspark", "drafter": "ngram", "gamma": 4, "profile_budget_s": 0.001})
+    profile = profiles.serving_profile(config, TargetEngine(config.engine_config()))
+    assert profile.batch_sizes == [1, 2] and profile.tokens_per_request == [1, 5]  # still reaches gamma + 1
+    assert "median of 1 steps" in profile.provenance.notes
+    assert "over profile_budget_s" in caplog.text

@@ -16,7 +16,7 @@ import torch
 
 from app.engine.admission import prefill_batch_size
 from app.engine.engine import TargetEngine
-from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput
+from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob
 
 
 class Proposer(Protocol):
@@ -52,6 +52,7 @@ class RequestResult:
     num_accepted: int = 0  # draft tokens accepted
     accepted_per_round: list[int] = field(default_factory=list)  # accepted drafts in each round
     verified_per_round: list[int] = field(default_factory=list)  # l_r in each round
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
 
     @property
     def accepted_length(self) -> float:
@@ -150,6 +151,10 @@ def generate(
 
 def _record(res: RequestResult, out: StepOutput) -> None:
     res.token_ids.extend(out.new_token_ids)
+    if out.logprobs is not None:
+        if res.logprobs is None:
+            res.logprobs = []
+        res.logprobs.extend(out.logprobs)
     res.text += out.text
     if out.finished:
         res.finish_reason = out.finish_reason

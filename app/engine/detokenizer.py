@@ -27,8 +27,10 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of ``text`` already released
         self.stopped = False
 
-    def add(self, token_id: int) -> None:
-        """Append a token; sets ``stopped`` and truncates ``text`` if it completes a stop string."""
+    def add(self, token_id: int, *, check_stop: bool = True) -> None:
+        """Append a token; sets ``stopped`` and truncates ``text`` if it completes a stop string (only looked for
+        when ``check_stop``: the engine does not before ``min_tokens``, so a stop string completed earlier is
+        kept as text)."""
         self._ids.append(token_id)
         prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
         full = self._tok.decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
@@ -37,7 +39,7 @@ class IncrementalDetokenizer:
         before = len(self.text)
         self.text += full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        if self._stop:
+        if self._stop and check_stop:
             start = max(0, before - self._holdback)
             hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
             if hits:

@@ -2,9 +2,11 @@
 
 Owns: request admission (validation, prefill into a free cache slot), one-forward verification of a ragged
 batch (request r brings its pending token plus ``l_r`` draft tokens, ``l_r = 0`` is plain decoding),
-acceptance, EOS / stop-string / max_tokens handling, release. Works on token ids; text is produced only for
-the committed output. Does not own: what to draft (``app/drafters``) or how much of it to verify
-(``app/scheduling``).
+acceptance, EOS / stop-token / stop-string / max_tokens handling, release. Works on token ids; text is produced only
+for the committed output. Sampling controls (penalties, logit_bias, top-k, min-p, min_tokens, grammars) apply at
+every verified row with the state the request would have after the earlier drafts of its block
+(``app/engine/logits_process.py``, ``app/engine/grammar.py``), so speculation does not change the output. Does not
+own: what to draft (``app/drafters``) or how much of it to verify (``app/scheduling``).
 
 State per request: its slot, ``num_cached`` tokens in the slot's cache, and one *pending* token (committed,
 returned to the caller, not yet run through the target). A verify step feeds ``[pending, d_1 .. d_l]`` at
@@ -25,11 +27,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
+from app.engine.grammar import GrammarCompiler, RequestGrammar
 from app.engine.greedy_head import ScreenedArgmax
 from app.engine.loader import LoadedTarget, LoadFormat, load_target
 from app.engine.model import KVCache, StepLayout
 from app.engine.prepack import prepack_linears, prepack_supported
-from app.engine.sampling import accept_greedy, accept_sampled, target_probs
+from app.engine.logits_process import RequestControls, sampling_probs, token_logprobs
+from app.engine.sampling import Acceptance, accept_greedy, accept_sampled, target_probs
 from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput
 
 
@@ -80,9 +84,16 @@ class _Request:
     prompt_len: int
     detok: IncrementalDetokenizer
     generator: torch.Generator
+    controls: RequestControls | None = None  # set when the request has any sampling control
+    grammar: RequestGrammar | None = None  # set for structured output
     num_cached: int = 0
     pending: int = -1
     output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def screened(self) -> bool:
+        """Whether the greedy screen may pick this request's tokens (plain greedy: no control, no logprobs)."""
+        return self.params.greedy and self.controls is None
 
 
 class TargetEngine:
@@ -122,6 +133,7 @@ class TargetEngine:
         self._screen = self._greedy_screen()
         self._free_slots = list(range(c.max_num_seqs))
         self._requests: dict[str, _Request] = {}
+        self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
 
     def _greedy_screen(self) -> ScreenedArgmax | None:
         """The screened greedy head when ``greedy_screen`` applies (see its description), else None."""
@@ -176,14 +188,17 @@ class TargetEngine:
             One StepOutput per request, in order: the first token and the prompt's features ``[T, F]``.
 
         Raises:
-            InvalidRequestError: duplicate id (held, or twice in the batch), empty prompt, token id outside [0, V).
+            InvalidRequestError: duplicate id (held, or twice in the batch), empty prompt, token id outside [0, V)
+                (prompt, ``logit_bias`` or ``stop_token_ids``); a grammar (``guided``) whose schema llguidance
+                rejects, or combined with ``ignore_eos`` or ``min_tokens``.
             ContextLengthError: T + max_tokens + max_draft_len > max_model_len.
             CapacityError: fewer free slots than requests.
             Validation errors name the first bad request; nothing is changed then.
         """
         if not requests:
             return []
-        prompts = [self._check_new(r) for r in requests]
+        checked = [self._check_new(r) for r in requests]
+        prompts = [ids for ids, _ in checked]
         if len({r.request_id for r in requests}) < len(requests):
             raise InvalidRequestError("the same request id appears twice in one admission batch")
         if len(requests) > len(self._free_slots):
@@ -191,7 +206,7 @@ class TargetEngine:
                 f"{len(requests)} requests for {len(self._free_slots)} free KV cache slots "
                 f"(max_num_seqs {self.config.max_num_seqs})"
             )
-        reqs = [self._register(r, len(ids)) for r, ids in zip(requests, prompts)]
+        reqs = [self._register(r, len(ids), grammar) for r, (ids, grammar) in zip(requests, checked)]
         try:  # from here on the slots are taken: any failure gives them back
             lengths = [len(ids) for ids in prompts]
             with torch.inference_mode():
@@ -203,12 +218,15 @@ class TargetEngine:
                 hidden, features = self.model.hidden_states(
                     torch.cat(prompts).to(self.device), cache=self.cache, layout=layout, index=last.to(self.device)
                 )
-                heads = self._head(hidden, [1] * len(reqs), [r.params.greedy for r in reqs])
+                heads = self._head(hidden, [1] * len(reqs), [r.screened for r in reqs])
             outputs, offset = [], 0
+            empty = torch.zeros(0, dtype=torch.long)
             for req, head, n in zip(reqs, heads, lengths):
                 req.num_cached = n
-                outputs.append(self._commit(req, [self._sample(req, head)], num_draft=0, num_accepted=0,
-                                            features=features[offset : offset + n]))
+                allowed = req.grammar.block_masks([])[1] if req.grammar is not None else None
+                result = self._decide(req, empty, None, head, allowed)
+                outputs.append(self._commit(req, result.tokens, num_draft=0, num_accepted=0,
+                                            features=features[offset : offset + n], head=head))
                 offset += n
             return outputs
         except BaseException:
@@ -217,14 +235,20 @@ class TargetEngine:
                     self.release(req.request_id)
             raise
 
-    def _check_new(self, request: NewRequest) -> torch.Tensor:
-        """A new request's prompt as [T] int64, after the checks ``add_requests`` documents (but capacity)."""
+    def _check_new(self, request: NewRequest) -> tuple[torch.Tensor, RequestGrammar | None]:
+        """A new request's prompt as [T] int64 and its grammar state (structured output only), after the checks
+        ``add_requests`` documents (but capacity)."""
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request {request.request_id!r} already exists")
         if len(request.prompt_ids) == 0:
             raise InvalidRequestError("prompt is empty")
-        if request.params.controls():
-            raise InvalidRequestError(f"sampling controls not supported by this engine: {request.params.controls()}")
+        p = request.params
+        bad = [t for t, _ in p.logit_bias if t >= self.vocab_size] + [t for t in p.stop_token_ids
+                                                                        if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"token ids {bad} in logit_bias / stop_token_ids are outside [0, {self.vocab_size})"
+            )
         ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
@@ -234,15 +258,32 @@ class TargetEngine:
                 f"prompt of {len(ids)} tokens + max_tokens {request.params.max_tokens} + draft room "
                 f"{self.config.max_draft_len} = {need} exceeds the context limit of {self.config.max_model_len} tokens"
             )
-        return ids
+        return ids, self._grammar(p)
 
-    def _register(self, request: NewRequest, prompt_len: int) -> _Request:
-        """Take a free slot for a validated request, with its own generator and detokenizer."""
+    def _grammar(self, params: SamplingParams) -> RequestGrammar | None:
+        """A fresh grammar state for a structured-output request (None without ``guided``)."""
+        if params.guided is None:
+            return None
+        if params.ignore_eos or params.min_tokens:
+            raise InvalidRequestError(
+                f"structured output ({params.guided.kind}) ends at EOS once the JSON is complete: it cannot be "
+                f"combined with ignore_eos or min_tokens (got ignore_eos={params.ignore_eos}, "
+                f"min_tokens={params.min_tokens})"
+            )
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, vocab_size=self.vocab_size,
+                                             eos_token_ids=sorted(self.eos_token_ids))
+        return self._grammars.matcher(params.guided)
+
+    def _register(self, request: NewRequest, prompt_len: int, grammar: RequestGrammar | None) -> _Request:
+        """Take a free slot for a validated request, with its own generator, detokenizer and control state."""
         params = request.params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
+        controls = (RequestControls(params, request.prompt_ids, eos_token_ids=sorted(self.eos_token_ids),
+                                    vocab_size=self.vocab_size) if params.controls() else None)
         req = _Request(request_id=request.request_id, slot=heapq.heappop(self._free_slots), params=params,
                        prompt_len=prompt_len, detok=IncrementalDetokenizer(self.tokenizer, params.stop),
-                       generator=torch.Generator().manual_seed(seed))
+                       generator=torch.Generator().manual_seed(seed), controls=controls, grammar=grammar)
         self._requests[request.request_id] = req
         return req
 
@@ -263,7 +304,9 @@ class TargetEngine:
         """One target forward over a ragged batch: each request's pending token plus its draft block.
 
         ``len(block.tokens) == 0`` (or ``verify_len == 0``) is a plain decoding step for that request. A block
-        longer than the request's remaining ``max_tokens - 1`` is cut to it (those drafts could never count).
+        longer than the request's remaining ``max_tokens - 1`` is cut to it (those drafts could never count). A
+        structured-output block is cut before its first draft the grammar forbids (target probability 0: it could
+        never be accepted); ``StepOutput.num_draft`` counts the drafts actually verified.
 
         Returns:
             One StepOutput per block, in order. Finished requests are released.
@@ -276,6 +319,12 @@ class TargetEngine:
         if not blocks:
             return []
         reqs, drafts = self._validate(blocks)
+        masks: list[torch.Tensor | None] = []  # [l + 1, V] bool grammar masks per request, or None
+        for i, req in enumerate(reqs):
+            kept, allowed = req.grammar.block_masks(drafts[i].tolist()) if req.grammar is not None else (0, None)
+            if allowed is not None:
+                drafts[i] = drafts[i][:kept]
+            masks.append(allowed)
         tokens, starts, lengths = [], [], []
         for req, draft in zip(reqs, drafts):
             tokens.append(torch.cat([torch.tensor([req.pending]), draft]))
@@ -289,17 +338,19 @@ class TargetEngine:
             hidden, features = self.model.hidden_states(
                 flat, cache=self.cache, layout=layout, index=torch.arange(len(flat), device=self.device)
             )
-            heads = self._head(hidden, lengths, [r.params.greedy for r in reqs])
+            heads = self._head(hidden, lengths, [r.screened for r in reqs])
         outputs, offset = [], 0
-        for req, block, draft, n, head in zip(reqs, blocks, drafts, lengths, heads):
+        for req, block, draft, n, head, allowed in zip(reqs, blocks, drafts, lengths, heads, masks):
             probs = block.probs[: len(draft)] if block.probs is not None else None
-            outputs.append(self._accept(req, draft, probs, head, features[offset : offset + n]))
+            outputs.append(self._accept(req, draft, probs, head, features[offset : offset + n], allowed))
             offset += n
         return outputs
 
     def _head(self, hidden: torch.Tensor, lengths: list[int], greedy: list[bool]) -> list[torch.Tensor]:
-        """The LM head over a step's rows, per request: greedy target tokens [n] int64 for a greedy request, float32
-        logits [n, V] for a sampled one (hidden: [N, Dm], request-major, ``lengths`` rows per request)."""
+        """The LM head over a step's rows, per request: greedy target tokens [n] int64 where ``greedy`` (plain greedy
+        requests, ``_Request.screened``), float32 logits [n, V] for the others (sampled, or greedy with a sampling
+        control or logprobs: those need every logit). hidden: [N, Dm], request-major, ``lengths`` rows per
+        request."""
         rows = torch.repeat_interleave(torch.tensor(greedy), torch.tensor(lengths)).to(hidden.device)  # [N] bool
         if self._screen is not None:
             tokens = self._screen(self.model.final_norm(hidden[rows])) if any(greedy) else None
@@ -350,39 +401,54 @@ class TargetEngine:
         draft_probs: torch.Tensor | None,
         head: torch.Tensor,
         features: torch.Tensor,
+        allowed: torch.Tensor | None,
     ) -> StepOutput:
-        """Verify ``draft`` [l] against the target's ``head`` (``_head``: [l + 1] greedy tokens or [l + 1, V] logits)."""
-        if req.params.greedy:
-            result = accept_greedy(draft, head)
-        else:
-            probs = target_probs(head, temperature=req.params.temperature, top_p=req.params.top_p)
-            result = accept_sampled(draft, draft_probs.cpu() if draft_probs is not None else None, probs,
-                                    req.generator)
+        """Verify ``draft`` [l] against the target's ``head`` (``_head``: [l + 1] greedy tokens or [l + 1, V] logits)
+        under the grammar masks ``allowed`` ([l + 1, V] bool or None)."""
+        result = self._decide(req, draft, draft_probs, head, allowed)
         req.num_cached += result.num_accepted + 1
         return self._commit(
             req, result.tokens, num_draft=len(draft), num_accepted=result.num_accepted,
-            features=features[: result.num_accepted + 1],
+            features=features[: result.num_accepted + 1], head=head,
         )
 
-    def _sample(self, req: _Request, head: torch.Tensor) -> int:
-        """One token under the request's params from ``_head``'s output for one row ([1] greedy token or [1, V])."""
-        if req.params.greedy:
-            return int(head[-1])
-        probs = target_probs(head[-1:], temperature=req.params.temperature, top_p=req.params.top_p)
-        return int(torch.multinomial(probs[0], 1, generator=req.generator))
+    def _decide(
+        self,
+        req: _Request,
+        draft: torch.Tensor,
+        draft_probs: torch.Tensor | None,
+        head: torch.Tensor,
+        allowed: torch.Tensor | None,
+    ) -> Acceptance:
+        """The accept rule over one request's rows (l = 0 at prefill: the first token): the target's logits go
+        through the request's controls row by row, then greedy takes the argmax, sampling the distribution."""
+        if req.screened:
+            return accept_greedy(draft, head)
+        logits = req.controls.process(head, draft.tolist(), allowed) if req.controls is not None else head
+        p = req.params
+        if p.greedy:
+            return accept_greedy(draft, logits.argmax(-1))
+        if req.controls is None:
+            probs = target_probs(logits, temperature=p.temperature, top_p=p.top_p)
+        else:
+            probs = sampling_probs(logits, p)
+        return accept_sampled(draft, draft_probs.cpu() if draft_probs is not None else None, probs, req.generator)
 
     def _commit(
-        self, req: _Request, tokens: list[int], *, num_draft: int, num_accepted: int, features: torch.Tensor
+        self, req: _Request, tokens: list[int], *, num_draft: int, num_accepted: int, features: torch.Tensor,
+        head: torch.Tensor,
     ) -> StepOutput:
-        """Append committed tokens one by one, ending the request exactly at EOS / stop string / max_tokens."""
+        """Append committed tokens one by one, ending the request exactly at EOS / stop token / stop string /
+        max_tokens; advance the request's controls and grammar over them; their logprobs from ``head``'s raw
+        logits when asked for."""
         p = req.params
         kept: list[int] = []
         reason = None
         for tok in tokens:
             kept.append(tok)
             req.output_ids.append(tok)
-            req.detok.add(tok)
-            if tok in self.eos_token_ids and not p.ignore_eos:
+            req.detok.add(tok, check_stop=len(req.output_ids) >= p.min_tokens)
+            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = FinishReason.STOP
             elif req.detok.stopped:
                 reason = FinishReason.STOP
@@ -394,6 +460,11 @@ class TargetEngine:
         finished = reason is not None
         if finished:
             self.release(req.request_id)
+        else:
+            if req.controls is not None:
+                req.controls.commit(kept)
+            if req.grammar is not None:
+                req.grammar.commit(kept)
         return StepOutput(
             request_id=req.request_id,
             new_token_ids=kept,
@@ -403,4 +474,5 @@ class TargetEngine:
             finish_reason=reason,
             text=req.detok.release(final=finished),
             features=features,
+            logprobs=token_logprobs(head, kept, p.logprobs) if p.logprobs is not None else None,
         )

@@ -7,7 +7,7 @@ import torch
 
 from app.engine.decode import generate
 from app.engine.errors import ContextLengthError, InvalidRequestError, UnknownRequestError
-from app.engine.types import DraftBlock, SamplingParams
+from app.engine.types import DraftBlock, GuidedDecoding, SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -36,13 +36,31 @@ def test_temperature_too_small_to_divide_by_is_greedy():
 def test_a_failure_after_the_slot_is_taken_gives_it_back(engine, monkeypatch):
     free = engine.num_free_slots
 
-    def broken_sample(req, logits):
+    def broken_decide(req, draft, draft_probs, head, allowed):
         raise RuntimeError("injected sampling failure")
 
-    monkeypatch.setattr(engine, "_sample", broken_sample)
+    monkeypatch.setattr(engine, "_decide", broken_decide)
     with pytest.raises(RuntimeError, match="injected"):
         engine.add_request("s", [1, 2, 3], SamplingParams())
     assert engine.num_free_slots == free and not engine.has_request("s")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"logit_bias": ((49152, 1.0),)}, "49152"),
+        ({"stop_token_ids": (2, 10**6)}, "1000000"),
+        ({"guided": GuidedDecoding("json_object"), "ignore_eos": True}, "ignore_eos"),
+        ({"guided": GuidedDecoding("json_object"), "min_tokens": 3}, "min_tokens"),
+        ({"guided": GuidedDecoding("json_schema", '{"type": "objectx"}')}, "objectx"),
+        ({"guided": GuidedDecoding("json_schema", "[1, 2")}, "json_schema"),
+    ],
+)
+def test_bad_controls_are_refused_before_taking_a_slot(engine, kwargs, match):
+    free = engine.num_free_slots
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request("ctl", [1, 2, 3], SamplingParams(max_tokens=4, **kwargs))
+    assert engine.num_free_slots == free and not engine.has_request("ctl")
 
 
 def test_empty_prompt(engine):

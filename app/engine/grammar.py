@@ -1,0 +1,137 @@
+"""Structured output: JSON grammars (llguidance) and their token masks over a whole draft block.
+
+Owns: compiling a ``GuidedDecoding`` (``json_object``: any JSON object; ``json_schema``: JSON matching the schema)
+into an llguidance matcher, once per distinct grammar (cached; each request gets a copy), and per request the
+masks of one verify step. Does not own: applying a mask to logits (``app/engine/logits_process.py``) or deciding
+which tokens are committed (``app/engine/engine.py``).
+
+Verification needs the mask of row i as if drafts 1..i were committed (row 0 follows the pending token).
+``RequestGrammar.block_masks`` advances the matcher tentatively over the draft, one mask per row, stops at the
+first draft token the grammar forbids (the block is cut there: a forbidden token has target probability 0 and
+would be rejected, so cutting it is lossless) and rolls the matcher back. The matcher advances for good only in
+``RequestGrammar.commit``, on committed tokens.
+
+An end token (EOS) the grammar allows ends the request when committed (``ignore_eos`` is refused with a grammar),
+so a draft is cut after one and the row after it allows EOS only: that row is never committed, it only keeps the
+distribution defined.
+
+Shape symbols: l verified draft tokens, V vocabulary, W = ceil(V / 32) words of a packed bitmask.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from app.engine.errors import InvalidRequestError
+from app.engine.types import GuidedDecoding
+
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # json_object: any JSON object
+GRAMMAR_CACHE_SIZE = 64  # distinct compiled grammars kept per engine
+
+
+class GrammarCompiler:
+    """Compiles ``GuidedDecoding`` values for one tokenizer; hands out one ``RequestGrammar`` per request.
+
+    Args:
+        tokenizer: the target's Hugging Face fast tokenizer.
+        vocab_size: V, the model's vocabulary (may exceed the tokenizer's; extra ids are never allowed).
+        eos_token_ids: tokens that end a request; the grammar allows them once the JSON is complete.
+    """
+
+    def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        # about 0.4 s for SmolLM2's 49152-token vocabulary, once per engine
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self._compiled = functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)(self._compile)
+
+    def matcher(self, guided: GuidedDecoding) -> "RequestGrammar":
+        """A fresh per-request grammar state for ``guided``.
+
+        Raises:
+            InvalidRequestError: the schema is not valid JSON or not a JSON schema llguidance supports (the message
+                is llguidance's).
+        """
+        return RequestGrammar(self._compiled(guided).deep_copy(), self)
+
+    def _compile(self, guided: GuidedDecoding) -> llguidance.LLMatcher:
+        schema = guided.schema if guided.kind == "json_schema" else JSON_OBJECT_SCHEMA
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        except ValueError as e:
+            raise InvalidRequestError(f"{guided.kind}: the schema is not a JSON object: {e}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        if error:
+            raise InvalidRequestError(f"{guided.kind}: unsupported schema: {error}")
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"{guided.kind}: unsupported schema: {matcher.get_error()}")
+        return matcher
+
+
+class RequestGrammar:
+    """One request's grammar state (module docstring): the matcher holds the committed output only."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
+        self._matcher = matcher
+        self._vocab_size = compiler.vocab_size
+        self._eos = frozenset(compiler.eos_token_ids)
+        self._bitmask = llguidance.torch.allocate_token_bitmask(1, compiler.vocab_size)  # [1, W] int32
+        self._shifts = torch.arange(32, dtype=torch.int32)
+
+    def block_masks(self, draft: Sequence[int]) -> tuple[int, torch.Tensor]:
+        """The tokens allowed at each row of a verify step over ``draft`` (module docstring).
+
+        Args:
+            draft: the l draft token ids proposed after the pending token.
+
+        Returns:
+            ``(kept, allowed)``: the number of leading drafts kept (the block is cut to them) and ``allowed``
+            [kept + 1, V] bool, row i the tokens the grammar allows after the committed output + drafts 1..i.
+
+        Raises:
+            RuntimeError: the matcher refused a token its own mask allowed, or could not roll back (a bug).
+        """
+        rows, consumed, kept = [self._mask()], 0, 0
+        for tok in draft:
+            if not bool(rows[-1][tok]):
+                break
+            kept += 1
+            if tok in self._eos:  # ends the request if accepted: nothing after it can be committed
+                rows.append(self._eos_only())
+                break
+            if not self._matcher.consume_token(tok):
+                raise RuntimeError(f"grammar refused draft token {tok} that its mask allowed: "
+                                   f"{self._matcher.get_error()}")
+            consumed += 1
+            rows.append(self._mask())
+        if consumed and not self._matcher.rollback(consumed):
+            raise RuntimeError(f"grammar could not roll back {consumed} draft tokens: {self._matcher.get_error()}")
+        return kept, torch.stack(rows)
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Advance over committed tokens (an end token last is skipped: it ends the request).
+
+        Raises:
+            RuntimeError: a committed token the grammar forbids (masks make that impossible: a bug).
+        """
+        body = [t for t in tokens if t not in self._eos]
+        if body and not self._matcher.consume_tokens(body):
+            raise RuntimeError(f"grammar refused committed tokens {body}: {self._matcher.get_error()}")
+
+    def _mask(self) -> torch.Tensor:
+        """[V] bool: the tokens allowed next in the matcher's current state."""
+        llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask)
+        bits = (self._bitmask[0].unsqueeze(-1) >> self._shifts) & 1  # [W, 32], bit j of word w is token 32 w + j
+        return bits.reshape(-1)[: self._vocab_size].bool()
+
+    def _eos_only(self) -> torch.Tensor:
+        mask = torch.zeros(self._vocab_size, dtype=torch.bool)
+        mask[list(self._eos)] = True
+        return mask

@@ -4,7 +4,7 @@ Owns per-request drafter state: the injected keys/values of the request's contex
 each round projects only the newly committed tokens' features), the anchor (the engine's pending token), the
 context length, the request's temperature and its own random generator. ``propose`` runs one batched backbone
 forward and the sequential head left to right, and returns ``DraftBlock``s (tokens, and the draft
-distributions for sampled requests); the same round's per-position confidences are kept in ``last_proposal``.
+distributions for sampled requests, sparse: ``DraftBlock``); the same round's per-position confidences are kept in ``last_proposal``.
 
 Context alignment (matches training exactly): after a prefill the engine returns the prompt's features (rows
 0..P-1) and the first token, which is pending (not yet in the target's cache); after a verify step it returns
@@ -12,8 +12,9 @@ the rows of the pending token and the accepted drafts. So the context always cov
 is token T, at position T.
 
 With a draft vocabulary (``DSparkDrafter.set_draft_vocab``) the logits, argmax and sampling run over its V' ids
-only; drafts are mapped back to token ids and the draft distributions are scattered into the full [K, V] the
-engine verifies against (zero outside V': those tokens are never proposed, so sampling stays lossless).
+only; drafts and the columns of the sparse draft distributions (``draw``: the top ``DRAFT_TOP_K`` tokens) are mapped
+back to token ids. The engine verifies against that sparse q, zero elsewhere (those tokens are never proposed, so
+sampling stays lossless), and a block's size does not grow with V.
 
 Shape symbols: B requests, K block size, V vocab, V' draft vocabulary, T context, Hkv, Dh as in ``dspark.py``.
 """
@@ -80,54 +81,68 @@ def round_sampling(
     return temps, rows, torch.stack([torch.rand(gamma, generator=states[b].generator) for b in sampled]).to(device)
 
 
+# A sampled request's drafts are drawn from the drafter's distribution truncated to its DRAFT_TOP_K most likely tokens
+# (renormalised). Speculative sampling is lossless for any draft distribution the drafts really follow, so the engine
+# verifies against exactly this sparse q, and a block's probabilities take K x 64 x (4 + 8) bytes whatever the
+# vocabulary (5.4 kB at K = 7, against 1.4 MB for a dense [K, V] float32 on SmolLM2's V = 49,152). At T <= 1 the
+# drafter's mass beyond its top 64 tokens is small, so acceptance barely moves (docs/serving.md).
+DRAFT_TOP_K = 64
+
+
+@dataclass(frozen=True)
+class SparseDraw:
+    """The truncated draft distributions of one draft position for a batch (``draw``)."""
+
+    # [B, S] float32 probabilities of the S = min(DRAFT_TOP_K, V) kept columns (rows of greedy requests: zero)
+    probs: torch.Tensor
+    # [B, S] int64 column indices of ``logits`` (draft-vocabulary indices over a draft vocabulary)
+    columns: torch.Tensor
+
+
 def draw(
-    logits: torch.Tensor, temps: torch.Tensor, rows: torch.Tensor, uniform: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One draft per request: argmax of ``logits`` [B, V] for greedy rows; for the sampled ``rows`` [S], the
-    inverse CDF of q = softmax(logits / T) at ``uniform`` [S] (the first token whose cumulative mass exceeds
-    u * total, a draw from q with one uniform instead of V exponentials). Over a draft vocabulary the logits are
-    [B, V'] and the tokens are indices into it.
+    logits: torch.Tensor, temps: torch.Tensor, rows: torch.Tensor, uniform: torch.Tensor, *, top_k: int = DRAFT_TOP_K
+) -> tuple[torch.Tensor, SparseDraw | None]:
+    """One draft per request: argmax of ``logits`` [B, V] for greedy rows; for the sampled ``rows`` [S_r], a draw
+    from q = softmax(top-k(logits) / T) (the ``top_k`` largest logits, renormalised) by the inverse CDF at
+    ``uniform`` [S_r] (the first kept token whose cumulative mass exceeds u * total). Over a draft vocabulary the
+    logits are [B, V'] and the tokens are indices into it.
 
     Returns:
-        tokens [B] int64 (column indices of ``logits``), and q [B, V] float32 ([B, V'] over a draft vocabulary)
-        when any row samples (None otherwise).
+        tokens [B] int64 (column indices of ``logits``), and the sparse q of every row when any row samples
+        (None otherwise).
     """
     tok = logits.argmax(-1)
     if rows.numel() == 0:
         return tok, None
-    q = torch.softmax(logits / temps.clamp(min=1e-6)[:, None], dim=-1)  # [B, V]
-    cdf = q[rows].cumsum(-1)  # [S, V]
-    pick = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True).squeeze(-1)
-    tok[rows] = pick.clamp(max=cdf.shape[-1] - 1)
-    return tok, q
-
-
-def full_vocab_probs(probs: torch.Tensor, vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Draft distributions over a draft vocabulary, ``probs`` [..., V'] (column j is token ``vocab[j]``), ->
-    [..., V] float32 on the same device, zero outside ``vocab`` [V'] (sorted distinct ids < ``vocab_size``)."""
-    full = probs.new_zeros(*probs.shape[:-1], vocab_size, dtype=torch.float32)
-    return full.index_copy_(-1, vocab, probs.float())
+    k = min(top_k, logits.shape[-1])
+    top, cols = (logits[rows].float() / temps[rows].clamp(min=1e-6)[:, None]).topk(k, dim=-1)  # [S_r, k]
+    q = torch.softmax(top, dim=-1)
+    cdf = q.cumsum(-1)
+    pick = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True).clamp(max=k - 1)  # [S_r, 1]
+    tok[rows] = cols.gather(1, pick).squeeze(1)
+    probs = q.new_zeros(logits.shape[0], k).index_copy_(0, rows, q)
+    columns = cols.new_zeros(logits.shape[0], k).index_copy_(0, rows, cols)
+    return tok, SparseDraw(probs=probs, columns=columns)
 
 
 def make_proposal(
     request_ids: Sequence[str], states: Sequence[SamplingState], tokens: list[torch.Tensor],
-    probs: list[torch.Tensor | None], conf_logits: list[torch.Tensor], calibration: Calibration,
-    *, vocab: torch.Tensor | None = None, vocab_size: int | None = None,
+    probs: list[SparseDraw | None], conf_logits: list[torch.Tensor], calibration: Calibration,
+    *, vocab: torch.Tensor | None = None,
 ) -> DraftProposal:
-    """Per-step drafts (``tokens``: K x [B] token ids, ``probs``: K x ([B, V] or None), ``conf_logits``: K x [B])
-    -> the round's ``DraftProposal``; sampled requests carry their draft distributions [K, V], greedy ones a point
-    mass. With a draft vocabulary ``vocab`` [V'], ``probs`` are K x [B, V'] and are scattered into the full
-    ``vocab_size`` (``full_vocab_probs``)."""
+    """Per-step drafts (``tokens``: K x [B] token ids, ``probs``: K x (``SparseDraw`` or None), ``conf_logits``:
+    K x [B]) -> the round's ``DraftProposal``; sampled requests carry their sparse draft distributions ([K, S]
+    probabilities and token ids), greedy ones a point mass. With a draft vocabulary ``vocab`` [V'], the columns
+    are indices into it and are mapped to token ids."""
     tokens_t = torch.stack(tokens, 1).cpu()
-    probs_t = None if probs[0] is None else torch.stack(probs, 1)
     logits_t = torch.stack(conf_logits, 1).float().cpu()
-
-    def block_probs(b: int) -> torch.Tensor:
-        q = probs_t[b] if vocab is None else full_vocab_probs(probs_t[b], vocab, vocab_size)
-        return q.float().cpu()
-
+    sampled = probs[0] is not None
+    probs_t = torch.stack([d.probs for d in probs], 1).cpu() if sampled else None  # [B, K, S]
+    cols_t = torch.stack([d.columns for d in probs], 1) if sampled else None
+    ids_t = (cols_t if vocab is None else vocab[cols_t]).cpu() if sampled else None  # [B, K, S] token ids
     blocks = [
-        DraftBlock(rid, tokens_t[b], block_probs(b) if s.temperature > 0 else None)
+        DraftBlock(rid, tokens_t[b], probs_t[b].clone(), prob_ids=ids_t[b].clone()) if s.temperature > 0
+        else DraftBlock(rid, tokens_t[b])
         for b, (rid, s) in enumerate(zip(request_ids, states))
     ]
     greedy = torch.tensor([s.temperature == 0 for s in states])[:, None]
@@ -255,7 +270,7 @@ class DSparkProposer(RequestProposerBase):
             probs.append(q)
             conf.append(step.conf_logit)
         self.last_proposal = make_proposal(request_ids, states, tokens, probs, conf, self.calibration,
-                                           vocab=d.draft_vocab, vocab_size=d.config.vocab_size)
+                                           vocab=d.draft_vocab)
         return self.last_proposal.blocks
 
     # ---------------------------------------------------------------- helpers

@@ -271,7 +271,8 @@ class TargetEngine:
         Raises:
             UnknownRequestError: a block names a request not held. Nothing is changed.
             InvalidRequestError: duplicate request in the batch, draft longer than ``max_draft_len``, a token id
-                outside [0, V), or draft probabilities of the wrong shape. Nothing is changed.
+                outside [0, V), or draft probabilities of the wrong shape (``DraftBlock``: dense [>= l, V], or sparse
+                [>= l, S] with distinct ``prob_ids`` in [0, V) per row). Nothing is changed.
         """
         if not blocks:
             return []
@@ -292,7 +293,7 @@ class TargetEngine:
             heads = self._head(hidden, lengths, [r.params.greedy for r in reqs])
         outputs, offset = [], 0
         for req, block, draft, n, head in zip(reqs, blocks, drafts, lengths, heads):
-            probs = block.probs[: len(draft)] if block.probs is not None else None
+            probs = block.dense_probs(self.vocab_size)[: len(draft)] if block.probs is not None else None
             outputs.append(self._accept(req, draft, probs, head, features[offset : offset + n]))
             offset += n
         return outputs
@@ -333,15 +334,32 @@ class TargetEngine:
             draft = b.tokens[: min(b.length, remaining - 1)].to(torch.long).cpu()
             if draft.numel() and (int(draft.min()) < 0 or int(draft.max()) >= self.vocab_size):
                 raise InvalidRequestError(f"draft token ids of {b.request_id!r} must be in [0, {self.vocab_size})")
-            if b.probs is not None and (b.probs.dim() != 2 or b.probs.shape[0] < len(draft)
-                                        or b.probs.shape[1] != self.vocab_size):
-                raise InvalidRequestError(
-                    f"draft probs of {b.request_id!r} must be [>= {len(draft)}, {self.vocab_size}], "
-                    f"got {tuple(b.probs.shape)}"
-                )
+            if b.probs is not None:
+                self._check_probs(b, len(draft))
             reqs.append(req)
             drafts.append(draft)
         return reqs, drafts
+
+    def _check_probs(self, block: DraftBlock, length: int) -> None:
+        """Raise InvalidRequestError unless ``block.probs`` covers ``length`` drafts: dense [>= l, V], or sparse
+        [>= l, S] with ``prob_ids`` of the same shape holding distinct token ids in [0, V) per row."""
+        probs, ids, rid = block.probs, block.prob_ids, block.request_id
+        if ids is None:
+            if probs.dim() != 2 or probs.shape[0] < length or probs.shape[1] != self.vocab_size:
+                raise InvalidRequestError(
+                    f"draft probs of {rid!r} must be [>= {length}, {self.vocab_size}], got {tuple(probs.shape)}"
+                )
+            return
+        if probs.dim() != 2 or probs.shape != ids.shape or probs.shape[0] < length:
+            raise InvalidRequestError(
+                f"sparse draft probs of {rid!r} must be [>= {length}, S] with prob_ids of the same shape, got "
+                f"{tuple(probs.shape)} and {tuple(ids.shape)}"
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise InvalidRequestError(f"draft prob_ids of {rid!r} must be in [0, {self.vocab_size})")
+        ordered = ids.sort(dim=-1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            raise InvalidRequestError(f"draft prob_ids of {rid!r} repeat a token id within a row")
 
     def _accept(
         self,

@@ -567,7 +567,7 @@ class TargetReplica:
         ], dtype=torch.long).clamp(min=0)
         lengths = self.scheduler.schedule(confidences=confidences.clamp(0, 1), min_len=torch.zeros_like(max_len),
                                           max_len=max_len)
-        return {b.request_id: DraftBlock(b.request_id, b.tokens, b.probs, int(n))
+        return {b.request_id: replace(b, verify_len=int(n))
                 for b, n in zip(drafts, lengths.tolist())}
 
     def _emit(self, stream: _Stream, out: StepOutput) -> None:

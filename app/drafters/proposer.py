@@ -29,6 +29,7 @@ import torch
 
 from app.drafters.calibration import Calibration, survival
 from app.drafters.dspark import ContextKV, DSparkDrafter
+from app.engine.coupling import gumbel_noise
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
 
 
@@ -60,6 +61,7 @@ class SamplingState(Protocol):
 
     temperature: float
     generator: torch.Generator
+    seed: int | None  # a seeded sampled request: drafted with its coupling noise, verified by coupling (no probs)
 
 
 def request_generator(seed: int, request_id: str) -> torch.Generator:
@@ -131,8 +133,9 @@ def make_proposal(
     *, vocab: torch.Tensor | None = None,
 ) -> DraftProposal:
     """Per-step drafts (``tokens``: K x [B] token ids, ``probs``: K x (``SparseDraw`` or None), ``conf_logits``:
-    K x [B]) -> the round's ``DraftProposal``; sampled requests carry their sparse draft distributions ([K, S]
-    probabilities and token ids), greedy ones a point mass. With a draft vocabulary ``vocab`` [V'], the columns
+    K x [B]) -> the round's ``DraftProposal``; unseeded sampled requests carry their sparse draft distributions
+    ([K, S] probabilities and token ids); greedy and seeded ones (verified by coupling, ``app/engine/coupling.py``)
+    none. With a draft vocabulary ``vocab`` [V'], the columns
     are indices into it and are mapped to token ids."""
     tokens_t = torch.stack(tokens, 1).cpu()
     logits_t = torch.stack(conf_logits, 1).float().cpu()
@@ -141,8 +144,8 @@ def make_proposal(
     cols_t = torch.stack([d.columns for d in probs], 1) if sampled else None
     ids_t = (cols_t if vocab is None else vocab[cols_t]).cpu() if sampled else None  # [B, K, S] token ids
     blocks = [
-        DraftBlock(rid, tokens_t[b], probs_t[b].clone(), prob_ids=ids_t[b].clone()) if s.temperature > 0
-        else DraftBlock(rid, tokens_t[b])
+        DraftBlock(rid, tokens_t[b], probs_t[b].clone(), prob_ids=ids_t[b].clone())
+        if s.temperature > 0 and s.seed is None else DraftBlock(rid, tokens_t[b])
         for b, (rid, s) in enumerate(zip(request_ids, states))
     ]
     greedy = torch.tensor([s.temperature == 0 for s in states])[:, None]
@@ -151,10 +154,31 @@ def make_proposal(
     return DraftProposal(blocks=blocks, confidences=calibrated, raw_confidences=torch.sigmoid(logits_t))
 
 
+def coupled_draws(
+    logits: torch.Tensor, tokens: torch.Tensor, states: Sequence[SamplingState], positions: Sequence[int],
+    *, vocab: torch.Tensor | None, vocab_size: int,
+) -> torch.Tensor:
+    """Replace the draws of seeded sampled requests by their coupled drafts: argmax of logits [B, V'] / T plus the
+    request's Gumbel noise at ``positions[b]`` (``app/engine/coupling.py``), restricted to the draft vocabulary
+    ``vocab`` [V'] when there is one. The target accepts such a draft exactly when it equals its own coupled token.
+
+    Returns:
+        tokens [B] int64 (column indices of ``logits``), changed in place for the seeded rows.
+    """
+    for b, s in enumerate(states):
+        if s.seed is not None and s.temperature > 0:
+            noise = gumbel_noise(s.seed, [positions[b]], vocab_size)[0].to(logits.device)
+            if vocab is not None:
+                noise = noise[vocab]
+            tokens[b] = (logits[b].float() / s.temperature + noise).argmax()
+    return tokens
+
+
 @dataclass
 class _RequestState:
     temperature: float
     generator: torch.Generator
+    seed: int | None = None  # set for a seeded sampled request (``SamplingState``)
     # [2 * layers, Hkv, capacity, Dh] injected keys (even rows) and values (odd rows); rows [0, length) are valid
     kv: torch.Tensor | None = None
     length: int = 0  # T: tokens whose features are in the context
@@ -185,7 +209,7 @@ class RequestProposerBase:
     seed: int = 0
     gamma: int | None = None
     last_proposal: DraftProposal | None = field(default=None, init=False)
-    _params: dict[str, float] = field(default_factory=dict, init=False)
+    _params: dict[str, SamplingParams] = field(default_factory=dict, init=False)
     _state: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -198,14 +222,19 @@ class RequestProposerBase:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
     def set_params(self, request_id: str, params: SamplingParams) -> None:
-        """Draft ``request_id`` at its own temperature (call before ``start``; the hook does not see params)."""
-        self._params[request_id] = params.temperature
+        """Draft ``request_id`` at its own temperature, with its coupling noise when seeded (call before ``start``;
+        the hook does not see params)."""
+        self._params[request_id] = params
 
     def finish(self, request_id: str) -> None:
         self._state.pop(request_id, None)
 
-    def _take_temperature(self, request_id: str) -> float:
-        return self._params.pop(request_id, self.temperature)
+    def _take_params(self, request_id: str) -> tuple[float, int | None]:
+        """(temperature, seed) of a starting request; seed None unless ``set_params`` gave a seeded sampled one."""
+        params = self._params.pop(request_id, None)
+        if params is None:
+            return self.temperature, None
+        return params.temperature, params.seed if params.temperature > 0 else None
 
     def _no_requests(self) -> list[DraftBlock]:
         """``propose([])``: no blocks, an empty [0, K] proposal."""
@@ -221,8 +250,8 @@ class DSparkProposer(RequestProposerBase):
     drafter: DSparkDrafter
 
     def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
-        state = _RequestState(temperature=self._take_temperature(request_id),
-                              generator=request_generator(self.seed, request_id))
+        temperature, seed = self._take_params(request_id)
+        state = _RequestState(temperature=temperature, generator=request_generator(self.seed, request_id), seed=seed)
         self._state[request_id] = state
         self._extend([state], [first.features])
         state.anchor = first.new_token_ids[-1]
@@ -264,7 +293,10 @@ class DSparkProposer(RequestProposerBase):
         for i in range(self.gamma):
             step = d.head_step(base[:, i], hidden[:, i], prev, state, draft=True)
             state = step.state
-            index, q = draw(step.logits, temps, rows, uniform[:, i])  # index into V', q [B, V'] | None
+            index, q = draw(step.logits, temps, rows, uniform[:, i])  # index into V', q sparse | None
+            # draft i is the token at position T + 1 + i (the anchor is token T)
+            index = coupled_draws(step.logits, index, states, [s.length + 1 + i for s in states],
+                                  vocab=d.draft_vocab, vocab_size=d.config.vocab_size)
             prev = d.draft_token_ids(index)
             tokens.append(prev)
             probs.append(q)

@@ -23,6 +23,7 @@ from typing import Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.engine.coupling import accept_coupled, coupled_tokens, gumbel_noise
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
 from app.engine.greedy_head import ScreenedArgmax
@@ -60,6 +61,12 @@ class EngineConfig(BaseModel):
         True, description="CPU, bfloat16 model, oneDNN with bfloat16 kernels: the decoder's linear layers and the greedy "
         "screen run on weights prepacked once into oneDNN's blocked layout (app/engine/prepack.py; bit-identical "
         "outputs, 1.4-2x faster matmuls at decode sizes). Ignored where unsupported.",
+    )
+    batch_invariant: bool = Field(
+        False, description="A request's logits depend on its own tokens only, not on the other requests of the step "
+        "nor on how many drafts it verifies: each request runs alone, padded to max_draft_len + 1 rows, attending over "
+        "its whole KV slot, and is prefilled alone. Seeded requests then reproduce exactly, greedy ones are identical "
+        "alone and in any batch. Costs one forward per request per step (docs/serving.md).",
     )
     feature_layers: tuple[int, ...] | None = Field(
         None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."
@@ -193,29 +200,35 @@ class TargetEngine:
             )
         reqs = [self._register(r, len(ids)) for r, ids in zip(requests, prompts)]
         try:  # from here on the slots are taken: any failure gives them back
-            lengths = [len(ids) for ids in prompts]
-            with torch.inference_mode():
-                layout = StepLayout.build(
-                    slots=[r.slot for r in reqs], starts=[0] * len(reqs), lengths=lengths, groups=self._groups,
-                    device=self.device,
-                )
-                last = torch.cumsum(torch.tensor(lengths), 0) - 1  # [B] each prompt's last row
-                hidden, features = self.model.hidden_states(
-                    torch.cat(prompts).to(self.device), cache=self.cache, layout=layout, index=last.to(self.device)
-                )
-                heads = self._head(hidden, [1] * len(reqs), [r.params.greedy for r in reqs])
-            outputs, offset = [], 0
-            for req, head, n in zip(reqs, heads, lengths):
-                req.num_cached = n
-                outputs.append(self._commit(req, [self._sample(req, head)], num_draft=0, num_accepted=0,
-                                            features=features[offset : offset + n]))
-                offset += n
-            return outputs
+            if self.config.batch_invariant:  # each prompt alone: its cache and first token do not depend on others
+                return [out for i in range(len(reqs)) for out in self._prefill(reqs[i : i + 1], prompts[i : i + 1])]
+            return self._prefill(reqs, prompts)
         except BaseException:
             for req in reqs:
                 if req.request_id in self._requests:
                     self.release(req.request_id)
             raise
+
+    def _prefill(self, reqs: list[_Request], prompts: list[torch.Tensor]) -> list[StepOutput]:
+        """One forward over the registered ``reqs``' prompts ([T_r] int64 each); their first outputs, in order."""
+        lengths = [len(ids) for ids in prompts]
+        with torch.inference_mode():
+            layout = StepLayout.build(
+                slots=[r.slot for r in reqs], starts=[0] * len(reqs), lengths=lengths, groups=self._groups,
+                device=self.device,
+            )
+            last = torch.cumsum(torch.tensor(lengths), 0) - 1  # [B] each prompt's last row
+            hidden, features = self.model.hidden_states(
+                torch.cat(prompts).to(self.device), cache=self.cache, layout=layout, index=last.to(self.device)
+            )
+            heads = self._head(hidden, [1] * len(reqs), [r.params.greedy for r in reqs])
+        outputs, offset = [], 0
+        for req, head, n in zip(reqs, heads, lengths):
+            req.num_cached = n
+            outputs.append(self._commit(req, [self._sample(req, head)], num_draft=0, num_accepted=0,
+                                        features=features[offset : offset + n]))
+            offset += n
+        return outputs
 
     def _check_new(self, request: NewRequest) -> torch.Tensor:
         """A new request's prompt as [T] int64, after the checks ``add_requests`` documents (but capacity)."""
@@ -282,21 +295,51 @@ class TargetEngine:
             tokens.append(torch.cat([torch.tensor([req.pending]), draft]))
             starts.append(req.num_cached)
             lengths.append(1 + len(draft))
-        with torch.inference_mode():
-            layout = StepLayout.build(
-                slots=[r.slot for r in reqs], starts=starts, lengths=lengths, groups=self._groups, device=self.device
-            )
-            flat = torch.cat(tokens).to(self.device)
-            hidden, features = self.model.hidden_states(
-                flat, cache=self.cache, layout=layout, index=torch.arange(len(flat), device=self.device)
-            )
-            heads = self._head(hidden, lengths, [r.params.greedy for r in reqs])
+        if self.config.batch_invariant:  # each request alone, always [max_draft_len + 1] rows over the whole slot
+            steps = [self._forward(reqs[i : i + 1], tokens[i : i + 1], starts[i : i + 1], fixed=True)
+                     for i in range(len(reqs))]
+            heads = [h for step in steps for h in step[0]]
+            features = torch.cat([step[1] for step in steps])
+        else:
+            heads, features = self._forward(reqs, tokens, starts)
         outputs, offset = [], 0
         for req, block, draft, n, head in zip(reqs, blocks, drafts, lengths, heads):
             probs = block.dense_probs(self.vocab_size)[: len(draft)] if block.probs is not None else None
             outputs.append(self._accept(req, draft, probs, head, features[offset : offset + n]))
             offset += n
         return outputs
+
+    def _forward(
+        self, reqs: list[_Request], tokens: list[torch.Tensor], starts: list[int], *, fixed: bool = False
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One target forward over ``tokens`` (per request [n_r] int64, written at positions ``starts[r] ..``).
+
+        With ``fixed`` (batch-invariant mode, one request) the run is padded to ``max_draft_len + 1`` rows and attends
+        over the whole slot (``StepLayout.build``'s ``key_len``), so every verify step of every request has the same
+        shapes and a row's logits depend on its own tokens and cache only. Padding rows write keys/values past the
+        request's run, which stay masked until overwritten, like rejected drafts.
+
+        Returns:
+            ``_head``'s output per request and the features [sum n_r, F] of the real rows.
+        """
+        lengths = [len(t) for t in tokens]
+        if fixed:
+            pad = self.config.max_draft_len + 1 - lengths[0]
+            tokens = [torch.cat([tokens[0], tokens[0].new_zeros(pad)])]
+        rows = [len(t) for t in tokens]
+        with torch.inference_mode():
+            layout = StepLayout.build(
+                slots=[r.slot for r in reqs], starts=starts, lengths=rows, groups=self._groups, device=self.device,
+                key_len=self.config.max_model_len if fixed else None,
+            )
+            flat = torch.cat(tokens).to(self.device)
+            hidden, features = self.model.hidden_states(
+                flat, cache=self.cache, layout=layout, index=torch.arange(len(flat), device=self.device)
+            )
+            heads = self._head(hidden, rows, [r.params.greedy for r in reqs])
+        if fixed:
+            return [heads[0][: lengths[0]]], features[: lengths[0]]
+        return heads, features
 
     def _head(self, hidden: torch.Tensor, lengths: list[int], greedy: list[bool]) -> list[torch.Tensor]:
         """The LM head over a step's rows, per request: greedy target tokens [n] int64 for a greedy request, float32
@@ -369,9 +412,16 @@ class TargetEngine:
         head: torch.Tensor,
         features: torch.Tensor,
     ) -> StepOutput:
-        """Verify ``draft`` [l] against the target's ``head`` (``_head``: [l + 1] greedy tokens or [l + 1, V] logits)."""
-        if req.params.greedy:
+        """Verify ``draft`` [l] against the target's ``head`` (``_head``: [l + 1] greedy tokens or [l + 1, V] logits)
+        by the request's accept rule: greedy, Gumbel-max coupling for a seeded sampled request (row j predicts the
+        token at position ``num_cached + 1 + j``; ``coupling.py``), rejection sampling for an unseeded one."""
+        p = req.params
+        if p.greedy:
             result = accept_greedy(draft, head)
+        elif p.seed is not None:
+            noise = gumbel_noise(p.seed, list(range(req.num_cached + 1, req.num_cached + 2 + len(draft))),
+                                 self.vocab_size)
+            result = accept_coupled(draft, head, noise, temperature=p.temperature, top_p=p.top_p)
         else:
             probs = target_probs(head, temperature=req.params.temperature, top_p=req.params.top_p)
             result = accept_sampled(draft, draft_probs.cpu() if draft_probs is not None else None, probs,
@@ -384,8 +434,12 @@ class TargetEngine:
 
     def _sample(self, req: _Request, head: torch.Tensor) -> int:
         """One token under the request's params from ``_head``'s output for one row ([1] greedy token or [1, V])."""
-        if req.params.greedy:
+        p = req.params
+        if p.greedy:
             return int(head[-1])
+        if p.seed is not None:  # the token at position num_cached (the prompt's length after a prefill)
+            noise = gumbel_noise(p.seed, [req.num_cached], self.vocab_size)
+            return int(coupled_tokens(head[-1:], noise, temperature=p.temperature, top_p=p.top_p)[0])
         probs = target_probs(head[-1:], temperature=req.params.temperature, top_p=req.params.top_p)
         return int(torch.multinomial(probs[0], 1, generator=req.generator))
 

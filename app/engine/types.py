@@ -79,7 +79,11 @@ class SamplingParams:
             (1e-5, vLLM's threshold) are greedy too: dividing logits by them overflows float32.
         top_p: nucleus mass in (0, 1]; the target distribution is truncated to it before sampling and
             before speculative acceptance, so acceptance stays lossless against the truncated target.
-        seed: seed of this request's own random generator, a signed 64-bit integer (None: drawn from the OS).
+        seed: a signed 64-bit integer that makes a sampled request reproducible: it is verified by Gumbel-max coupling
+            with noise keyed to (seed, token position) (``app/engine/coupling.py``), so the same seed gives the same
+            tokens whatever the batch, the drafts, the verify lengths or the placement (exactly with
+            ``batch_invariant``; otherwise up to near-ties of the logits). None: unseeded, verified by rejection
+            sampling with a generator seeded from the OS.
         stop: stop strings; the output ends before the first occurrence (excluded, as OpenAI does).
         ignore_eos: keep generating past EOS (benchmarks).
         presence_penalty: subtracted once from the logit of every token already in the output, in [-2, 2]

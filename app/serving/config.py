@@ -68,6 +68,11 @@ class AppConfig(BaseModel):
     device: str = Field("auto", description="Target device: auto, cpu, cuda, cuda:N.")
     max_model_len: int = Field(2048, ge=32, description="Per-request context limit in tokens (prompt + output).")
     max_num_seqs: int = Field(16, ge=1, description="Requests decoded concurrently per target replica (KV slots).")
+    batch_invariant: bool = Field(
+        False, description="Target engine: a request's logits do not depend on the rest of its step (each request "
+        "runs alone at a fixed shape), so seeded requests reproduce exactly and greedy ones are identical in any "
+        "batch; costs one forward per request per round (app/engine/engine.py EngineConfig, docs/serving.md).",
+    )
     max_queued_requests: int = Field(
         32, ge=0, description="Requests waiting for a KV slot per target replica; beyond it answers 503."
     )

@@ -145,7 +145,7 @@ def make_engine(config: AppConfig) -> Engine:
 
     return TargetEngine(EngineConfig(
         model=config.model, dtype=config.dtype, device=config.device, max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs, max_draft_len=config.gamma,
+        max_num_seqs=config.max_num_seqs, max_draft_len=config.gamma, batch_invariant=config.batch_invariant,
     ))
 
 

@@ -60,12 +60,14 @@ def runs_of_the_seeded_request(eng, prompts) -> dict[str, list[int]]:
     return runs
 
 
+@pytest.mark.slow
 def test_seeded_request_is_exactly_reproducible_in_batch_invariant_mode(invariant, prompts):
     runs = runs_of_the_seeded_request(invariant, prompts)
     assert len(runs["alone"]) == SEEDED.max_tokens or runs["alone"][-1] in invariant.eos_token_ids
     assert all(ids == runs["alone"] for ids in runs.values()), runs
 
 
+@pytest.mark.slow
 def test_greedy_requests_are_identical_alone_and_in_any_batch_in_batch_invariant_mode(invariant, prompts):
     alone = [generate(invariant, [p], GREEDY)[0][0].token_ids for p in prompts[:3]]
     mixed = [GREEDY, SamplingParams(max_tokens=12, temperature=1.0)] * 4
@@ -75,6 +77,7 @@ def test_greedy_requests_are_identical_alone_and_in_any_batch_in_batch_invariant
     assert [r.token_ids for r in drafted] == alone
 
 
+@pytest.mark.slow
 def test_seeded_request_differs_only_at_near_ties_in_the_default_mode(engine, prompts):
     runs = runs_of_the_seeded_request(engine, prompts)
     assert runs["again"] == runs["alone"]  # same shapes, same logits

@@ -86,8 +86,10 @@ def round_sampling(
 # A sampled request's drafts are drawn from the drafter's distribution truncated to its DRAFT_TOP_K most likely tokens
 # (renormalised). Speculative sampling is lossless for any draft distribution the drafts really follow, so the engine
 # verifies against exactly this sparse q, and a block's probabilities take K x 64 x (4 + 8) bytes whatever the
-# vocabulary (5.4 kB at K = 7, against 1.4 MB for a dense [K, V] float32 on SmolLM2's V = 49,152). At T <= 1 the
-# drafter's mass beyond its top 64 tokens is small, so acceptance barely moves (docs/serving.md).
+# vocabulary (5.4 kB at K = 7, against 1.4 MB for a dense [K, V] float32 on SmolLM2's V = 49,152). The mass the
+# truncation drops bounds the acceptance lost at a position; measured on 112 draft positions of 8 gsm8k-eval prompts
+# with the committed checkpoint: mean 0.5 % (max 6 %) at T = 0.7, mean 6 % (max 36 %) at T = 1.0; 256 tokens would
+# drop 0.1 % / 3 % (docs/serving.md).
 DRAFT_TOP_K = 64
 
 

@@ -10,7 +10,7 @@ context update. Each round runs the stages of ``DSparkProposer.propose`` one by 
     backbone   block inputs + the parallel backbone layers
     lm_head    base logits over the drafting vocabulary, [B, K, Dm] x [Dm, V'] (the target's tied embedding)
     head       the sequential head, K steps (markov: W1 lookup, the [B, r] x [r, V'] bias, its add, confidence)
-    sample     argmax / softmax / inverse-CDF draw over V', K steps, and the map back to token ids
+    sample     argmax / top-k softmax / inverse-CDF draw over V', K steps, and the map back to token ids
     assemble   the round's ``DraftProposal`` (stack, draft distributions scattered to [K, V] on the CPU,
                calibration)
     update     the context update with the round's verify output (pending token + accepted drafts)
@@ -80,8 +80,7 @@ def time_round(proposer: DSparkProposer, ids: list[str]) -> tuple[dict[str, floa
         probs.append(q)
         conf.append(step.conf_logit)
     t4 = time.perf_counter()
-    make_proposal(ids, states, tokens, probs, conf, proposer.calibration, vocab=d.draft_vocab,
-                  vocab_size=d.config.vocab_size)
+    make_proposal(ids, states, tokens, probs, conf, proposer.calibration, vocab=d.draft_vocab)
     t5 = time.perf_counter()
     blocks = proposer.propose(ids)
     t6 = time.perf_counter()

@@ -36,6 +36,7 @@ from app.engine.types import DraftBlock, StepOutput
 class _RequestState:
     temperature: float
     generator: torch.Generator
+    seed: int | None = None  # a seeded sampled request: its blocks carry no probs (the target verifies by coupling)
     # [2, Hkv, capacity, Dh] keys (row 0) and values (row 1) of the context; columns [0, length) are valid
     kv: torch.Tensor | None = None
     length: int = 0  # T: context rows in ``kv``
@@ -51,8 +52,8 @@ class EagleProposer(RequestProposerBase):
     drafter: EagleDrafter
 
     def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
-        state = _RequestState(temperature=self._take_temperature(request_id),
-                              generator=request_generator(self.seed, request_id))
+        temperature, seed = self._take_params(request_id)
+        state = _RequestState(temperature=temperature, generator=request_generator(self.seed, request_id), seed=seed)
         self._state[request_id] = state
         self._extend([state], [first.features], [list(prompt_ids[1:]) + [first.new_token_ids[-1]]], [request_id])
 

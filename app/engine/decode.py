@@ -9,7 +9,7 @@ data generation. The online path (Ray Serve) drives the same engine calls from i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -124,7 +124,7 @@ def generate(
             blocks = proposer.propose(active)
             if policy is not None:
                 lengths = policy(active, blocks)
-                blocks = [DraftBlock(b.request_id, b.tokens, b.probs, int(n)) for b, n in zip(blocks, lengths)]
+                blocks = [replace(b, verify_len=int(n)) for b, n in zip(blocks, lengths)]
         t1 = time.perf_counter()
         outputs = engine.verify(blocks)
         stats.draft_s += t1 - t0

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.engine.coupling import accept_coupled, gumbel_noise
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
 from app.engine.grammar import GrammarCompiler, RequestGrammar
@@ -64,6 +65,12 @@ class EngineConfig(BaseModel):
         True, description="CPU, bfloat16 model, oneDNN with bfloat16 kernels: the decoder's linear layers and the greedy "
         "screen run on weights prepacked once into oneDNN's blocked layout (app/engine/prepack.py; bit-identical "
         "outputs, 1.4-2x faster matmuls at decode sizes). Ignored where unsupported.",
+    )
+    batch_invariant: bool = Field(
+        False, description="A request's logits depend on its own tokens only, not on the other requests of the step "
+        "nor on how many drafts it verifies: each request runs alone, padded to max_draft_len + 1 rows, attending over "
+        "its whole KV slot, and is prefilled alone. Seeded requests then reproduce exactly, greedy ones are identical "
+        "alone and in any batch. Costs one forward per request per step (docs/serving.md).",
     )
     feature_layers: tuple[int, ...] | None = Field(
         None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."
@@ -208,32 +215,39 @@ class TargetEngine:
             )
         reqs = [self._register(r, len(ids), grammar) for r, (ids, grammar) in zip(requests, checked)]
         try:  # from here on the slots are taken: any failure gives them back
-            lengths = [len(ids) for ids in prompts]
-            with torch.inference_mode():
-                layout = StepLayout.build(
-                    slots=[r.slot for r in reqs], starts=[0] * len(reqs), lengths=lengths, groups=self._groups,
-                    device=self.device,
-                )
-                last = torch.cumsum(torch.tensor(lengths), 0) - 1  # [B] each prompt's last row
-                hidden, features = self.model.hidden_states(
-                    torch.cat(prompts).to(self.device), cache=self.cache, layout=layout, index=last.to(self.device)
-                )
-                heads = self._head(hidden, [1] * len(reqs), [r.screened for r in reqs])
-            outputs, offset = [], 0
-            empty = torch.zeros(0, dtype=torch.long)
-            for req, head, n in zip(reqs, heads, lengths):
-                req.num_cached = n
-                allowed = req.grammar.block_masks([])[1] if req.grammar is not None else None
-                result = self._decide(req, empty, None, head, allowed)
-                outputs.append(self._commit(req, result.tokens, num_draft=0, num_accepted=0,
-                                            features=features[offset : offset + n], head=head))
-                offset += n
-            return outputs
+            if self.config.batch_invariant:  # each prompt alone: its cache and first token do not depend on others
+                return [out for i in range(len(reqs)) for out in self._prefill(reqs[i : i + 1], prompts[i : i + 1])]
+            return self._prefill(reqs, prompts)
         except BaseException:
             for req in reqs:
                 if req.request_id in self._requests:
                     self.release(req.request_id)
             raise
+
+    def _prefill(self, reqs: list[_Request], prompts: list[torch.Tensor]) -> list[StepOutput]:
+        """One forward over the registered ``reqs``' prompts ([T_r] int64 each); their first outputs, in order."""
+        lengths = [len(ids) for ids in prompts]
+        with torch.inference_mode():
+            layout = StepLayout.build(
+                slots=[r.slot for r in reqs], starts=[0] * len(reqs), lengths=lengths, groups=self._groups,
+                device=self.device,
+            )
+            last = torch.cumsum(torch.tensor(lengths), 0) - 1  # [B] each prompt's last row
+            hidden, features = self.model.hidden_states(
+                torch.cat(prompts).to(self.device), cache=self.cache, layout=layout, index=last.to(self.device)
+            )
+            heads = self._head(hidden, [1] * len(reqs), [r.screened for r in reqs])
+        outputs, offset = [], 0
+        empty = torch.zeros(0, dtype=torch.long)
+        for req, head, n in zip(reqs, heads, lengths):
+            req.num_cached = n
+            allowed = req.grammar.block_masks([])[1] if req.grammar is not None else None
+            # the first token sits at position n (the prompt's length); in a verify step row j predicts num_cached + 1 + j
+            result = self._decide(req, empty, None, head, allowed, first_position=n)
+            outputs.append(self._commit(req, result.tokens, num_draft=0, num_accepted=0,
+                                        features=features[offset : offset + n], head=head))
+            offset += n
+        return outputs
 
     def _check_new(self, request: NewRequest) -> tuple[torch.Tensor, RequestGrammar | None]:
         """A new request's prompt as [T] int64 and its grammar state (structured output only), after the checks
@@ -314,7 +328,8 @@ class TargetEngine:
         Raises:
             UnknownRequestError: a block names a request not held. Nothing is changed.
             InvalidRequestError: duplicate request in the batch, draft longer than ``max_draft_len``, a token id
-                outside [0, V), or draft probabilities of the wrong shape. Nothing is changed.
+                outside [0, V), or draft probabilities of the wrong shape (``DraftBlock``: dense [>= l, V], or sparse
+                [>= l, S] with distinct ``prob_ids`` in [0, V) per row). Nothing is changed.
         """
         if not blocks:
             return []
@@ -330,21 +345,51 @@ class TargetEngine:
             tokens.append(torch.cat([torch.tensor([req.pending]), draft]))
             starts.append(req.num_cached)
             lengths.append(1 + len(draft))
+        if self.config.batch_invariant:  # each request alone, always [max_draft_len + 1] rows over the whole slot
+            steps = [self._forward(reqs[i : i + 1], tokens[i : i + 1], starts[i : i + 1], fixed=True)
+                     for i in range(len(reqs))]
+            heads = [h for step in steps for h in step[0]]
+            features = torch.cat([step[1] for step in steps])
+        else:
+            heads, features = self._forward(reqs, tokens, starts)
+        outputs, offset = [], 0
+        for req, block, draft, n, head, allowed in zip(reqs, blocks, drafts, lengths, heads, masks):
+            probs = block.dense_probs(self.vocab_size)[: len(draft)] if block.probs is not None else None
+            outputs.append(self._accept(req, draft, probs, head, features[offset : offset + n], allowed))
+            offset += n
+        return outputs
+
+    def _forward(
+        self, reqs: list[_Request], tokens: list[torch.Tensor], starts: list[int], *, fixed: bool = False
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One target forward over ``tokens`` (per request [n_r] int64, written at positions ``starts[r] ..``).
+
+        With ``fixed`` (batch-invariant mode, one request) the run is padded to ``max_draft_len + 1`` rows and attends
+        over the whole slot (``StepLayout.build``'s ``key_len``), so every verify step of every request has the same
+        shapes and a row's logits depend on its own tokens and cache only. Padding rows write keys/values past the
+        request's run, which stay masked until overwritten, like rejected drafts.
+
+        Returns:
+            ``_head``'s output per request and the features [sum n_r, F] of the real rows.
+        """
+        lengths = [len(t) for t in tokens]
+        if fixed:
+            pad = self.config.max_draft_len + 1 - lengths[0]
+            tokens = [torch.cat([tokens[0], tokens[0].new_zeros(pad)])]
+        rows = [len(t) for t in tokens]
         with torch.inference_mode():
             layout = StepLayout.build(
-                slots=[r.slot for r in reqs], starts=starts, lengths=lengths, groups=self._groups, device=self.device
+                slots=[r.slot for r in reqs], starts=starts, lengths=rows, groups=self._groups, device=self.device,
+                key_len=self.config.max_model_len if fixed else None,
             )
             flat = torch.cat(tokens).to(self.device)
             hidden, features = self.model.hidden_states(
                 flat, cache=self.cache, layout=layout, index=torch.arange(len(flat), device=self.device)
             )
-            heads = self._head(hidden, lengths, [r.screened for r in reqs])
-        outputs, offset = [], 0
-        for req, block, draft, n, head, allowed in zip(reqs, blocks, drafts, lengths, heads, masks):
-            probs = block.probs[: len(draft)] if block.probs is not None else None
-            outputs.append(self._accept(req, draft, probs, head, features[offset : offset + n], allowed))
-            offset += n
-        return outputs
+            heads = self._head(hidden, rows, [r.screened for r in reqs])
+        if fixed:
+            return [heads[0][: lengths[0]]], features[: lengths[0]]
+        return heads, features
 
     def _head(self, hidden: torch.Tensor, lengths: list[int], greedy: list[bool]) -> list[torch.Tensor]:
         """The LM head over a step's rows, per request: greedy target tokens [n] int64 where ``greedy`` (plain greedy
@@ -384,15 +429,32 @@ class TargetEngine:
             draft = b.tokens[: min(b.length, remaining - 1)].to(torch.long).cpu()
             if draft.numel() and (int(draft.min()) < 0 or int(draft.max()) >= self.vocab_size):
                 raise InvalidRequestError(f"draft token ids of {b.request_id!r} must be in [0, {self.vocab_size})")
-            if b.probs is not None and (b.probs.dim() != 2 or b.probs.shape[0] < len(draft)
-                                        or b.probs.shape[1] != self.vocab_size):
-                raise InvalidRequestError(
-                    f"draft probs of {b.request_id!r} must be [>= {len(draft)}, {self.vocab_size}], "
-                    f"got {tuple(b.probs.shape)}"
-                )
+            if b.probs is not None:
+                self._check_probs(b, len(draft))
             reqs.append(req)
             drafts.append(draft)
         return reqs, drafts
+
+    def _check_probs(self, block: DraftBlock, length: int) -> None:
+        """Raise InvalidRequestError unless ``block.probs`` covers ``length`` drafts: dense [>= l, V], or sparse
+        [>= l, S] with ``prob_ids`` of the same shape holding distinct token ids in [0, V) per row."""
+        probs, ids, rid = block.probs, block.prob_ids, block.request_id
+        if ids is None:
+            if probs.dim() != 2 or probs.shape[0] < length or probs.shape[1] != self.vocab_size:
+                raise InvalidRequestError(
+                    f"draft probs of {rid!r} must be [>= {length}, {self.vocab_size}], got {tuple(probs.shape)}"
+                )
+            return
+        if probs.dim() != 2 or probs.shape != ids.shape or probs.shape[0] < length:
+            raise InvalidRequestError(
+                f"sparse draft probs of {rid!r} must be [>= {length}, S] with prob_ids of the same shape, got "
+                f"{tuple(probs.shape)} and {tuple(ids.shape)}"
+            )
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+            raise InvalidRequestError(f"draft prob_ids of {rid!r} must be in [0, {self.vocab_size})")
+        ordered = ids.sort(dim=-1).values
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+            raise InvalidRequestError(f"draft prob_ids of {rid!r} repeat a token id within a row")
 
     def _accept(
         self,
@@ -404,8 +466,8 @@ class TargetEngine:
         allowed: torch.Tensor | None,
     ) -> StepOutput:
         """Verify ``draft`` [l] against the target's ``head`` (``_head``: [l + 1] greedy tokens or [l + 1, V] logits)
-        under the grammar masks ``allowed`` ([l + 1, V] bool or None)."""
-        result = self._decide(req, draft, draft_probs, head, allowed)
+        under the grammar masks ``allowed`` ([l + 1, V] bool or None), by the request's accept rule (``_decide``)."""
+        result = self._decide(req, draft, draft_probs, head, allowed, first_position=req.num_cached + 1)
         req.num_cached += result.num_accepted + 1
         return self._commit(
             req, result.tokens, num_draft=len(draft), num_accepted=result.num_accepted,
@@ -419,15 +481,25 @@ class TargetEngine:
         draft_probs: torch.Tensor | None,
         head: torch.Tensor,
         allowed: torch.Tensor | None,
+        *,
+        first_position: int,
     ) -> Acceptance:
-        """The accept rule over one request's rows (l = 0 at prefill: the first token): the target's logits go
-        through the request's controls row by row, then greedy takes the argmax, sampling the distribution."""
+        """The accept rule over one request's rows (l = 0 at prefill: the first token). The target's logits go through
+        the request's controls row by row; then greedy takes the argmax, a seeded sampled request Gumbel-max coupling
+        with noise of the positions its rows predict (row j: ``first_position + j``; ``coupling.py``), an unseeded
+        one rejection sampling."""
         if req.screened:
             return accept_greedy(draft, head)
         logits = req.controls.process(head, draft.tolist(), allowed) if req.controls is not None else head
         p = req.params
         if p.greedy:
             return accept_greedy(draft, logits.argmax(-1))
+        if p.seed is not None:
+            positions = list(range(first_position, first_position + len(draft) + 1))
+            noise = gumbel_noise(p.seed, positions, self.vocab_size)
+            if req.controls is None:
+                return accept_coupled(draft, logits, noise, temperature=p.temperature, top_p=p.top_p)
+            return accept_greedy(draft, (sampling_probs(logits, p).log() + noise).argmax(-1))
         if req.controls is None:
             probs = target_probs(logits, temperature=p.temperature, top_p=p.top_p)
         else:

@@ -192,12 +192,22 @@ class StepLayout:
 
     @classmethod
     def build(
-        cls, *, slots: list[int], starts: list[int], lengths: list[int], groups: int, device: torch.device
+        cls, *, slots: list[int], starts: list[int], lengths: list[int], groups: int, device: torch.device,
+        key_len: int | None = None,
     ) -> "StepLayout":
-        """Compute the layout of a step (see class docstring); ``groups`` is G = H / Hkv."""
+        """Compute the layout of a step (see class docstring); ``groups`` is G = H / Hkv. ``key_len`` (Tk) fixes how
+        many cache rows the step attends over (masked beyond each query's position; at least max(starts +
+        lengths)); None: exactly max(starts + lengths).
+
+        Raises:
+            ValueError: ``key_len`` below max(starts + lengths).
+        """
         lo, hi = min(slots), max(slots) + 1
         rows, max_len = hi - lo, max(lengths)
-        key_len = max(s + n for s, n in zip(starts, lengths))
+        needed = max(s + n for s, n in zip(starts, lengths))
+        if key_len is not None and key_len < needed:
+            raise ValueError(f"key_len {key_len} is below the {needed} keys the step needs")
+        key_len = needed if key_len is None else key_len
         row_of = torch.tensor([s - lo for s in slots], dtype=torch.long)
         start_t = torch.tensor(starts, dtype=torch.long)
         len_t = torch.tensor(lengths, dtype=torch.long)

@@ -7,6 +7,10 @@ equal. Where two greedy outputs differ, the first differing position must be suc
 logits within NEAR_TIE_EPS of the target's best (a top-2 gap below it, or a three-way tie); anything else is
 a bug.
 
+Seeded sampled outputs (Gumbel-max coupling, ``coupling.py``) are compared the same way on the coupled scores
+logits / T + g(seed, position): the first differing position must have both tokens' scores within NEAR_TIE_EPS / T
+of the best score there (a logit moved by eps moves a score by eps / T).
+
 NEAR_TIE_EPS (logits): the engine keeps activations in bfloat16 (8 mantissa bits) and computes logits with a
 float32 LM head. Different batch shapes round the final hidden state differently, which moves logits of
 magnitude ~20-40 by a few hundredths to a few tenths, depending on the CPU's bfloat16 kernels: on an
@@ -22,7 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from app.engine.coupling import gumbel_noise
 from app.engine.model import KVCache, StepLayout
+from app.engine.sampling import target_probs
+from app.engine.types import SamplingParams
 
 NEAR_TIE_EPS = 0.5
 
@@ -72,4 +79,26 @@ def first_divergence(engine, prompt: list[int], expected: list[int], got: list[i
     logits = teacher_forced_logits(engine, prompt + expected[:j])[-1]
     best = float(logits.max())
     gaps = {tok: best - float(logits[tok]) for tok in (expected[j], got[j])}
+    return Divergence(index=j, gaps=gaps, near_tie=max(gaps.values()) < NEAR_TIE_EPS)
+
+
+def first_divergence_seeded(
+    engine, prompt: list[int], expected: list[int], got: list[int], params: SamplingParams
+) -> Divergence | None:
+    """``first_divergence`` for a seeded sampled request (``params.seed`` set, temperature > 0): gaps are measured on
+    the coupled scores logits / T + g(seed, position) (the nucleus only, under ``top_p``) and scaled back to logits
+    (times T), so the same NEAR_TIE_EPS applies."""
+    if got == expected:
+        return None
+    j = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    if j == min(len(expected), len(got)):
+        return Divergence(index=j, gaps={}, near_tie=False)
+    logits = teacher_forced_logits(engine, prompt + expected[:j])[-1:]
+    t = params.temperature
+    scores = logits[0] / t + gumbel_noise(params.seed, [len(prompt) + j], logits.shape[-1])[0]
+    if params.top_p < 1.0:
+        nucleus = target_probs(logits, temperature=t, top_p=params.top_p)[0] > 0
+        scores = scores.masked_fill(~nucleus, float("-inf"))
+    best = float(scores.max())
+    gaps = {tok: t * (best - float(scores[tok])) for tok in (expected[j], got[j])}
     return Divergence(index=j, gaps=gaps, near_tie=max(gaps.values()) < NEAR_TIE_EPS)

@@ -79,7 +79,11 @@ class SamplingParams:
             (1e-5, vLLM's threshold) are greedy too: dividing logits by them overflows float32.
         top_p: nucleus mass in (0, 1]; the target distribution is truncated to it before sampling and
             before speculative acceptance, so acceptance stays lossless against the truncated target.
-        seed: seed of this request's own random generator, a signed 64-bit integer (None: drawn from the OS).
+        seed: a signed 64-bit integer that makes a sampled request reproducible: it is verified by Gumbel-max coupling
+            with noise keyed to (seed, token position) (``app/engine/coupling.py``), so the same seed gives the same
+            tokens whatever the batch, the drafts, the verify lengths or the placement (exactly with
+            ``batch_invariant``; otherwise up to near-ties of the logits). None: unseeded, verified by rejection
+            sampling with a generator seeded from the OS.
         stop: stop strings; the output ends before the first occurrence (excluded, as OpenAI does).
         ignore_eos: keep generating past EOS (benchmarks).
         presence_penalty: subtracted once from the logit of every token already in the output, in [-2, 2]
@@ -184,24 +188,41 @@ class DraftBlock:
     """Draft tokens proposed for one request, to be verified in the next step.
 
     ``tokens`` may be longer than what the scheduler decides to verify; the engine verifies
-    ``tokens[:verify_len]``. ``probs`` are the drafter's probabilities of the proposed tokens
-    (full distributions, needed for lossless rejection sampling when temperature > 0); greedy
-    requests and model-free drafters (n-gram) may pass None, which is treated as a point mass on each
-    draft token (a deterministic proposal, still lossless).
+    ``tokens[:verify_len]``. ``probs`` are the drafter's distributions the drafts were sampled from (needed for
+    lossless rejection sampling when temperature > 0), in one of two forms:
+
+    * sparse (``prob_ids`` set): row k gives q_k(prob_ids[k, j]) = probs[k, j] and q_k = 0 for every token not in
+      ``prob_ids[k]``. Exact whenever the drafter sampled from that same sparse q (the trained drafters sample from
+      their top ``DRAFT_TOP_K`` tokens, ``app/drafters/proposer.py``), and its size does not grow with V: this is
+      the form that crosses process boundaries;
+    * dense (``prob_ids`` None): q over the whole vocabulary, [K, V].
+
+    Greedy requests, seeded requests (verified by Gumbel-max coupling, which needs no q) and model-free drafters
+    (n-gram, prompt lookup) pass ``probs=None``, which is treated as a point mass on each draft token (a
+    deterministic proposal, still lossless).
     """
 
     request_id: str
     # [K] int64 draft token ids
     tokens: torch.Tensor
-    # [K, V] float32 draft distributions, or None for a deterministic proposal
+    # [K, S] float32 sparse draft probabilities (with prob_ids), [K, V] dense, or None for a deterministic proposal
     probs: torch.Tensor | None = None
     verify_len: int | None = None
+    # [K, S] int64 token ids of the columns of ``probs`` (distinct within a row), or None when ``probs`` is dense
+    prob_ids: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
         """The number of draft tokens the engine will verify (l_r)."""
         n = int(self.tokens.shape[0])
         return n if self.verify_len is None else min(self.verify_len, n)
+
+    def dense_probs(self, vocab_size: int) -> torch.Tensor | None:
+        """The draft distributions as [K, V] float32 (zero outside ``prob_ids`` in the sparse form), or None."""
+        if self.probs is None or self.prob_ids is None:
+            return None if self.probs is None else self.probs.float()
+        dense = torch.zeros(self.probs.shape[0], vocab_size, dtype=torch.float32, device=self.probs.device)
+        return dense.scatter_(1, self.prob_ids.long(), self.probs.float())
 
     @classmethod
     def make_dummy(cls, request_id: str, length: int) -> "DraftBlock":

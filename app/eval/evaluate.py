@@ -2,7 +2,9 @@
 evaluation sets.
 
 Owns: running ``generate`` with the drafter's proposer on mt-bench (first turns), humaneval and gsm8k lines
-701+ at a fixed block size, greedy and sampled, and reporting per set and temperature: tau (tokens committed per
+701+ at a fixed block size, greedy and sampled (by default T = 0.7 and 1.0, each under both accept rules: rejection
+sampling, the rule of unseeded requests, and Gumbel-max coupling, the rule of seeded ones, app/engine/coupling.py),
+and reporting per set, temperature and rule: tau (tokens committed per
 round, accepted drafts + the bonus/recovered token), per-position conditional acceptance rates P(draft k
 accepted | drafts < k accepted), the ECE and AUC of the confidence head's survival probability prod_{j<=k} c_j
 against the observed prefix acceptance before and after calibration, and drafter time per round (propose +
@@ -36,6 +38,8 @@ from app.eval.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "dspark-smollm2-135m"
 
+
+RULES = ("rejection", "coupling")  # accept rules of sampled requests (``evaluate_set``)
 
 @dataclass
 class RoundRecord:
@@ -110,12 +114,27 @@ def summarize(records: list[RoundRecord], gamma: int) -> dict:
 
 def evaluate_set(
     engine: TargetEngine, proposer_factory, prompts: list[list[int]], *, temperature: float, max_tokens: int,
-    gamma: int, seed: int,
+    gamma: int, seed: int, rule: str = "coupling",
 ) -> dict:
-    """Speculative decoding of ``prompts`` at one temperature; the figures of the module docstring."""
-    rec = RecordingProposer(proposer_factory(temperature))
-    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i) for i in range(len(prompts))]
-    results, stats = generate(engine, prompts, params, proposer=rec)
+    """Speculative decoding of ``prompts`` at one temperature; the figures of the module docstring.
+
+    ``rule`` (sampled requests): ``coupling`` seeds request i with ``seed + i`` (seeded requests are verified by
+    Gumbel-max coupling and drafted with the same noise); ``rejection`` leaves them unseeded (rejection sampling; the
+    engine draws their generators' seeds from the OS, so these figures vary a little from run to run).
+
+    Raises:
+        ValueError: an unknown ``rule``.
+    """
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    proposer = proposer_factory(temperature)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                             seed=seed + i if rule == "coupling" else None) for i in range(len(prompts))]
+    if hasattr(proposer, "set_params"):  # the drafter sees each request's params, as in serving
+        for i, p in enumerate(params):
+            proposer.set_params(f"req-{i}", p)
+    rec = RecordingProposer(proposer)
+    results, stats = generate(engine, prompts, params, proposer=rec, id_prefix="req")
     rounds = sum(r.rounds for r in results)
     committed = sum(r.num_accepted + r.rounds for r in results)
     return {
@@ -136,7 +155,8 @@ def evaluate_set(
 
 def markdown(rows: list[dict], gamma: int) -> str:
     head = (["set", "T", "n", "tau"] + [f"a{k + 1}" for k in range(gamma)]
-            + ["ECE raw", "ECE cal", "AUC raw", "AUC cal", "draft ms/rd", "verify ms/rd", "draft share", "lookup share"])
+            + ["ECE raw", "ECE cal", "AUC raw", "AUC cal", "draft ms/rd", "verify ms/rd", "draft share", "lookup share",
+               "rule"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["set"], f"{r['temperature']:g}", str(r["prompts"]), f"{r['tau']:.2f}"]
@@ -145,6 +165,7 @@ def markdown(rows: list[dict], gamma: int) -> str:
         cells += ["-" if r[k] is None else f"{r[k]:.3f}" for k in ("auc_before", "auc_after")]
         cells += [f"{r['draft_ms_per_round']:.1f}", f"{r['verify_ms_per_round']:.1f}", f"{100 * r['draft_share']:.1f}%"]
         cells += ["-" if r.get("lookup_share") is None else f"{100 * r['lookup_share']:.0f}%"]
+        cells += [r.get("rule") or "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -164,7 +185,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     ap.add_argument("--sets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
-    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
+    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7, 1.0])
+    ap.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES),
+                    help="accept rules of the sampled rows: rejection (unseeded requests), coupling (seeded ones)")
     ap.add_argument("--gamma", type=positive_int, default=7, help="draft tokens per round")
     ap.add_argument("--limit", type=positive_int, default=None, help="first N prompts of each set")
     ap.add_argument("--max-tokens", type=positive_int, default=256)
@@ -195,13 +218,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     gamma = min(args.gamma, drafter.config.block_size)  # MTP-1 drafts one token whatever --gamma says
     rows = []
-    jobs = [(s, t) for s in args.sets for t in args.temperatures]
-    for set_name, temperature in tqdm(jobs, desc="evaluate"):
+    jobs = [(s, t, rule) for s in args.sets for t in args.temperatures for rule in (args.rules if t > 0 else [None])]
+    for set_name, temperature, rule in tqdm(jobs, desc="evaluate"):
         texts = load_prompts(EVAL_SETS[set_name], args.datasets_dir)[: args.limit]
         prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in texts]
         row = evaluate_set(engine, factory, prompts, temperature=temperature, max_tokens=args.max_tokens,
-                           gamma=gamma, seed=args.seed)
-        rows.append({"set": set_name, "temperature": temperature, **row})
+                           gamma=gamma, seed=args.seed, rule=rule or "coupling")
+        rows.append({"set": set_name, "temperature": temperature, "rule": rule or "greedy", **row})
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"checkpoint": str(args.checkpoint), "gamma": gamma, "max_tokens": args.max_tokens,
               "limit": args.limit, "max_batch": args.max_batch, "rows": rows}
@@ -209,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     table = markdown(rows, gamma)
     (args.out / "report.md").write_text(table)
     print(table)
-    print(json.dumps({f"tau/{r['set']}/T{r['temperature']:g}": round(r["tau"], 3) for r in rows}))
+    print(json.dumps({f"tau/{r['set']}/T{r['temperature']:g}/{r['rule']}": round(r["tau"], 3) for r in rows}))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """Served single-stream benchmark: per-token time of the Serve application per policy against the engine alone.
 
 Usage: ``python -m app.serving.bench [--policies none,dspark] [--requests 5] [--max-tokens 128]
-[--prompts mt-bench] [--set KEY=VALUE ...]``
+[--prompts mt-bench] [--temperature 0.7 [--seed 0]] [--set KEY=VALUE ...]``
 
 Measures in one run, on the same prompts (the first ``--requests`` first turns of ``--prompts``, chat template,
-greedy, ``max_tokens`` each):
+greedy or, with ``--temperature`` > 0, sampled with seed ``--seed + i`` for prompt i, ``max_tokens`` each):
 
 1. the engine alone in this process: plain greedy decoding, one request at a time (ms per verify round = per
    token), and, when a policy speculates, the configured drafter offline (ms per steady drafter round at batch 1:
@@ -17,8 +17,10 @@ over requests, and each served figure is also given as a ratio to the engine-alo
 (the machine is shared and noisy: ratios travel better than absolute numbers). The target replica's own view
 (EMAs of the drafter call as the target waits for it and of the time spent inside the drafter, rounds drafted)
 comes from its ``debug_state``; the difference between the two is transport and waiting for a thread or core.
-Greedy outputs of every policy are compared with plain decoding's (the engine alone), prompt by prompt; an output
-that differs is fetched again with its token ids and judged by the near-tie rule (``app/engine/near_tie.py``):
+Outputs of every policy are compared with plain decoding's (the engine alone), prompt by prompt (seeded sampled
+requests reproduce plain decoding with the same seed: ``app/engine/coupling.py``); an output that differs is fetched
+again with its token ids and judged by the near-tie rule (``app/engine/near_tie.py``, on the coupled scores when
+sampled):
 the table counts outputs that are the same / differ first at a near-tie / differ otherwise (a bug, also printed
 as a warning).
 
@@ -43,7 +45,7 @@ import torch
 
 from app.engine.decode import generate
 from app.engine.engine import EngineConfig, TargetEngine
-from app.engine.near_tie import first_divergence
+from app.engine.near_tie import first_divergence, first_divergence_seeded
 from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
 from app.serving.local_ray import SERVE_ENV, init_local_ray
@@ -54,8 +56,20 @@ from loadtest.stream import RequestRecord, StreamObserver, observe_stream
 APP_NAME = "bench"
 
 
-def engine_alone(config: AppConfig, prompts: list[str], *, max_tokens: int) -> dict:
-    """Plain greedy decoding of each prompt alone on a ``TargetEngine`` built like the target replica's.
+def request_params(max_tokens: int, temperature: float, seed: int, count: int) -> list[SamplingParams]:
+    """The settings of prompt i's request: greedy, or sampled at ``temperature`` with seed ``seed + i``."""
+    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i if temperature > 0 else None)
+            for i in range(count)]
+
+
+def request_body(params: SamplingParams) -> dict:
+    """The OpenAI body fields of ``params`` (max_tokens, temperature, seed when set)."""
+    body = {"max_tokens": params.max_tokens, "temperature": params.temperature}
+    return body if params.seed is None else {**body, "seed": params.seed}
+
+
+def engine_alone(config: AppConfig, prompts: list[str], params: list[SamplingParams]) -> dict:
+    """Plain decoding of each prompt alone (``params[i]``) on a ``TargetEngine`` built like the target replica's.
 
     Returns:
         ``step_ms``: median over prompts of (verify time / rounds), i.e. ms per output token;
@@ -65,17 +79,16 @@ def engine_alone(config: AppConfig, prompts: list[str], *, max_tokens: int) -> d
     engine = TargetEngine(EngineConfig(model=config.model, dtype=config.dtype, device=config.device,
                                        max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                                        max_draft_len=config.gamma))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     chats = [engine.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     generate(engine, chats[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     step_ms, texts, token_ids = [], [], []
-    for ids in chats:
-        (result,), stats = generate(engine, [ids], params)
+    for ids, p in zip(chats, params):
+        (result,), stats = generate(engine, [ids], p)
         step_ms.append(stats.verify_s * 1000 / max(stats.rounds, 1))
         texts.append(result.text)
         token_ids.append(result.token_ids)
     return {"step_ms": statistics.median(step_ms), "texts": texts, "token_ids": token_ids, "prompt_ids": chats,
-            "engine": engine}
+            "engine": engine, "params": params}
 
 
 def check_outputs(alone: dict, served_ids: dict[int, list[int]]) -> dict:
@@ -84,7 +97,10 @@ def check_outputs(alone: dict, served_ids: dict[int, list[int]]) -> dict:
     of each of the latter (a losslessness bug, or a stop bug for a length difference)."""
     near, bugs = 0, []
     for i, ids in served_ids.items():
-        divergence = first_divergence(alone["engine"], alone["prompt_ids"][i], alone["token_ids"][i], ids)
+        p = alone["params"][i]
+        divergence = first_divergence(alone["engine"], alone["prompt_ids"][i], alone["token_ids"][i], ids) \
+            if p.greedy else first_divergence_seeded(alone["engine"], alone["prompt_ids"][i], alone["token_ids"][i],
+                                                     ids, p)
         if divergence is None or divergence.near_tie:
             near += divergence is not None
         else:
@@ -117,13 +133,15 @@ def drafter_alone(config: AppConfig, prompts: list[str], *, calls: int = 20) -> 
     return statistics.median(times[1:] or times)
 
 
-def stream_one(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> tuple[RequestRecord, str]:
-    """One streamed greedy chat completion; its timing record and text.
+def stream_one(
+    client: httpx.Client, url: str, model: str, prompt: str, params: SamplingParams
+) -> tuple[RequestRecord, str]:
+    """One streamed chat completion under ``params``; its timing record and text.
 
     Raises:
         RuntimeError: the server answered an error or the stream did not finish.
     """
-    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0.0, "spec_stats": True,
+    body = {"model": model, "stream": True, **request_body(params), "spec_stats": True,
             "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": prompt}]}
     texts: list[str] = []
 
@@ -145,13 +163,13 @@ def stream_one(client: httpx.Client, url: str, model: str, prompt: str, max_toke
     return record, "".join(texts)
 
 
-def completion_ids(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> list[int]:
-    """The token ids of one non-streamed greedy chat completion (``return_token_ids``).
+def completion_ids(client: httpx.Client, url: str, model: str, prompt: str, params: SamplingParams) -> list[int]:
+    """The token ids of one non-streamed chat completion under ``params`` (``return_token_ids``).
 
     Raises:
         httpx.HTTPStatusError: the server answered an error.
     """
-    body = {"model": model, "max_tokens": max_tokens, "temperature": 0.0, "return_token_ids": True,
+    body = {"model": model, **request_body(params), "return_token_ids": True,
             "messages": [{"role": "user", "content": prompt}]}
     response = client.post(f"{url}/v1/chat/completions", json=body)
     response.raise_for_status()
@@ -159,7 +177,7 @@ def completion_ids(client: httpx.Client, url: str, model: str, prompt: str, max_
 
 
 def served(
-    args: dict, prompts: list[str], *, max_tokens: int, num_cpus: float | None, reference: list[str]
+    args: dict, prompts: list[str], *, params: list[SamplingParams], num_cpus: float | None, reference: list[str]
 ) -> dict:
     """The application with ``args`` on a fresh local Ray: one warm-up request, then one request per prompt; the
     prompts whose streamed text differs from ``reference`` (plain decoding's) are asked again non-streamed for
@@ -176,10 +194,10 @@ def served(
         serve.run(build_app(args), name=APP_NAME, route_prefix="/")
         url, model = f"http://127.0.0.1:{port}", args.get("served_model_name", "smollm2-135m")
         with httpx.Client(timeout=600) as client:
-            stream_one(client, url, model, prompts[0], 16)  # warm-up
-            runs = [stream_one(client, url, model, p, max_tokens) for p in prompts]
+            stream_one(client, url, model, prompts[0], SamplingParams(max_tokens=16))  # warm-up
+            runs = [stream_one(client, url, model, p, q) for p, q in zip(prompts, params)]
             state = serve.get_deployment_handle("Target", APP_NAME).debug_state.remote().result()
-            differ = {i: completion_ids(client, url, model, prompts[i], max_tokens)
+            differ = {i: completion_ids(client, url, model, prompts[i], params[i])
                       for i, (_, text) in enumerate(runs) if text != reference[i]}
     finally:
         serve.shutdown()
@@ -192,7 +210,7 @@ def served(
         "tokens": [r.output_tokens for r in records], "texts": [t for _, t in runs], "token_ids": differ,
         "accepted_length": statistics.median(accepted) if accepted else None,
         "draft_call_ms": state["draft_ms"], "drafter_ms": state["drafter_ms"],
-        "drafted_rounds": state["drafted_rounds"], "rounds": state["rounds"],
+        "drafted_rounds": state["drafted_rounds"], "rounds": state["rounds"], "fallbacks": state["fallbacks"],
     }
 
 
@@ -203,12 +221,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--requests", type=int, default=5, help="sequential requests per policy (one per prompt)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", default="mt-bench", help="prompt spec (loadtest.prompts): set names or .jsonl")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled, seeded (--seed)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of prompt 0's request (prompt i: seed + i)")
     ap.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: all)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override an args field for every policy (repeatable; dotted keys for nested fields)")
     opts = ap.parse_args(argv)
-    if opts.requests < 1 or opts.max_tokens < 2:
-        ap.error("--requests must be >= 1 and --max-tokens >= 2")
+    if opts.requests < 1 or opts.max_tokens < 2 or opts.temperature < 0:
+        ap.error("--requests must be >= 1, --max-tokens >= 2 and --temperature >= 0")
     policies = [p.strip() for p in opts.policies.split(",") if p.strip()]
     prompts = load_prompt_spec(opts.prompts)[: opts.requests]
     base = app_args(opts.config, parse_overrides(opts.overrides))
@@ -217,16 +237,18 @@ def main(argv: list[str] | None = None) -> dict:
     if first.torch_threads:
         torch.set_num_threads(first.torch_threads)
 
-    alone = engine_alone(first, prompts, max_tokens=opts.max_tokens)
+    params = request_params(opts.max_tokens, opts.temperature, opts.seed, len(prompts))
+    alone = engine_alone(first, prompts, params)
     speculative = next((c for c in configs.values() if c.speculates), None)
     draft_ms = drafter_alone(speculative, prompts) if speculative is not None else None
     gc.collect()
-    results = {p: served({**base, "policy": p}, prompts, max_tokens=opts.max_tokens, num_cpus=opts.num_cpus,
+    results = {p: served({**base, "policy": p}, prompts, params=params, num_cpus=opts.num_cpus,
                          reference=alone["texts"]) for p in policies}
     checks = {p: check_outputs(alone, r["token_ids"]) for p, r in results.items()}
 
     step = alone["step_ms"]
-    print(f"engine alone: {step:.1f} ms/token ({1000 / step:.1f} tok/s) plain greedy"
+    mode = "greedy" if opts.temperature == 0 else f"sampled T={opts.temperature:g}"
+    print(f"engine alone: {step:.1f} ms/token ({1000 / step:.1f} tok/s) plain {mode}"
           + (f"; drafter propose + update {draft_ms:.1f} ms (batch 1)" if draft_ms is not None else ""))
     print(f"\n{'policy':>10} {'ms/token':>9} {'tok/s':>7} {'x engine':>9} {'ttft ms':>8} {'tau':>5} "
           f"{'call ms':>8} {'inside':>7} {'drafted':>9} {'same/tie/bug':>13}")
@@ -243,6 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
         "ray_env": {name: os.environ[name] for name in SERVE_ENV},
         "requests": len(prompts), "max_tokens": opts.max_tokens, "prompts": opts.prompts,
+        "temperature": opts.temperature, "seed": opts.seed if opts.temperature > 0 else None,
         "engine_step_ms": round(step, 2), "drafter_round_ms": None if draft_ms is None else round(draft_ms, 2),
         "served": {p: {"tpot_ms": round(r["tpot_ms"], 2), "tok_s": round(r["tok_s"], 2),
                        "tpot_over_engine": round(r["tpot_ms"] / step, 3), "ttft_ms": round(r["ttft_ms"], 1),
@@ -250,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
                        "drafter_ms": round(r["drafter_ms"], 2),
                        "drafted_rounds": r["drafted_rounds"], "rounds": r["rounds"], "tokens": r["tokens"],
                        "same_text_as_engine": sum(a == b for a, b in zip(r["texts"], alone["texts"])),
-                       "near_tie": checks[p]["near_tie"], "not_near_tie": checks[p]["not_near_tie"]}
+                       "near_tie": checks[p]["near_tie"], "not_near_tie": checks[p]["not_near_tie"],
+                       "fallbacks": r["fallbacks"]}
                    for p, r in results.items()},
     }
     if len(policies) > 1:

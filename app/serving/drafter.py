@@ -32,7 +32,7 @@ from app.engine.decode import Proposer
 from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
 from app.serving.metrics import DrafterMetrics
-from app.serving.protocol import DraftCall, DraftRound
+from app.serving.protocol import DraftCall, DraftRound, check_reply
 from app.serving.torch_thread import TorchThread, intra_op_threads
 
 log = logging.getLogger("ray.serve")
@@ -167,8 +167,13 @@ class DrafterReplica:
         """``DrafterCore.draft`` on the replica's torch thread (calls applied one at a time, in arrival order).
 
         ``replica_key`` only steers routing.
+
+        Raises:
+            DraftReplyTooLargeError: the answer exceeds the size the target chose its transport by
+                (``protocol.reply_bytes_bound``).
         """
-        return await self._torch.run(self.core.draft, call)
+        reply = await self._torch.run(self.core.draft, call)
+        return check_reply(reply, gamma=self.core.config.gamma)
 
     def debug_state(self) -> dict:
         """Requests this replica holds drafter state for (leak checks) and where it runs (placement checks)."""

@@ -62,6 +62,10 @@ class TargetMetrics:
             "dspark_lookup_drafts", "Request-rounds that verified a prompt-lookup draft instead of the drafter's "
             "block (or in a round without a drafter call).")
         self.requests = counter("dspark_requests_finished", "Requests that finished (EOS, stop or length).")
+        self.fallbacks = counter(
+            "dspark_fallbacks", "Requests moved to plain decoding for the rest of their life, by cause (transport, "
+            "timeout, drafter_error, drafter_unavailable, drafter_overloaded, cancelled, missing_state).",
+            TAGS + ("cause",))
         self.position_verified = counter(
             "dspark_position_verified", "Draft tokens verified at block position k (1-based).", TAGS + ("position",))
         self.position_accepted = counter(
@@ -122,6 +126,11 @@ class TargetMetrics:
             self.position_verified.inc(n_verified, tags={"position": str(k)})
             if n_accepted:
                 self.position_accepted.inc(n_accepted, tags={"position": str(k)})
+
+    def fallback(self, cause: str, n: int) -> None:
+        """``n`` requests fell back to plain decoding for ``cause``."""
+        if n:
+            self.fallbacks.inc(n, tags={"cause": cause})
 
     def tokens(self, n: int) -> None:
         if n:

@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.drafters.proposer import DRAFT_TOP_K
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
+
+# Serialisation overhead of one pickled tensor / message object beyond its data (bytes; a pickled 1-element tensor
+# takes about 400 bytes): the bounds below add it per tensor so they stay upper bounds for small batches.
+PICKLE_OVERHEAD = 1024
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class SpecStats:
     accepted_tokens: int = 0  # draft tokens accepted
     lookup_rounds: int = 0  # rounds whose draft came from prompt lookup (the others: the drafter's, or none)
     fallback: bool = False  # the drafter failed and the request finished with plain decoding
+    fallback_cause: str | None = None  # why (``target.fallback_cause``), when ``fallback``
 
     @property
     def mean_accepted_length(self) -> float:
@@ -49,14 +55,18 @@ class SpecStats:
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "lookup_rounds": self.lookup_rounds,
             "fallback": self.fallback,
+            "fallback_cause": self.fallback_cause,
         }
 
     @staticmethod
     def total(stats: list["SpecStats"]) -> "SpecStats":
-        """The statistics of several choices of one HTTP request, summed (``fallback``: any of them)."""
+        """The statistics of several choices of one HTTP request, summed (``fallback``: any of them; its cause: the
+        first fallen-back choice's)."""
+        causes = [s.fallback_cause for s in stats if s.fallback]
         return SpecStats(rounds=sum(s.rounds for s in stats), draft_tokens=sum(s.draft_tokens for s in stats),
                          accepted_tokens=sum(s.accepted_tokens for s in stats),
-                         lookup_rounds=sum(s.lookup_rounds for s in stats), fallback=any(s.fallback for s in stats))
+                         lookup_rounds=sum(s.lookup_rounds for s in stats), fallback=bool(causes),
+                         fallback_cause=causes[0] if causes else None)
 
 
 @dataclass
@@ -164,6 +174,50 @@ class DraftRound:
     confidences: torch.Tensor
     missing: list[str] = field(default_factory=list)  # requests this replica holds no state for
     drafter_ms: float = 0.0  # time inside the drafter for this call (hooks + drafting), without transport (ms)
+
+
+def call_bytes(call: DraftCall) -> int:
+    """An upper bound of a drafter call's size on the wire (bytes): its tensors (prompt features of the starts, new
+    features of the updates) plus 8 bytes a token id and ``PICKLE_OVERHEAD`` per message object."""
+    outputs = [start.first for start in call.starts] + call.updates
+    tensors = sum(out.features.nbytes for out in outputs if out.features is not None)
+    ids = sum(len(s.prompt_ids) for s in call.starts) + sum(len(o.new_token_ids) for o in outputs)
+    objects = len(outputs) + len(call.starts) + len(call.finished) + len(call.propose) + 1
+    return tensors + 8 * ids + PICKLE_OVERHEAD * objects
+
+
+def reply_bytes_bound(num_proposed: int, gamma: int) -> int:
+    """An upper bound of the size of the ``DraftRound`` answering a call that proposes ``num_proposed`` requests with
+    blocks of ``gamma`` tokens (bytes): per block its tokens [K] int64, sparse draft probabilities [K, S] float32 and
+    their ids [K, S] int64 with S <= ``DRAFT_TOP_K``, its confidences [K] float32, three tensors' overhead."""
+    per_block = gamma * (8 + DRAFT_TOP_K * (4 + 8) + 4) + 3 * PICKLE_OVERHEAD
+    return num_proposed * per_block + PICKLE_OVERHEAD
+
+
+def reply_bytes(reply: DraftRound) -> int:
+    """Tensor bytes of a drafter's answer plus ``PICKLE_OVERHEAD`` per tensor (compared with ``reply_bytes_bound``)."""
+    tensors = [reply.confidences] + [t for b in reply.blocks for t in (b.tokens, b.probs, b.prob_ids) if t is not None]
+    return sum(t.nbytes + PICKLE_OVERHEAD for t in tensors)
+
+
+class DraftReplyTooLargeError(RuntimeError):
+    """A drafter's answer is larger than ``reply_bytes_bound`` promised the target (a proposer sending dense [K, V]
+    draft probabilities): the target chose the transport from that bound, so the answer is refused, not sent."""
+
+
+def check_reply(reply: DraftRound, *, gamma: int) -> DraftRound:
+    """``reply`` when it fits ``reply_bytes_bound(len(reply.blocks), gamma)``.
+
+    Raises:
+        DraftReplyTooLargeError: it does not (the message names both sizes).
+    """
+    size, bound = reply_bytes(reply), reply_bytes_bound(len(reply.blocks), gamma)
+    if size > bound:
+        raise DraftReplyTooLargeError(
+            f"draft reply of {size} bytes for {len(reply.blocks)} requests exceeds its bound of {bound} bytes "
+            f"(sparse draft probabilities of at most {DRAFT_TOP_K} tokens a position)"
+        )
+    return reply
 
 
 def strip_for_drafter(out: StepOutput) -> StepOutput:

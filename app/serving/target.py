@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Protocol, Sequence
 
+import grpc
 import ray
 import torch
 from ray import serve
@@ -46,8 +47,8 @@ from app.serving.config import AppConfig
 from app.serving.profiles import serving_profile
 from app.serving.drafter import DrafterCore
 from app.serving.protocol import (
-    DraftCall, DraftRound, DraftStart, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText,
-    strip_for_drafter,
+    DraftCall, DraftReplyTooLargeError, DraftRound, DraftStart, ErrorItem, GenerateRequest, SpecStats, TextChunk,
+    TokenLogprobText, call_bytes, reply_bytes_bound, strip_for_drafter,
 )
 from app.serving.router import TargetLoad
 from app.serving.telemetry import TargetTelemetry
@@ -56,9 +57,10 @@ from app.serving.torch_thread import TorchThread, thread_cpu_ms
 log = logging.getLogger("ray.serve")
 
 STATS_EMA = 0.2  # weight of the newest round in the step-time / tokens / acceptance EMAs
-# A drafter call carrying more feature bytes than this goes through Ray's object store instead of Serve's gRPC data
-# plane (``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``), whose replica messages stop at 4 MiB by default
-# (``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH``): a long prompt's features alone take 6 MB on SmolLM2-135M.
+# A drafter call whose message (``protocol.call_bytes``) or answer (``protocol.reply_bytes_bound``) may exceed this
+# goes through Ray's object store instead of Serve's gRPC data plane (``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``), whose
+# replica messages stop at 4 MiB by default (``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH``): a long prompt's features
+# alone take 6 MB on SmolLM2-135M. A quarter of the limit leaves room for what the bounds do not model.
 BY_REFERENCE_BYTES = 1 << 20
 
 
@@ -78,10 +80,29 @@ DRAFTER_FAILURES = (RayActorError, RayTaskError, asyncio.TimeoutError, BackPress
                     ColocatedDrafterError, RemoteDrafterError)
 
 
-def feature_bytes(call: DraftCall) -> int:
-    """Bytes of target features a drafter call carries (prompt features of its starts, new ones of its updates)."""
-    outputs = [start.first for start in call.starts] + call.updates
-    return sum(out.features.nbytes for out in outputs if out.features is not None)
+def goes_by_reference(call: DraftCall, *, gamma: int) -> bool:
+    """Whether a drafter call or its answer may exceed ``BY_REFERENCE_BYTES`` (then both go by reference)."""
+    return call_bytes(call) > BY_REFERENCE_BYTES or reply_bytes_bound(len(call.propose), gamma) > BY_REFERENCE_BYTES
+
+
+def fallback_cause(err: BaseException) -> str:
+    """The cause label of a failed drafter call (``dspark_fallbacks``, ``SpecStats.fallback_cause``): ``transport``
+    (gRPC refused the message, e.g. over its size limit), ``timeout``, ``drafter_unavailable`` (replica dead or
+    restarting), ``drafter_overloaded`` (back pressure), ``cancelled``, ``reply_too_large`` or ``drafter_error``."""
+    cause = err.__cause__ if isinstance(err, RemoteDrafterError) else None
+    if isinstance(cause, grpc.aio.AioRpcError) or isinstance(err, grpc.aio.AioRpcError):
+        return "transport"
+    if isinstance(err, asyncio.TimeoutError):
+        return "timeout"
+    if isinstance(err, RayActorError):
+        return "drafter_unavailable"
+    if isinstance(err, BackPressureError):
+        return "drafter_overloaded"
+    if isinstance(err, RequestCancelledError):
+        return "cancelled"
+    if isinstance(cause, DraftReplyTooLargeError) or "DraftReplyTooLargeError" in str(err):
+        return "reply_too_large"
+    return "drafter_error"
 
 
 class Engine(Protocol):
@@ -189,7 +210,8 @@ class TargetReplica:
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._stats = {"step_ms": 0.0, "tokens_per_step": 0.0, "acceptance": 0.0, "drafter_failures": 0,
-                       "draft_ms": 0.0, "drafter_ms": 0.0, "drafted_rounds": 0, "rounds": 0, "verify_scale": 1.0}
+                       "draft_ms": 0.0, "drafter_ms": 0.0, "drafted_rounds": 0, "rounds": 0, "verify_scale": 1.0,
+                       "fallbacks": {}, "by_reference_calls": 0}  # fallbacks: cause -> requests
 
     def _profile(self, config: AppConfig) -> ThroughputProfile:
         """The profile to schedule with (runs on the torch thread: it may time the engine, ``profiles.py``)."""
@@ -526,7 +548,8 @@ class TargetReplica:
                 self._draft_finished.extend(call.finished + moved)
             return None
         if result.missing:
-            self._fail_over(result.missing, RuntimeError("drafter replica holds no state for them"))
+            self._fail_over(result.missing, RuntimeError("drafter replica holds no state for them"),
+                            cause="missing_state")
         return result
 
     async def _forget_colocated(self, request_ids: list[str], cause: ColocatedDrafterError) -> None:
@@ -546,12 +569,14 @@ class TargetReplica:
         Raises:
             One of ``DRAFTER_FAILURES``.
         """
-        if self.colocated is not None:
+        if self.colocated is not None:  # same process: no message, no size limit
             try:
                 return await self._run(self.colocated.draft, call)
             except Exception as err:  # a drafter bug must not take the batch's requests down with it
                 raise ColocatedDrafterError(f"{type(err).__name__}: {err}") from err
-        handle = self._drafter_by_reference if feature_bytes(call) > BY_REFERENCE_BYTES else self.drafter
+        by_reference = goes_by_reference(call, gamma=self.config.gamma)
+        self._stats["by_reference_calls"] += by_reference
+        handle = self._drafter_by_reference if by_reference else self.drafter
         response = handle.draft.remote(call, replica_key=f"target:{self.replica_id}")
         try:
             return await asyncio.wait_for(response, timeout=self.config.drafter_timeout_s)
@@ -562,21 +587,30 @@ class TargetReplica:
             response.cancel()
             raise RemoteDrafterError(f"{type(err).__name__}: {err}") from err
 
-    def _fail_over(self, request_ids: list[str], err: BaseException) -> list[str]:
-        """Move active requests to plain decoding; returns the ids moved."""
+    def _fail_over(self, request_ids: list[str], err: BaseException, *, cause: str | None = None) -> list[str]:
+        """Move active requests to plain decoding, counted under ``cause`` (default ``fallback_cause(err)``) in
+        ``dspark_fallbacks``, ``debug_state()["fallbacks"]`` and their ``spec_stats``; the first failure of each cause
+        is logged with its error. Returns the ids moved."""
+        cause = cause or fallback_cause(err)
         moved = []
         for rid in dict.fromkeys(request_ids):
             stream = self._active.get(rid)
             if stream is not None and stream.on_drafter:
                 stream.on_drafter = False
-                stream.spec = replace(stream.spec, fallback=True)
+                stream.spec = replace(stream.spec, fallback=True, fallback_cause=cause)
                 self._forget_lookup(rid)
                 moved.append(rid)
         self._stats["drafter_failures"] += len(moved)
-        # a colocated drafter's exception is a bug in this process: keep its traceback in the log
-        trace = err if isinstance(err, ColocatedDrafterError) else None
-        log.warning("drafter call failed (%s: %s); %d requests continue with plain decoding",
-                    type(err).__name__, err, len(moved), exc_info=trace)
+        counts = self._stats["fallbacks"]
+        first = cause not in counts
+        counts[cause] = counts.get(cause, 0) + len(moved)
+        self.telemetry.metrics.fallback(cause, len(moved))
+        if first:  # later failures of the same cause are counted, not logged again
+            # a colocated drafter's exception is a bug in this process: keep its traceback in the log
+            trace = err if isinstance(err, ColocatedDrafterError) else None
+            log.warning("drafter call failed (cause %s: %s: %s); %d requests continue with plain decoding (later "
+                        "failures of this cause are counted in dspark_fallbacks, not logged)", cause,
+                        type(err).__name__, err, len(moved), exc_info=trace)
         return moved
 
     def _schedule(self, drafts: list[DraftBlock], confidences: torch.Tensor) -> dict[str, DraftBlock]:
@@ -593,7 +627,7 @@ class TargetReplica:
         ], dtype=torch.long).clamp(min=0)
         lengths = self.scheduler.schedule(confidences=confidences.clamp(0, 1), min_len=torch.zeros_like(max_len),
                                           max_len=max_len)
-        return {b.request_id: DraftBlock(b.request_id, b.tokens, b.probs, int(n))
+        return {b.request_id: replace(b, verify_len=int(n))
                 for b, n in zip(drafts, lengths.tolist())}
 
     def _emit(self, stream: _Stream, out: StepOutput) -> None:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from app.drafters.calibration import Calibration
 from app.drafters.checkpoint import CONFIG, WEIGHTS, load_checkpoint, save_checkpoint, write_draft_vocab
 from app.drafters.dspark import check_draft_vocab
-from app.drafters.proposer import DSparkProposer, full_vocab_probs
+from app.drafters.proposer import DSparkProposer
 from app.drafters.train import draft_vocab as cli
 from app.engine.types import StepOutput
 from tests.drafters.test_dspark import K, V, block_forward, tiny
@@ -120,14 +120,15 @@ def test_sampled_draft_probs_live_on_the_draft_vocab(head):
     p = DSparkProposer(d, Calibration(), temperature=0.7, seed=1)
     feats = _start(p, "a", 0)
     (block,) = p.propose(["a"])
-    assert block.probs.shape == (K, V) and torch.isin(block.tokens, SUBSET).all()
+    assert torch.isin(block.tokens, SUBSET).all() and torch.isin(block.prob_ids, SUBSET).all()
+    q = block.dense_probs(V)
     outside = torch.ones(V, dtype=torch.bool)
     outside[SUBSET] = False
-    assert (block.probs[:, outside] == 0).all()
-    assert torch.allclose(block.probs.sum(-1), torch.ones(K), atol=1e-5)
+    assert (q[:, outside] == 0).all()
+    assert torch.allclose(q.sum(-1), torch.ones(K), atol=1e-5)
     logits, _ = _teacher_forced_full(d, feats, block.tokens)
-    assert torch.allclose(block.probs[:, SUBSET], torch.softmax(logits[:, SUBSET] / 0.7, -1), atol=1e-5)
-    assert (block.probs[torch.arange(K), block.tokens] > 0).all()
+    assert torch.allclose(q[:, SUBSET], torch.softmax(logits[:, SUBSET] / 0.7, -1), atol=1e-5)  # V' <= DRAFT_TOP_K
+    assert (q[torch.arange(K), block.tokens] > 0).all()
 
 
 @pytest.mark.parametrize("vocab", [None, SUBSET])
@@ -156,7 +157,7 @@ def test_clearing_the_draft_vocab_restores_full_vocabulary_drafts():
         p = DSparkProposer(d, Calibration(), temperature=1.0, seed=2)
         _start(p, "a", 0)
         drafts.append(p.propose(["a"])[0])
-    assert torch.equal(drafts[0].tokens, drafts[1].tokens) and torch.equal(drafts[0].probs, drafts[1].probs)
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens) and torch.equal(drafts[0].dense_probs(V), drafts[1].dense_probs(V))
 
 
 @pytest.mark.parametrize("ids, error, match", [
@@ -178,10 +179,10 @@ def test_bad_draft_vocab_is_rejected(ids, error, match):
 
 def test_restricted_draft_keeps_speculative_sampling_exact():
     """Toy Markov target (tests/engine/test_sampling.py): a drafter that never proposes token 1 (q = 0 there,
-    built by ``full_vocab_probs`` from a distribution over V' = {0, 2, 3}) still gives the target's joint."""
+    built from a distribution over V' = {0, 2, 3}) still gives the target's joint."""
     subset = torch.tensor([0, 2, 3])
     draft = toy._markov(1)[:, subset]
-    draft = full_vocab_probs(draft / draft.sum(-1, keepdim=True), subset, toy.V)
+    draft = torch.zeros(draft.shape[0], toy.V).index_copy_(-1, subset, draft / draft.sum(-1, keepdim=True))
     assert (draft[:, 1] == 0).all()
     n = 6000
     counts = toy._sample_sequences(n, toy._markov(0), draft, block=3, seed=4)
@@ -206,7 +207,7 @@ def test_checkpoint_round_trip_with_and_without_draft_vocab(tmp_path):
         p = DSparkProposer(model, Calibration(), temperature=1.0, seed=3)
         _start(p, "a", 0)
         blocks.append(p.propose(["a"])[0])
-    assert torch.equal(blocks[0].tokens, blocks[1].tokens) and torch.allclose(blocks[0].probs, blocks[1].probs)
+    assert torch.equal(blocks[0].tokens, blocks[1].tokens) and torch.allclose(blocks[0].dense_probs(V), blocks[1].dense_probs(V))
 
 
 def test_write_draft_vocab_adds_it_to_a_checkpoint_and_bad_ones_fail_on_load(tmp_path):

@@ -8,7 +8,7 @@ from app.drafters.calibration import Calibration, ece, fit_sequential_temperatur
 from app.drafters.checkpoint import load_checkpoint, save_checkpoint
 from app.drafters.config import DrafterConfig
 from app.drafters.dspark import DSparkDrafter
-from app.drafters.proposer import DSparkProposer
+from app.drafters.proposer import DRAFT_TOP_K, DSparkProposer
 from app.engine.types import SamplingParams, StepOutput
 
 V, DM, K = 97, 32, 4
@@ -121,9 +121,10 @@ def test_sampled_proposals_carry_distributions():
     _start(p, "g", 8, 2)
     block, _, greedy = p.propose(["a", "b", "g"])
     assert greedy.probs is None
-    assert block.probs.shape == (K, V)
-    assert torch.allclose(block.probs.sum(-1), torch.ones(K), atol=1e-4)
-    assert (block.probs[torch.arange(K), block.tokens] > 0).all()
+    assert block.probs.shape == block.prob_ids.shape == (K, min(V, DRAFT_TOP_K))  # sparse: no [K, V] on the wire
+    q = block.dense_probs(V)
+    assert torch.allclose(q.sum(-1), torch.ones(K), atol=1e-4)
+    assert (q[torch.arange(K), block.tokens] > 0).all()
     assert p.last_proposal.survival.shape == (3, K)
 
 
@@ -151,5 +152,5 @@ def test_sampled_drafts_follow_their_distribution():
     for _ in range(400):
         block = p.propose(["a"])[0]
         counts[block.tokens[0]] += 1
-    q = block.probs[0]  # position 1 does not depend on earlier draws for the parallel head
+    q = block.dense_probs(V)[0]  # position 1 does not depend on earlier draws for the parallel head
     assert 0.5 * (counts / counts.sum() - q).abs().sum() < 0.15

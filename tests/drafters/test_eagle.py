@@ -107,9 +107,10 @@ def test_sampled_proposals_carry_distributions_and_greedy_ones_do_not():
     p.set_params("g", SamplingParams(temperature=0.0))
     _start(p, "g", [5, 6, 7], torch.randn(2, d.config.feature_dim))
     sampled, greedy = p.propose(["a", "g"])
-    assert greedy.probs is None and sampled.probs.shape == (K, V)
-    assert torch.allclose(sampled.probs.sum(-1), torch.ones(K), atol=1e-4)
-    assert (sampled.probs[torch.arange(K), sampled.tokens] > 0).all()
+    assert greedy.probs is None and sampled.probs.shape == sampled.prob_ids.shape
+    q = sampled.dense_probs(V)
+    assert torch.allclose(q.sum(-1), torch.ones(K), atol=1e-4)
+    assert (q[torch.arange(K), sampled.tokens] > 0).all()
     assert p.last_proposal.survival.shape == (2, K)
 
 

@@ -115,6 +115,11 @@ def test_bad_draft_leaves_batch_untouched(engine):
         DraftBlock("bad", torch.tensor([-1])),
         DraftBlock("bad", torch.zeros(engine.config.max_draft_len + 1, dtype=torch.long)),
         DraftBlock("bad", torch.tensor([1, 2]), probs=torch.ones(2, 7)),
+        DraftBlock("bad", torch.tensor([1, 2]), probs=torch.ones(2, 3), prob_ids=torch.ones(2, 2, dtype=torch.long)),
+        DraftBlock("bad", torch.tensor([1, 2]), probs=torch.ones(2, 2), prob_ids=torch.tensor([[1, 2], [3, 3]])),
+        DraftBlock("bad", torch.tensor([1, 2]), probs=torch.ones(2, 1),
+                   prob_ids=torch.tensor([[1], [engine.vocab_size]])),
+        DraftBlock("bad", torch.tensor([1, 2]), probs=torch.ones(1, 1), prob_ids=torch.tensor([[1]])),
     ]
     for bad in bad_blocks:
         with pytest.raises(InvalidRequestError):

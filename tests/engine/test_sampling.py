@@ -107,6 +107,26 @@ def test_sampled_engine_run_is_seed_reproducible_and_valid(engine, eval_prompts)
     assert 1 <= len(runs[0]) <= 24 and all(0 <= t < engine.vocab_size for t in runs[0])
 
 
+def test_sparse_draft_probs_verify_as_their_dense_expansion(engine):
+    """A sparse block (prob_ids + probs) gives the same acceptance and tokens as its dense [K, V] expansion under the
+    same seed: the engine expands it exactly (q = 0 outside prob_ids)."""
+    prompt = engine.encode("The capital of France is")
+    draft = torch.tensor([5, 6, 7])
+    ids = torch.tensor([[5, 9, 11], [6, 2, 4], [1, 7, 3]])
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05], [0.2, 0.2, 0.6]])
+    sparse = DraftBlock("q", draft, probs, prob_ids=ids)
+    dense = torch.zeros(3, engine.vocab_size).scatter_(1, ids, probs)
+    assert torch.equal(sparse.dense_probs(engine.vocab_size), dense)
+    outs = []
+    for block in (sparse, DraftBlock("q", draft, dense)):
+        engine.add_request("q", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
+        (out,) = engine.verify([block])
+        outs.append((out.num_accepted, out.new_token_ids))
+        if not out.finished:
+            engine.release("q")
+    assert outs[0] == outs[1]
+
+
 def test_sampled_verify_uses_draft_probs(engine):
     """With draft probs equal to a point mass, acceptance and residual handle q(x) = 1 like None."""
     prompt = engine.encode("The capital of France is")

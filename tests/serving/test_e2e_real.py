@@ -1,6 +1,7 @@
 """End to end through HTTP with the real default target: greedy output of the served speculative path equals
-plain greedy decoding for 10 concurrent prompts (near-ties allowed), and streaming equals non-streaming; with the
-drafter in its own replica and colocated in the target replica.
+plain greedy decoding for 10 concurrent prompts (near-ties allowed), streaming equals non-streaming, and 16 concurrent
+sampled requests speculate without a single fallback to plain decoding; with the drafter in its own replica (over
+Serve's gRPC data plane, ``SERVE_ENV``) and colocated in the target replica.
 
 Uses the DSpark checkpoint when it is present, else the n-gram drafter (the serving path is the same).
 """
@@ -32,7 +33,10 @@ def url(request):
         serve.run(build_app({
             "drafter": DRAFTER, "drafter_placement": request.param, "policy": "dspark",
             "gamma": 7 if DRAFTER == "dspark" else 5, "device": "cpu",
-            "max_model_len": 1024, "max_num_seqs": 10, "torch_threads": 2,
+            "max_model_len": 1024, "max_num_seqs": 16, "torch_threads": 2,
+            # the drafter runs in every round: at 16 requests on 2 cores the gate would skip it, and the sampled test
+            # must see the drafter's answers for a full batch cross the transport
+            "draft_gate": False,
             "target": {"num_cpus": 0.5}, "drafter_replicas": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.1},
         }), name="real", route_prefix="/")
         yield base
@@ -76,6 +80,31 @@ def test_served_greedy_equals_plain_greedy_under_batching(url, engine, eval_prom
     print(f"drafter {DRAFTER}: {len(ties)} near-ties of 10: {ties}")
     assert sum(b["spec_stats"]["accepted_tokens"] for b in served) > 0, "the drafter never contributed"
     assert not any(b["spec_stats"]["fallback"] for b in served), "drafter calls failed"
+
+
+@pytest.mark.slow
+def test_sixteen_concurrent_sampled_requests_never_fall_back(url, eval_prompts):
+    """Sampled drafts used to carry dense [K, V] float32 draft probabilities: from 4 concurrent sampled requests the
+    drafter's answer passed the gRPC data plane's 4 MiB limit and every request fell back to plain decoding. The
+    server's own counters must show no fallback and no drafter failure."""
+    prompts = (eval_prompts * 2)[:16]
+
+    async def send_all() -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            responses = await asyncio.gather(*[
+                client.post(f"{url}/v1/chat/completions",
+                            json=chat_body(p, temperature=0.7, max_tokens=8, spec_stats=True)) for p in prompts
+            ])
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+        return [r.json() for r in responses]
+
+    before = serve.get_deployment_handle("Target", "real").debug_state.remote().result()
+    served = asyncio.run(send_all())
+    state = serve.get_deployment_handle("Target", "real").debug_state.remote().result()
+    assert state["fallbacks"] == {} and state["drafter_failures"] == 0, state
+    assert state["drafted_rounds"] > before["drafted_rounds"], "the drafter was never called"
+    assert not any(b["spec_stats"]["fallback"] for b in served)
+    assert sum(b["spec_stats"]["draft_tokens"] for b in served) > 0
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import asyncio
 import copy
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -24,11 +25,13 @@ import torch
 from ray import serve
 
 from app.drafters.lookup import LookupRates, PromptLookup
-from app.engine.types import SamplingParams
+from app.engine.types import DraftBlock, SamplingParams
 from app.serving import target as target_module
 from app.serving.config import AppConfig
 from app.serving.drafter import DrafterReplica
-from app.serving.protocol import ErrorItem, GenerateRequest, TextChunk
+from app.serving.protocol import (
+    DraftReplyTooLargeError, DraftRound, ErrorItem, GenerateRequest, TextChunk, call_bytes, check_reply, reply_bytes_bound,
+)
 
 
 class _Router:
@@ -276,14 +279,15 @@ def test_a_drafter_exception_that_arrives_unwrapped_falls_back_to_plain_decoding
     plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
     (items,), (expected,) = run_requests(replica, [12]), run_requests(plain, [12])
     assert num_tokens(items) == 12 and items[-1].spec.fallback  # served, by plain decoding
+    assert items[-1].spec.fallback_cause == "drafter_error"
     assert [t for item in items for t in item.token_ids] == [t for item in expected for t in item.token_ids]
     assert drafter.calls >= 1 and drafter.cancelled == drafter.calls
-    assert replica._stats["drafter_failures"] == 1
+    assert replica._stats["drafter_failures"] == 1 and replica._stats["fallbacks"] == {"drafter_error": 1}
 
 
 class _InProcessDrafter:
     """Stands in for the Drafter handle: an in-process ``DrafterReplica`` serves the calls; ``calls`` records each
-    call's transport (``options(_by_reference=...)``) and the feature bytes it carried."""
+    call's transport (``options(_by_reference=...)``), its size bound and its answer's."""
 
     def __init__(self, config: AppConfig) -> None:
         self.replica, self.calls, self.by_reference, self.draft = DrafterReplica(config), [], False, self
@@ -294,22 +298,46 @@ class _InProcessDrafter:
         return clone
 
     def remote(self, call, replica_key=None) -> asyncio.Future:
-        self.calls.append((self.by_reference, target_module.feature_bytes(call)))
+        self.calls.append((self.by_reference, call_bytes(call), reply_bytes_bound(len(call.propose), 4)))
         return asyncio.ensure_future(self.replica.draft(call))
 
 
-def test_drafter_calls_with_many_feature_bytes_go_by_reference(monkeypatch):
-    """Over Serve's gRPC data plane a call past 4 MiB fails; a long prompt's features alone are 6 MB on SmolLM2."""
+def test_drafter_calls_whose_message_or_answer_may_be_large_go_by_reference(monkeypatch):
+    """Over Serve's gRPC data plane a message past 4 MiB fails, in either direction: a long prompt's features alone
+    are 6 MB on SmolLM2, and an answer's size grows with the requests it drafts."""
     monkeypatch.setattr(serve, "get_replica_context",
                         lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
     drafter = _InProcessDrafter(AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate"}))
-    # the mock's features are 16 bytes a token: a prompt's 3 tokens pass the bound, a one-token update does not
-    monkeypatch.setattr(target_module, "BY_REFERENCE_BYTES", 40)
+    # the answer for two drafted requests passes the bound, for one it does not (the mock's calls are tiny)
+    limit = reply_bytes_bound(1, 4) * 3 // 2
+    monkeypatch.setattr(target_module, "BY_REFERENCE_BYTES", limit)
     replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
     plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
-    results, expected = run_requests(replica, [16, 16]), run_requests(plain, [16, 16])
+    results, expected = run_requests(replica, [16, 6]), run_requests(plain, [16, 6])
     assert [[t for item in items for t in item.token_ids] for items in results] == \
         [[t for item in items for t in item.token_ids] for items in expected]
     assert replica._stats["drafter_failures"] == 0 and replica._stats["drafted_rounds"] > 0
-    assert all(by_reference == (size > 40) for by_reference, size in drafter.calls), drafter.calls
-    assert {by_reference for by_reference, _ in drafter.calls} == {True, False}, drafter.calls
+    assert all(by_ref == (size > limit or answer > limit) for by_ref, size, answer in drafter.calls), drafter.calls
+    assert {by_ref for by_ref, _, _ in drafter.calls} == {True, False}, drafter.calls
+    assert replica._stats["by_reference_calls"] == sum(by_ref for by_ref, _, _ in drafter.calls)
+
+
+def test_an_answer_over_its_bound_is_refused_and_counted_by_cause(monkeypatch):
+    """A proposer sending dense [K, V] draft probabilities breaks the answer's bound: the Drafter replica refuses to
+    send it, and the target moves the requests to plain decoding under the cause ``reply_too_large``."""
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
+    drafter = _InProcessDrafter(AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate"}))
+    propose = drafter.replica.core.proposer.propose
+
+    def dense(request_ids):
+        return [replace(b, probs=torch.full((b.tokens.shape[0], 50_000), 2e-5)) for b in propose(request_ids)]
+
+    monkeypatch.setattr(drafter.replica.core.proposer, "propose", dense)
+    replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
+    (items,) = run_requests(replica, [10])
+    assert num_tokens(items) == 10 and items[-1].spec.fallback_cause == "reply_too_large"
+    assert replica._stats["fallbacks"] == {"reply_too_large": 1}
+    with pytest.raises(DraftReplyTooLargeError, match="exceeds its bound"):
+        check_reply(DraftRound(blocks=[DraftBlock("x", torch.zeros(4, dtype=torch.long), torch.ones(4, 49152))],
+                               confidences=torch.ones(1, 4)), gamma=4)

@@ -4,7 +4,8 @@ Owns per-request drafter state: the injected keys/values of the request's contex
 each round projects only the newly committed tokens' features), the anchor (the engine's pending token), the
 context length, the request's temperature and its own random generator. ``propose`` runs one batched backbone
 forward and the sequential head left to right, and returns ``DraftBlock``s (tokens, and the draft
-distributions for sampled requests, sparse: ``DraftBlock``); the same round's per-position confidences are kept in ``last_proposal``.
+distributions for sampled requests, sparse: ``DraftBlock``); the same round's per-position confidences are kept in
+``last_proposal``.
 
 Context alignment (matches training exactly): after a prefill the engine returns the prompt's features (rows
 0..P-1) and the first token, which is pending (not yet in the target's cache); after a verify step it returns

@@ -17,7 +17,8 @@ Draft gate. The drafter's step is paid before any length is chosen, so a round w
 cannot pay for it should not draft at all (on a CPU with a weak drafter, or under heavy load, plain
 decoding is faster). :class:`DraftGate` estimates each request's per-position acceptance from its own recent
 rounds (acceptance depends on the request: one chat answer the drafter cannot predict must not close the gate
-for the arithmetic answers that follow; a new request starts from the prior) and drafts only when
+for the arithmetic answers that follow; a new request starts from what requests of its temperature class got
+(``temperature_class``: sampled acceptance is lower than greedy), or the prior before any) and drafts only when
 :func:`~app.scheduling.policies.best_uniform_length` expects a speed-up for the batch. The counts decay every
 round, slowly while the gate is closed. A closed gate reopens when a request joins (decided on the
 estimate at once) or on the outcome of a probe round: it drafts one after ``PROBE_EVERY`` closed rounds,
@@ -47,6 +48,14 @@ HYSTERESIS = 0.25  # slots per request the EMA must move before the capacity in 
 GATE_DECAY = 0.9  # decay of the draft gate's acceptance counts per drafted round (~10 rounds of memory)
 GATE_IDLE_DECAY = 0.97  # ... and per round without drafts (half-life ~23 rounds: forgets, slowly, while closed)
 GATE_PRIOR = (0.5, 1.0)  # pseudo-counts (accepted, tried) per position before any observation
+# A new request of a temperature class starts from the class's pooled, decayed acceptance, weighted as GATE_PRIOR[1]
+# tried drafts per position (as weak as the prior: its own rounds take over at once).
+GATE_CLASS_DECAY = 0.98  # decay of a class's pooled counts per drafted round (~50 rounds of memory)
+
+
+def temperature_class(temperature: float) -> str:
+    """The draft gate's class of a request: ``greedy``, or its temperature to one decimal (``T0.7``)."""
+    return "greedy" if temperature == 0 else f"T{temperature:.1f}"
 GATE_MIN_GAIN = 1.02  # expected speed-up over plain decoding the gate asks for before drafting
 PROBE_EVERY = 8  # a closed gate drafts again after this many rounds ...
 PROBE_MAX = 64  # ... doubling the wait after each probe that leaves it closed, up to this many rounds
@@ -136,25 +145,45 @@ class DraftGate:
         self._tried = torch.empty(0, gamma, dtype=torch.float64)
         self._closed_rounds = 0
         self.last_gain = float("nan")
+        self._class: dict[Hashable, str] = {}  # request of the last should_draft -> its temperature class
+        self._pooled: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # class -> decayed (accepted, tried) [K]
+
+    def _prior(self, request: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pseudo-counts (accepted, tried) [K] a new request starts from: its class's pooled rate at weight
+        GATE_PRIOR[1], or GATE_PRIOR."""
+        pooled = self._pooled.get(self._class.get(request))
+        tried = torch.full((self.gamma,), GATE_PRIOR[1], dtype=torch.float64)
+        if pooled is None:
+            return torch.full((self.gamma,), GATE_PRIOR[0], dtype=torch.float64), tried
+        rate = (pooled[0] + GATE_PRIOR[0]) / (pooled[1] + GATE_PRIOR[1])
+        return rate * GATE_PRIOR[1], tried
 
     def acceptance(self, request: Hashable) -> torch.Tensor:
-        """[K] float64 estimated P(draft j accepted | drafts < j accepted) for ``request`` (the prior if unseen)."""
+        """[K] float64 estimated P(draft j accepted | drafts < j accepted) for ``request`` (its prior if unseen)."""
         row = self._row.get(request)
         if row is None:
-            return torch.full((self.gamma,), GATE_PRIOR[0] / GATE_PRIOR[1], dtype=torch.float64)
+            accepted, tried = self._prior(request)
+            return accepted / tried
         return self._accepted[row] / self._tried[row]
 
     def should_draft(
-        self, requests: Sequence[Hashable], *, draft_ms: float | None = None, verify_scale: float = 1.0
+        self, requests: Sequence[Hashable], *, draft_ms: float | None = None, verify_scale: float = 1.0,
+        temperatures: Sequence[float] | None = None,
     ) -> bool:
         """Decide for a round of ``requests`` (the ids of the requests that would draft; B = their number).
 
         Args:
             draft_ms: the measured drafter time per round (None: the profile's).
             verify_scale: measured / profiled verify time (see ``best_uniform_length``).
+            temperatures: [B] the requests' temperatures: a new request starts from its class's pooled acceptance
+                (``temperature_class``), and this round's outcomes feed its class (None: every new request starts
+                from ``GATE_PRIOR``, no class learns).
         Raises:
-            ValueError: an id given twice.
+            ValueError: an id given twice, or temperatures not one per request.
         """
+        if temperatures is not None and len(temperatures) != len(requests):
+            raise ValueError(f"need one temperature per request, got {len(temperatures)} for {len(requests)}")
+        self._class = {} if temperatures is None else {r: temperature_class(t) for r, t in zip(requests, temperatures)}
         joined = self._align(requests)
         if not self._requests:
             return False
@@ -218,6 +247,11 @@ class DraftGate:
         self._accepted[rows] = decayed_a + accepted
         self._tried[rows] = decayed_t + tried
         self._fresh = True
+        for i, r in enumerate(requests):
+            cls = self._class.get(r)
+            if cls is not None:
+                pooled_a, pooled_t = self._pooled.get(cls, (torch.zeros(self.gamma, dtype=torch.float64),) * 2)
+                self._pooled[cls] = (GATE_CLASS_DECAY * pooled_a + accepted[i], GATE_CLASS_DECAY * pooled_t + tried[i])
 
     def _align(self, requests: Sequence[Hashable]) -> bool:
         """Make the rows ``requests``, in order: keep known requests' counts, prior for new, drop the rest.
@@ -227,8 +261,9 @@ class DraftGate:
             return False
         _check_distinct(requests)
         keep = torch.tensor([self._row.get(r, -1) for r in requests], dtype=torch.long)
-        accepted = torch.full((len(requests), self.gamma), GATE_PRIOR[0], dtype=torch.float64)
-        tried = torch.full((len(requests), self.gamma), GATE_PRIOR[1], dtype=torch.float64)
+        priors = [self._prior(r) for r in requests]
+        accepted = torch.stack([a for a, _ in priors]) if priors else torch.empty(0, self.gamma, dtype=torch.float64)
+        tried = torch.stack([t for _, t in priors]) if priors else torch.empty(0, self.gamma, dtype=torch.float64)
         known = keep >= 0
         accepted[known], tried[known] = self._accepted[keep[known]], self._tried[keep[known]]
         self._requests, self._row = requests, {r: i for i, r in enumerate(requests)}
@@ -281,12 +316,15 @@ class VerifyScheduler:
         self.gate = DraftGate(profile, gamma=gamma) if draft_gate and policy.adaptive else None
 
     def should_draft(
-        self, requests: Sequence[Hashable], *, draft_ms: float | None = None, verify_scale: float = 1.0
+        self, requests: Sequence[Hashable], *, draft_ms: float | None = None, verify_scale: float = 1.0,
+        temperatures: Sequence[float] | None = None,
     ) -> bool:
-        """Whether the next round of ``requests`` (their ids) should run the drafter (always, without a gate)."""
+        """Whether the next round of ``requests`` (their ids; ``temperatures`` as in ``DraftGate.should_draft``)
+        should run the drafter (always, without a gate)."""
         if self.gate is None:
             return True
-        return self.gate.should_draft(requests, draft_ms=draft_ms, verify_scale=verify_scale)
+        return self.gate.should_draft(requests, draft_ms=draft_ms, verify_scale=verify_scale,
+                                      temperatures=temperatures)
 
     def observe(
         self,

@@ -443,8 +443,10 @@ class TargetReplica:
         drafter_called = False
         speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.speculates else []
         draft_ms, drafted = 0.0, None
+        temperatures = [self._active[rid].request.params.temperature for rid in speculative]
         if speculative and self.scheduler.should_draft(speculative, draft_ms=self._stats["draft_ms"] or None,
-                                                       verify_scale=self._stats["verify_scale"]):
+                                                       verify_scale=self._stats["verify_scale"],
+                                                       temperatures=temperatures):
             # Right after a drafted round and with no new request, a call carries one round of context: what
             # drafting every round costs, the figure the draft gate weighs. A probe after rounds without drafting
             # also catches up on their context, and a new request's prompt is projected: both cost more once.

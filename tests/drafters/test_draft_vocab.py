@@ -157,7 +157,8 @@ def test_clearing_the_draft_vocab_restores_full_vocabulary_drafts():
         p = DSparkProposer(d, Calibration(), temperature=1.0, seed=2)
         _start(p, "a", 0)
         drafts.append(p.propose(["a"])[0])
-    assert torch.equal(drafts[0].tokens, drafts[1].tokens) and torch.equal(drafts[0].dense_probs(V), drafts[1].dense_probs(V))
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens)
+    assert torch.equal(drafts[0].dense_probs(V), drafts[1].dense_probs(V))
 
 
 @pytest.mark.parametrize("ids, error, match", [
@@ -207,7 +208,8 @@ def test_checkpoint_round_trip_with_and_without_draft_vocab(tmp_path):
         p = DSparkProposer(model, Calibration(), temperature=1.0, seed=3)
         _start(p, "a", 0)
         blocks.append(p.propose(["a"])[0])
-    assert torch.equal(blocks[0].tokens, blocks[1].tokens) and torch.allclose(blocks[0].dense_probs(V), blocks[1].dense_probs(V))
+    assert torch.equal(blocks[0].tokens, blocks[1].tokens)
+    assert torch.allclose(blocks[0].dense_probs(V), blocks[1].dense_probs(V))
 
 
 def test_write_draft_vocab_adds_it_to_a_checkpoint_and_bad_ones_fail_on_load(tmp_path):

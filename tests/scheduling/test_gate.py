@@ -10,11 +10,13 @@ import torch
 from app.scheduling.policies import best_uniform_length, make_policy
 from app.scheduling.scheduler import (
     GATE_MIN_GAIN,
+    GATE_PRIOR,
     PROBE_EVERY,
     PROBE_MAX,
     DraftGate,
     VerifyScheduler,
     position_outcomes,
+    temperature_class,
 )
 from tests.scheduling.helpers import make_profile
 
@@ -214,3 +216,28 @@ def test_verify_scale_makes_a_measured_draft_cost_comparable():
     assert length > 0 and gain > 1.0
     with pytest.raises(ValueError, match="verify_scale"):
         best_uniform_length(weak, batch=1, profile=PROFILE, verify_scale=0.0)
+
+
+def test_a_new_request_starts_from_the_acceptance_of_its_temperature_class():
+    """Sampled requests that accept nothing teach the T = 0.7 class; a new T = 0.7 request starts from that, a new
+    greedy one from the prior (no greedy outcome yet), and a gate told no temperatures keeps the prior for all."""
+    gate = DraftGate(PROFILE, gamma=7)
+    for _ in range(5):
+        gate.should_draft(["a", "b"], temperatures=[0.7, 0.7])
+        gate.observe(["a", "b"], [7, 7], [0, 0])
+    gate.should_draft(["a", "b", "c", "g"], temperatures=[0.7, 0.7, 0.7, 0.0])
+    prior = GATE_PRIOR[0] / GATE_PRIOR[1]
+    assert float(gate.acceptance("c")[0]) < 0.2 * prior  # (0 + 0.5) / (~9.6 decayed tries + 1)
+    assert torch.allclose(gate.acceptance("g"), torch.full((7,), prior, dtype=torch.float64))
+    plain = DraftGate(PROFILE, gamma=7)
+    for _ in range(5):
+        plain.should_draft(["a", "b"])
+        plain.observe(["a", "b"], [7, 7], [0, 0])
+    plain.should_draft(["a", "b", "c"])
+    assert torch.allclose(plain.acceptance("c"), torch.full((7,), prior, dtype=torch.float64))
+    with pytest.raises(ValueError, match="one temperature per request"):
+        gate.should_draft(["a"], temperatures=[0.7, 1.0])
+
+
+def test_temperature_classes():
+    assert [temperature_class(t) for t in (0.0, 0.7, 0.71, 1.0)] == ["greedy", "T0.7", "T0.7", "T1.0"]

@@ -30,7 +30,8 @@ from app.serving import target as target_module
 from app.serving.config import AppConfig
 from app.serving.drafter import DrafterReplica
 from app.serving.protocol import (
-    DraftReplyTooLargeError, DraftRound, ErrorItem, GenerateRequest, TextChunk, call_bytes, check_reply, reply_bytes_bound,
+    DraftReplyTooLargeError, DraftRound, ErrorItem, GenerateRequest, TextChunk, call_bytes, check_reply,
+    reply_bytes_bound,
 )
 
 

@@ -43,9 +43,10 @@ def test_batched_prefill_matches_one_prefill_per_request(engine, prompts):
     for i, (prompt, p, one, out) in enumerate(zip(prompts, params, alone, together)):
         assert out.request_id == f"batch-{i}" and engine.has_request(out.request_id)
         assert out.features.shape == one.features.shape == (len(prompt), engine.feature_dim)
-        # bf16 activations: a different batch shape rounds differently (measured 0.1-0.3 % of the mean magnitude)
+        # bf16 activations: a different batch shape rounds differently (measured 0.1-0.3 % of the mean magnitude on
+        # an avx512_bf16 CPU, 1.3 % on an AMX Xeon, whose bf16 kernels differ more between shapes)
         diff = (out.features.float() - one.features.float()).abs().mean()
-        assert diff <= 0.01 * one.features.float().abs().mean()
+        assert diff <= 0.02 * one.features.float().abs().mean()
         if p.greedy:
             check_same_or_near_tie(engine, prompt, one.new_token_ids, out.new_token_ids)
         else:  # the request's own seeded generator draws from (nearly) the same distribution

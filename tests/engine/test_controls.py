@@ -1,0 +1,343 @@
+"""Sampling controls and logprobs applied inside verification: speculation on gives the output of speculation off.
+
+Greedy: token-identical for every control (up to near-ties of the *processed* logits, the rule of
+``app/engine/near_tie.py``), with perfect drafts (whole blocks accepted: the state of row i must include drafts
+1..i-1) and with the uncontrolled output as drafts (rejected where the control acts: recovered tokens).
+Sampled: the joint distribution of three tokens from one verify step matches the exact one (chi-square).
+Structured output: every output parses and matches its schema, greedy outputs are identical with speculation on and
+off, and drafts the grammar forbids are cut before verification.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Sequence
+
+import jsonschema
+import pytest
+import torch
+
+from app.drafters.ngram import NgramProposer
+from app.engine.decode import generate
+from app.engine.grammar import GrammarCompiler
+from app.engine.logits_process import RequestControls, sampling_probs
+from app.engine.near_tie import NEAR_TIE_EPS, teacher_forced_logits
+from app.engine.types import DraftBlock, FinishReason, GuidedDecoding, SamplingParams, StepOutput
+from tests.engine.proposers import OracleProposer, RandomProposer
+
+MAX_TOKENS = 20
+RAGGED = [3, 5, 0, 7, 2]
+SHORT_QUESTION = "What is 2+3? Answer with the number only."  # greedy answer ends with EOS in a few tokens
+
+
+@pytest.fixture(scope="module")
+def prompts(engine, eval_prompts) -> list[list[int]]:
+    texts = [eval_prompts[0], eval_prompts[8], eval_prompts[14], SHORT_QUESTION]
+    return [engine.encode_chat([{"role": "user", "content": t}]) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def plain(engine, prompts) -> list[list[int]]:
+    results, _ = generate(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    return [r.token_ids for r in results]
+
+
+def processed_row(engine, prompt: list[int], params: SamplingParams, prefix: list[int], grammar=None) -> torch.Tensor:
+    """[V] the processed logits (steps 1-5 of logits_process) after ``prompt + prefix``, teacher-forced."""
+    logits = teacher_forced_logits(engine, prompt + prefix)[-1:]
+    controls = RequestControls(params, prompt, eos_token_ids=sorted(engine.eos_token_ids), vocab_size=engine.vocab_size)
+    controls.commit(prefix)
+    allowed = None
+    if grammar is not None:
+        grammar.commit(prefix)
+        allowed = grammar.block_masks([])[1]
+    return controls.process(logits, [], allowed)[0]
+
+
+def check_same_or_near_tie(engine, prompt, params, expected: list[int], got: list[int], grammar=None) -> str | None:
+    """None if equal; a description if they first differ at a near-tie of the processed logits; else fail."""
+    if got == expected:
+        return None
+    j = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    assert j < min(len(expected), len(got)), f"outputs agree on {j} tokens but differ in length: {expected} {got}"
+    row = processed_row(engine, prompt, params, expected[:j], grammar)
+    gaps = {tok: float(row.max() - row[tok]) for tok in (expected[j], got[j])}
+    assert max(gaps.values()) < NEAR_TIE_EPS, f"differ at token {j}, gaps to the best processed logit {gaps}"
+    return f"near-tie at token {j}: {gaps}"
+
+
+def plain_and_perfect(engine, prompts, params) -> tuple[list, list]:
+    """Results without speculation, and with perfect drafts (that output, in ragged blocks)."""
+    ref, _ = generate(engine, prompts, params)
+    refs = {f"req-{i}": r.token_ids for i, r in enumerate(ref)}
+    perfect, _ = generate(engine, prompts, params, proposer=OracleProposer(refs, gamma=7, lengths=RAGGED))
+    return ref, perfect
+
+
+def _token(engine, text: str) -> int:
+    (tok,) = engine.encode(text)
+    return tok
+
+
+CONTROLS = {
+    "presence_penalty": lambda e, plain: {"presence_penalty": 2.0},
+    "frequency_penalty": lambda e, plain: {"frequency_penalty": 1.5},
+    "repetition_penalty": lambda e, plain: {"repetition_penalty": 1.5},
+    "logit_bias": lambda e, plain: {"logit_bias": ((_token(e, ","), -100.0), (_token(e, "."), -100.0),
+                                                   (_token(e, " the"), 4.0))},
+    "min_tokens": lambda e, plain: {"min_tokens": 12},
+    "stop_token_ids": lambda e, plain: {"stop_token_ids": (plain[0][6], plain[1][9])},
+    "top_k_min_p": lambda e, plain: {"top_k": 3, "min_p": 0.3},
+}
+
+
+@pytest.mark.parametrize("name", list(CONTROLS))
+def test_greedy_control_is_identical_with_speculation(engine, prompts, plain, name):
+    params = SamplingParams(max_tokens=MAX_TOKENS, **CONTROLS[name](engine, plain))
+    ref, perfect = plain_and_perfect(engine, prompts, params)
+    plain_drafts = {f"req-{i}": p for i, p in enumerate(plain)}
+    rejected, _ = generate(engine, prompts, params, proposer=OracleProposer(plain_drafts, gamma=5, lengths=RAGGED))
+    ties = []
+    for prompt, r, a, b in zip(prompts, ref, perfect, rejected):
+        for spec in (a, b):
+            tie = check_same_or_near_tie(engine, prompt, params, r.token_ids, spec.token_ids)
+            ties += [tie] if tie else []
+            if spec.token_ids == r.token_ids:
+                assert spec.finish_reason == r.finish_reason
+    assert len(ties) <= len(prompts) // 2, ties
+    assert sum(r.num_accepted for r in perfect) > 0 and sum(r.num_draft for r in rejected) > 0
+    # the control acts: (a control that cannot change a greedy output only takes the exact path)
+    outputs = [r.token_ids for r in ref]
+    if name == "min_tokens":
+        assert all(len(o) >= 12 for o in outputs) and len(plain[3]) < 12
+    elif name == "stop_token_ids":
+        for out, res, p in zip(outputs, ref, plain):
+            cut = next((i + 1 for i, t in enumerate(p) if t in params.stop_token_ids), len(p))
+            assert out == p[:cut]
+            assert res.finish_reason == (FinishReason.STOP if cut < len(p) or p[-1] in engine.eos_token_ids
+                                         else FinishReason.LENGTH)
+    elif name == "logit_bias":
+        banned = {_token(engine, ","), _token(engine, ".")}
+        assert not banned & {t for o in outputs for t in o} and outputs != plain
+    elif name == "top_k_min_p":  # truncations keep the argmax: the exact path gives the screened path's output
+        for prompt, out, p in zip(prompts, outputs, plain):
+            check_same_or_near_tie(engine, prompt, SamplingParams(max_tokens=MAX_TOKENS), p, out)
+    else:
+        assert outputs != plain
+
+
+def _tol(logprob: float) -> float:
+    """Allowed difference of a logprob between batch shapes: bfloat16 rounding moves logits (app/engine/near_tie.py)
+    by an amount that grows with their distance from the top (seen: 0.16 at -3.7, 0.25 at -12.2). A row off by one
+    position, or processed logits returned instead of raw ones, is off by whole nats."""
+    return LOGPROB_TOL + 0.03 * abs(logprob)
+
+
+def _close_logprobs(a, b) -> None:
+    """Two TokenLogprob lists of one output (the same tokens): values within ``_tol`` and the same alternatives
+    except where an alternative sits within ``_tol`` of the k-th (ordering noise of batch shapes)."""
+    for x, y in zip(a, b):
+        assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < _tol(x.logprob)
+        dx, dy = dict(x.top), dict(y.top)
+        for tok in dx.keys() & dy.keys():
+            assert abs(dx[tok] - dy[tok]) < _tol(dx[tok])
+        kth = min(min(dx.values()), min(dy.values()))
+        assert all(dx.get(t, dy.get(t)) < kth + _tol(kth) for t in dx.keys() ^ dy.keys())
+
+
+LOGPROB_TOL = NEAR_TIE_EPS
+
+
+def test_greedy_logprobs_are_the_same_with_speculation(engine, prompts):
+    params = SamplingParams(max_tokens=MAX_TOKENS, logprobs=5)
+    ref, perfect = plain_and_perfect(engine, prompts, params)
+    for prompt, r, s in zip(prompts, ref, perfect):
+        assert len(r.logprobs) == len(r.token_ids) and len(s.logprobs) == len(s.token_ids)
+        for lp in r.logprobs + s.logprobs:  # greedy under raw logprobs: the chosen token is the most likely
+            assert len(lp.top) == 5 and lp.top[0][0] == lp.token_id and lp.top[0][1] == lp.logprob
+        n = next((i for i, (a, b) in enumerate(zip(r.token_ids, s.token_ids)) if a != b), len(r.token_ids))
+        _close_logprobs(r.logprobs[:n], s.logprobs[:n])
+        # the raw target's: log_softmax of teacher-forced logits at each position
+        exact = torch.log_softmax(teacher_forced_logits(engine, prompt + r.token_ids)[len(prompt) - 1 : -1], -1)
+        got = torch.tensor([lp.logprob for lp in r.logprobs])
+        assert torch.allclose(got, exact[torch.arange(len(got)), torch.tensor(r.token_ids)], atol=LOGPROB_TOL)
+
+
+def test_sampled_logprobs_are_raw_at_every_committed_token(engine, prompts):
+    """Temperature, top-k and penalties shape the sampling, not the returned logprobs; streamed per step."""
+    params = SamplingParams(max_tokens=12, temperature=0.7, top_k=4, presence_penalty=1.0, logprobs=0, seed=3)
+    prompt = prompts[0]
+    outs: list[StepOutput] = [engine.add_request("lp", prompt, params)]
+    while not outs[-1].finished:  # draft: the target's raw greedy next token after what is committed
+        committed = [t for o in outs for t in o.new_token_ids]
+        draft = int(teacher_forced_logits(engine, prompt + committed)[-1].argmax())
+        (out,) = engine.verify([DraftBlock("lp", torch.tensor([draft]))])
+        outs.append(out)
+    tokens = [t for o in outs for t in o.new_token_ids]
+    for o in outs:
+        assert o.logprobs is not None and len(o.logprobs) == len(o.new_token_ids)
+        assert all(lp.top == () for lp in o.logprobs)
+    exact = torch.log_softmax(teacher_forced_logits(engine, prompt + tokens)[len(prompt) - 1 : -1], -1)
+    got = torch.tensor([lp.logprob for o in outs for lp in o.logprobs])
+    assert torch.allclose(got, exact[torch.arange(len(tokens)), torch.tensor(tokens)], atol=LOGPROB_TOL)
+
+
+class _TableProposer:
+    """Drafts ``table[committed tuple]`` (one deterministic token) when the table has it, else nothing."""
+
+    def __init__(self, table: dict[tuple[int, ...], int]) -> None:
+        self.table, self.committed = table, {}
+
+    def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
+        self.committed[request_id] = list(first.new_token_ids)
+
+    def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
+        blocks = []
+        for rid in request_ids:
+            tok = self.table.get(tuple(self.committed[rid]))
+            blocks.append(DraftBlock(rid, torch.tensor([tok] if tok is not None else [], dtype=torch.long)))
+        return blocks
+
+    def update(self, outputs: Sequence[StepOutput]) -> None:
+        for out in outputs:
+            self.committed[out.request_id].extend(out.new_token_ids)
+
+    def finish(self, request_id: str) -> None:
+        del self.committed[request_id]
+
+
+def _exact_joint(engine, prompt, params, depth: int) -> dict[tuple[int, ...], float]:
+    """P(first ``depth`` output tokens) under the processed, truncated target, by teacher forcing."""
+    joint = {(): 1.0}
+    for _ in range(depth):
+        nxt = {}
+        for prefix, mass in joint.items():
+            probs = sampling_probs(processed_row(engine, prompt, params, list(prefix))[None], params)[0]
+            for tok in probs.nonzero().flatten().tolist():
+                nxt[prefix + (tok,)] = mass * float(probs[tok])
+        joint = nxt
+    return joint
+
+
+def _chi2_quantile_999(df: int) -> float:
+    """Wilson-Hilferty approximation of the 0.999 quantile of chi-square(df)."""
+    z = 3.090
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("controls", [
+    {"min_p": 0.1, "top_p": 0.95, "repetition_penalty": 1.8},
+], ids=["min_p-top_p-repetition"])
+def test_sampled_controls_keep_the_distribution_under_speculation(engine, controls):
+    """Three tokens, the last two from one verify step whose draft (the likeliest second token) is accepted often:
+    row 1 must count that draft in the penalties.
+
+    top_k is not among the cases: on the prompts tried, every top-k cut (k = 2..20) fell on a near-tie of the
+    teacher-forced logits (gap < NEAR_TIE_EPS), where batch-shape rounding moves whole cells of the joint."""
+    prompt = engine.encode("la la la la la la la")
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, **controls)
+    joint = _exact_joint(engine, prompt, params, depth=3)
+    second = {}
+    for (t1, t2, _), mass in joint.items():
+        second.setdefault(t1, {}).setdefault(t2, 0.0)
+        second[t1][t2] += mass
+    table = {(t1,): max(d, key=d.get) for t1, d in second.items()}
+    n = 480
+    results, _ = generate(engine, [prompt] * n, params, proposer=_TableProposer(table))
+    assert sum(r.num_accepted for r in results) > n // 4
+    counts: dict[tuple[int, ...], int] = {}
+    for r in results:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    big = [c for c in joint if joint[c] * n >= 5]
+    rest_exp = n - sum(joint[c] * n for c in big)
+    rest_obs = n - sum(counts.get(c, 0) for c in big)
+    chi2 = sum((counts.get(c, 0) - joint[c] * n) ** 2 / (joint[c] * n) for c in big)
+    df = len(big) - 1
+    if rest_exp >= 1:
+        chi2 += (rest_obs - rest_exp) ** 2 / rest_exp
+        df += 1
+    assert df >= 3 and chi2 < _chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "pet": {"enum": ["cat", "dog", "fish"]},
+    },
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+JSON_QUESTIONS = {
+    "json_schema": ["Describe a person as JSON with a name, an age and a pet.",
+                    "Return a JSON record of a customer named Ada who is 36 and owns a dog."],
+    "json_object": ["Return a JSON object with keys a and b set to 1 and 2.",
+                    "Describe a person as JSON with a name and an age."],
+}
+
+
+def _guided(kind: str) -> GuidedDecoding:
+    return GuidedDecoding("json_schema", json.dumps(SCHEMA)) if kind == "json_schema" else GuidedDecoding(kind)
+
+
+def _check_json(kind: str, result) -> None:
+    assert result.finish_reason == FinishReason.STOP, f"did not finish: {result.text!r}"
+    value = json.loads(result.text)
+    assert isinstance(value, dict)
+    if kind == "json_schema":
+        jsonschema.validate(value, SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def grammars(engine) -> GrammarCompiler:
+    return GrammarCompiler(engine.tokenizer, vocab_size=engine.vocab_size, eos_token_ids=sorted(engine.eos_token_ids))
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "json_object"])
+def test_greedy_json_is_valid_and_identical_with_speculation(engine, grammars, kind):
+    params = SamplingParams(max_tokens=64, guided=_guided(kind))
+    prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in JSON_QUESTIONS[kind]]
+    ref, perfect = plain_and_perfect(engine, prompts, params)
+    noisy, _ = generate(engine, prompts, params, proposer=RandomProposer(engine.vocab_size, [4], seed=2))
+    for prompt, r, a, b in zip(prompts, ref, perfect, noisy):
+        _check_json(kind, r)
+        for spec in (a, b):
+            if check_same_or_near_tie(engine, prompt, params, r.token_ids, spec.token_ids,
+                                      grammars.matcher(params.guided)) is None:
+                assert spec.text == r.text
+            _check_json(kind, spec)
+    assert all(x.num_accepted > 0 for x in perfect)
+    # random drafts are mostly forbidden (outside strings): cut before verification, far fewer verified than the 4
+    # proposed per round
+    assert sum(x.num_draft for x in noisy) < 2 * sum(x.rounds for x in noisy)
+
+
+def test_drafts_the_grammar_forbids_are_cut_before_verification(engine, grammars):
+    params = SamplingParams(max_tokens=64, guided=_guided("json_schema"))
+    prompt = engine.encode_chat([{"role": "user", "content": JSON_QUESTIONS["json_schema"][0]}])
+    (ref,), _ = generate(engine, [prompt], params)
+    tokens = ref.token_ids
+
+    def forbidden_after(prefix: list[int]) -> int:  # a token the grammar forbids after ``prefix``
+        grammar = grammars.matcher(params.guided)
+        grammar.commit(prefix)
+        return int((~grammar.block_masks([])[1][0]).nonzero()[0])
+
+    first = engine.add_request("cut", prompt, params)
+    assert first.new_token_ids == tokens[:1]
+    (out,) = engine.verify([DraftBlock("cut", torch.tensor([forbidden_after(tokens[:1]), *tokens[1:3]]))])
+    assert out.num_draft == 0 and out.new_token_ids == tokens[1:2]
+    (out,) = engine.verify([DraftBlock("cut", torch.tensor([*tokens[2:4], forbidden_after(tokens[:4]), *tokens[4:6]]))])
+    assert out.num_draft == 2 and out.num_accepted == 2 and out.new_token_ids == tokens[2:5]
+    engine.release("cut")
+
+
+def test_sampled_json_schema_is_always_valid_under_speculation(engine):
+    prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in JSON_QUESTIONS["json_schema"]] * 3
+    params = [SamplingParams(max_tokens=64, temperature=0.8, top_k=20, seed=i, guided=_guided("json_schema"))
+              for i in range(len(prompts))]
+    results, _ = generate(engine, prompts, params, proposer=NgramProposer(gamma=5))
+    for r in results:
+        _check_json("json_schema", r)

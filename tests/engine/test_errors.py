@@ -36,7 +36,7 @@ def test_temperature_too_small_to_divide_by_is_greedy():
 def test_a_failure_after_the_slot_is_taken_gives_it_back(engine, monkeypatch):
     free = engine.num_free_slots
 
-    def broken_decide(req, draft, draft_probs, head, allowed):
+    def broken_decide(*args, **kwargs):
         raise RuntimeError("injected sampling failure")
 
     monkeypatch.setattr(engine, "_decide", broken_decide)

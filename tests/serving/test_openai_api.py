@@ -137,6 +137,6 @@ def test_json_depth_and_admission_limit():
     assert json_too_deep(json.loads("[" * 65 + "]" * 65))
     assert json_too_deep({"a": [{"b": json.loads("[" * 62 + "]" * 62)}]})
     assert not json_too_deep({"a": "[[[[" * 100})
-    config = AppConfig(engine="mock", drafter="mock", max_num_seqs=4, max_queued_requests=2,
+    config = AppConfig(mock_engine=True, drafter="mock", max_num_seqs=4, max_queued_requests=2,
                        target={"num_replicas": 3}, ingress={"num_replicas": 2}, profile="auto")
     assert admission_limit(config) == math.ceil((4 + 2) * 3 / 2)

@@ -1,0 +1,135 @@
+"""Sampling controls under speculation: equality with plain decoding and the accepted length, per control.
+
+Usage: ``python -m app.engine.bench_controls [--model smollm2-135m] [--tokens 48] [--gamma 5] [--prompts 6]``
+
+For each control (greedy), a handful of chat prompts are decoded without speculation and with the prompt-lookup
+n-gram drafter; the table gives how many outputs are token-identical and tau (committed tokens per verify round)
+with speculation, and the draft tokens proposed and verified (the engine cuts a block to the request's remaining
+``max_tokens`` room and, with a grammar, before the first draft the grammar forbids). For ``json_schema`` it adds
+the share of outputs that parse and match the schema, with and without speculation. Prints the table, then one
+JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jsonschema
+
+from app.drafters.ngram import NgramProposer
+from app.engine.decode import RequestResult, generate
+from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.types import DraftBlock, GuidedDecoding, SamplingParams
+
+PROMPTS = [
+    "Write a short poem about the sea, repeating the line 'the sea, the sea' in every stanza.",
+    "List the first ten multiples of 7, one per line, as '7 x n = m'.",
+    "Write a Python function that returns the sum of the squares of a list of numbers.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Explain in two sentences why the sky is blue.",
+    "What is 2+3? Answer with the number only.",
+]
+JSON_PROMPTS = [
+    "Describe a person as JSON with a name, an age and a favourite pet.",
+    "Give me JSON for a character in a fantasy novel: name, age, pet.",
+    "Return a JSON record of a customer named Ada who is 36 and owns a dog.",
+    "Invent a user profile as JSON (name, age, pet).",
+    "Make up a JSON object for a child with a cat.",
+    "JSON please: someone called Bob, aged 70, with a fish.",
+]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "pet": {"enum": ["cat", "dog", "fish"]},
+    },
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+
+
+class CountingProposer(NgramProposer):
+    """The n-gram drafter, counting the draft tokens it proposes."""
+
+    proposed: int = 0
+
+    def propose(self, request_ids):
+        blocks: list[DraftBlock] = super().propose(request_ids)
+        self.proposed += sum(b.length for b in blocks)
+        return blocks
+
+
+def controls(engine: TargetEngine) -> dict[str, dict]:
+    """Control name -> SamplingParams fields (greedy)."""
+    comma, period = engine.encode(",")[0], engine.encode(".")[0]
+    return {
+        "none": {},
+        "presence_penalty": {"presence_penalty": 1.5},
+        "frequency_penalty": {"frequency_penalty": 1.0},
+        "repetition_penalty": {"repetition_penalty": 1.3},
+        "logit_bias": {"logit_bias": ((comma, -100.0), (period, -100.0))},
+        "top_k+min_p": {"top_k": 5, "min_p": 0.2},
+        "min_tokens": {"min_tokens": 24},
+        "stop_token_ids": {"stop_token_ids": (period,)},
+        "logprobs": {"logprobs": 5},
+        "json_schema": {"guided": GuidedDecoding("json_schema", json.dumps(SCHEMA))},
+    }
+
+
+def _tau(results: list[RequestResult]) -> float:
+    rounds = sum(r.rounds for r in results)
+    return (sum(r.num_accepted for r in results) + rounds) / rounds if rounds else 0.0
+
+
+def _valid(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=48, help="max_tokens per request")
+    ap.add_argument("--gamma", type=int, default=5, help="n-gram drafter block size")
+    ap.add_argument("--prompts", type=int, default=6, help="prompts per control (at most 6)")
+    args = ap.parse_args(argv)
+
+    engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=8, max_draft_len=args.gamma))
+    rows = {}
+    print(f"{'control':>20} {'identical':>10} {'tau':>6} {'proposed':>9} {'verified':>9} {'valid off':>10} "
+          f"{'valid on':>9}")
+    for name, fields in controls(engine).items():
+        texts = (JSON_PROMPTS if name == "json_schema" else PROMPTS)[: args.prompts]
+        prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in texts]
+        params = SamplingParams(max_tokens=args.tokens, **fields)
+        plain, _ = generate(engine, prompts, params)
+        proposer = CountingProposer(gamma=args.gamma)
+        spec, _ = generate(engine, prompts, params, proposer=proposer)
+        row = {
+            "identical": sum(a.token_ids == b.token_ids for a, b in zip(plain, spec)),
+            "prompts": len(prompts),
+            "tau": round(_tau(spec), 3),
+            "proposed": proposer.proposed,
+            "verified": sum(r.num_draft for r in spec),
+        }
+        if name == "json_schema":
+            row["valid_off"] = sum(_valid(r.text) for r in plain) / len(plain)
+            row["valid_on"] = sum(_valid(r.text) for r in spec) / len(spec)
+        rows[name] = row
+        valid = f"{row['valid_off']:>10.0%} {row['valid_on']:>9.0%}" if "valid_on" in row else ""
+        print(f"{name:>20} {row['identical']:>6}/{row['prompts']:<3} {row['tau']:>6.2f} {row['proposed']:>9} "
+              f"{row['verified']:>9} {valid}")
+    result = {"model": args.model, "max_tokens": args.tokens, "gamma": args.gamma, "prompts": args.prompts,
+              "controls": rows}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -32,6 +32,9 @@ from app.engine.sampling import target_probs
 from app.engine.types import SamplingParams
 
 NEAR_TIE_EPS = 0.5
+# Probability mass by which the seeded check widens a ``top_p`` nucleus: a token whose mass before it lies within this
+# of top_p is in the nucleus of one batch shape and out of another's (seen: 0.9509 against top_p 0.95).
+NUCLEUS_EPS = 0.01
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,8 @@ def first_divergence_seeded(
     engine, prompt: list[int], expected: list[int], got: list[int], params: SamplingParams
 ) -> Divergence | None:
     """``first_divergence`` for a seeded sampled request (``params.seed`` set, temperature > 0): gaps are measured on
-    the coupled scores logits / T + g(seed, position) (the nucleus only, under ``top_p``) and scaled back to logits
-    (times T), so the same NEAR_TIE_EPS applies."""
+    the coupled scores logits / T + g(seed, position) (the nucleus only, under ``top_p``, widened by NUCLEUS_EPS) and
+    scaled back to logits (times T), so the same NEAR_TIE_EPS applies."""
     if got == expected:
         return None
     j = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
@@ -96,8 +99,9 @@ def first_divergence_seeded(
     logits = teacher_forced_logits(engine, prompt + expected[:j])[-1:]
     t = params.temperature
     scores = logits[0] / t + gumbel_noise(params.seed, [len(prompt) + j], logits.shape[-1])[0]
-    if params.top_p < 1.0:
-        nucleus = target_probs(logits, temperature=t, top_p=params.top_p)[0] > 0
+    if params.top_p < 1.0:  # a token at the nucleus' edge may be in or out with the step's rounding: widen it a little
+        wide = min(1.0, params.top_p + NUCLEUS_EPS)
+        nucleus = target_probs(logits, temperature=t, top_p=wide)[0] > 0
         scores = scores.masked_fill(~nucleus, float("-inf"))
     best = float(scores.max())
     gaps = {tok: t * (best - float(scores[tok])) for tok in (expected[j], got[j])}

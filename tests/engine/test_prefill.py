@@ -7,6 +7,7 @@ import pytest
 
 from app.engine.admission import prefill_batch_size
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
+from app.engine.sampling import Acceptance
 from app.engine.types import NewRequest, SamplingParams
 from tests.engine.near_tie import check_same_or_near_tie
 
@@ -74,13 +75,13 @@ def test_a_failure_after_the_slots_are_taken_gives_them_all_back(engine, prompts
     free = engine.num_free_slots
     sampled = []
 
-    def sample_then_fail(req, head):
+    def decide_then_fail(req, draft, draft_probs, head, allowed, *, first_position):
         sampled.append(req.request_id)
         if len(sampled) == 2:
             raise RuntimeError("injected sampling failure")
-        return 5
+        return Acceptance(num_accepted=0, tokens=[5])
 
-    monkeypatch.setattr(engine, "_sample", sample_then_fail)
+    monkeypatch.setattr(engine, "_decide", decide_then_fail)
     with pytest.raises(RuntimeError, match="injected"):
         engine.add_requests([NewRequest(f"f-{i}", prompts[i], GREEDY) for i in range(3)])
     assert sampled == ["f-0", "f-1"]

@@ -9,6 +9,7 @@ Uses the DSpark checkpoint when it is present, else the n-gram drafter (the serv
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
@@ -121,8 +122,8 @@ def test_streaming_concatenation_equals_non_streamed(url, eval_prompts):
 
 @pytest.mark.slow
 def test_openai_client_text_parts_and_models_on_the_real_engine(url):
-    """The official client against the real target: text parts read as their joined text, models.retrieve carries
-    the context limit, and a sampling control the engine does not apply is a 400 naming it (not ignored)."""
+    """The official client against the real target: text parts read as their joined text, and models.retrieve carries
+    the context limit."""
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
@@ -134,8 +135,61 @@ def test_openai_client_text_parts_and_models_on_the_real_engine(url):
     assert split.choices[0].message.content == joined.choices[0].message.content
     assert split.usage.prompt_tokens == joined.usage.prompt_tokens
     assert client.models.retrieve("smollm2-135m").model_extra["max_model_len"] == 1024
-    try:
-        client.chat.completions.create(model="smollm2-135m", max_tokens=4, presence_penalty=0.5,
-                                       messages=[{"role": "user", "content": "hi"}])
-    except openai.BadRequestError as err:
-        assert "presence_penalty" in err.body["message"]
+
+
+NEWLINE = 198  # SmolLM2's "\n" token
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+          "additionalProperties": False}
+# (client arguments, the SamplingParams the server must apply): greedy, so speculation on and off must agree
+CONTROLS = {
+    "presence_penalty": ({"presence_penalty": 1.5}, {"presence_penalty": 1.5}),
+    "frequency_penalty": ({"frequency_penalty": 1.5}, {"frequency_penalty": 1.5}),
+    "repetition_penalty": ({"extra_body": {"repetition_penalty": 1.5}}, {"repetition_penalty": 1.5}),
+    "logit_bias": ({"logit_bias": {str(NEWLINE): -100}}, {"logit_bias": {NEWLINE: -100.0}}),
+    "top_k_min_p": ({"extra_body": {"top_k": 3, "min_p": 0.2}}, {"top_k": 3, "min_p": 0.2}),
+    "min_tokens": ({"extra_body": {"min_tokens": 20}}, {"min_tokens": 20}),
+    "stop_token_ids": ({"extra_body": {"stop_token_ids": [NEWLINE]}}, {"stop_token_ids": (NEWLINE,)}),
+    "logprobs": ({"logprobs": True, "top_logprobs": 3}, {"logprobs": 3}),
+}
+
+
+@pytest.mark.slow
+def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
+    """Each sampling control and logprobs through the official client on the speculating server equal plain decoding
+    of the same params in this process (speculation off), up to near-ties of the processed logits; a json_schema
+    answer parses, matches the schema and equals plain decoding too."""
+    import openai
+
+    from app.engine.types import GuidedDecoding
+    from tests.engine.test_controls import check_same_or_near_tie as check_processed
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    prompt = "List three fruits, one per line, then say which is sweetest."
+    ids = engine.encode_chat([{"role": "user", "content": prompt}])
+
+    def served(**kwargs):
+        extra = {"return_token_ids": True, **kwargs.pop("extra_body", {})}
+        return client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=24, extra_body=extra,
+                                              messages=[{"role": "user", "content": prompt}], **kwargs)
+
+    for name, (client_args, param_args) in CONTROLS.items():
+        params = SamplingParams(max_tokens=24, **param_args)
+        (plain,), _ = generate(engine, [ids], params)
+        response = served(**client_args)
+        got = response.model_extra["token_ids"]
+        check_processed(engine, ids, params, plain.token_ids, got)
+        if name == "logit_bias":
+            assert NEWLINE not in got
+        if name == "stop_token_ids" and NEWLINE in got:
+            assert got[-1] == NEWLINE and response.choices[0].finish_reason == "stop"
+        if name == "logprobs" and got == plain.token_ids:
+            content = response.choices[0].logprobs.content
+            assert len(content) == len(got) and all(len(c.top_logprobs) == 3 for c in content)
+            for c, ref in zip(content, plain.logprobs):
+                assert abs(c.logprob - ref.logprob) <= 0.25 + 0.03 * abs(ref.logprob)
+    schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    params = SamplingParams(max_tokens=24, guided=GuidedDecoding("json_schema", json.dumps(SCHEMA)))
+    (plain,), _ = generate(engine, [ids], params)
+    response = served(response_format=schema_format)
+    assert response.model_extra["token_ids"] == plain.token_ids
+    assert json.loads(response.choices[0].message.content).keys() == {"answer"}

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from app.drafters.ngram import NgramProposer
+from app.engine.bench_controls import SCHEMA
 from app.engine.decode import generate
 from app.engine.grammar import GrammarCompiler
 from app.engine.logits_process import RequestControls, sampling_probs
@@ -260,16 +261,6 @@ def test_sampled_controls_keep_the_distribution_under_speculation(engine, contro
     assert df >= 3 and chi2 < _chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 130},
-        "pet": {"enum": ["cat", "dog", "fish"]},
-    },
-    "required": ["name", "age", "pet"],
-    "additionalProperties": False,
-}
 JSON_QUESTIONS = {
     "json_schema": ["Describe a person as JSON with a name, an age and a pet.",
                     "Return a JSON record of a customer named Ada who is 36 and owns a dog."],

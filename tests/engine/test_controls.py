@@ -234,8 +234,9 @@ def test_sampled_controls_keep_the_distribution_under_speculation(engine, contro
     """Three tokens, the last two from one verify step whose draft (the likeliest second token) is accepted often:
     row 1 must count that draft in the penalties.
 
-    top_k is not among the cases: on the prompts tried, every top-k cut (k = 2..20) fell on a near-tie of the
-    teacher-forced logits (gap < NEAR_TIE_EPS), where batch-shape rounding moves whole cells of the joint."""
+    top_k is not among the cases: on the real model's bf16 logits, top-k cuts fall on exact or near ties (gap <
+    NEAR_TIE_EPS) at most rows, where batch-shape rounding moves whole cells of the joint; test_controls_toy.py checks
+    top-k, the other penalties and logit_bias through the same accept rule on a toy target without rounding."""
     prompt = engine.encode("la la la la la la la")
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, **controls)
     joint = _exact_joint(engine, prompt, params, depth=3)

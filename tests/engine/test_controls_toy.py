@@ -1,0 +1,132 @@
+"""Sampled controls inside verification, on a toy target whose distribution is known exactly.
+
+The engine's accept-rule hook (``TargetEngine._decide``: controls -> truncation -> rejection sampling or Gumbel-max
+coupling) runs on a toy Markov target over V = 6 tokens, with random drafts of 2 tokens from another Markov chain.
+The joint of the first three output tokens must be the sequential (speculation-off) one for every control, whatever
+the drafts: penalty state advancing per accepted draft, top-k / min-p / top-p cuts at every verified row, logit_bias
+and min_tokens at every row. Toy logits have no batch-shape rounding, so the cuts (top-k among them) cannot fall on
+the near-ties that make such a test unreliable on the real model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from app.engine.engine import TargetEngine, _Request
+from app.engine.logits_process import RequestControls, sampling_probs
+from app.engine.types import SamplingParams
+
+V = 6  # toy vocabulary; token 0 is the prompt
+SEQ = 3  # output tokens per sequence: the joint over V**SEQ cells is tested
+BLOCK = 2  # drafts per verify step
+N = 3000  # sequences per case
+
+
+def _chain(seed: int, scale: float) -> torch.Tensor:
+    """[V, V] logits of a Markov chain: row ``prev`` gives the next token's logits."""
+    return torch.randn(V, V, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+TARGET = _chain(0, 1.5)
+DRAFTER = torch.softmax(_chain(1, 1.0) + TARGET, -1)  # [V, V] a proposal that agrees with the target often
+
+CASES = {
+    "top_k-presence-frequency": dict(top_k=3, presence_penalty=0.8, frequency_penalty=0.6),
+    "logit_bias-min_p-top_p": dict(logit_bias=((1, 2.0), (4, -1.5)), min_p=0.15, top_p=0.9),
+    "repetition-top_k-min_tokens": dict(repetition_penalty=1.6, top_k=4, min_tokens=2, stop_token_ids=(5,)),
+}
+
+
+def _params(case: str, seed: int | None = None) -> SamplingParams:
+    return SamplingParams(max_tokens=SEQ, temperature=1.0, ignore_eos=True, seed=seed, **CASES[case])
+
+
+def _controls(params: SamplingParams) -> RequestControls:
+    return RequestControls(params, [0], eos_token_ids=[], vocab_size=V)
+
+
+def _exact_joint(params: SamplingParams) -> torch.Tensor:
+    """[V] * SEQ: P(first SEQ tokens) decoding one token at a time (speculation off)."""
+    joint = torch.zeros((V,) * SEQ)
+    for cell in itertools.product(range(V), repeat=SEQ):
+        mass, controls = 1.0, _controls(params)
+        for tok, prev in zip(cell, (0,) + cell):
+            row = controls.process(TARGET[prev][None], [], None)
+            mass *= float(sampling_probs(row, params)[0, tok])
+            controls.commit([tok])
+        joint[cell] = mass
+    return joint
+
+
+class _CountOncePerStep(RequestControls):
+    """A known bug: every row of a verify step sees only the committed output (drafts not counted)."""
+
+    def process(self, logits, draft, allowed):
+        return torch.cat([super(_CountOncePerStep, self).process(row[None], [], allowed) for row in logits])
+
+
+def _speculative_counts(case: str, *, seeded: bool, controls_cls=RequestControls) -> torch.Tensor:
+    """Counts [V] * SEQ of N sequences decoded through ``TargetEngine._decide`` with random draft blocks."""
+    engine = SimpleNamespace(vocab_size=V)
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros((V,) * SEQ)
+    for i in range(N):
+        params = _params(case, seed=i if seeded else None)
+        req = _Request(request_id="toy", slot=0, params=params, prompt_len=1, detok=None,
+                       generator=torch.Generator().manual_seed(10_000 + i),
+                       controls=controls_cls(params, [0], eos_token_ids=[], vocab_size=V))
+        out = [0]
+        while len(out) <= SEQ:
+            draft = []
+            for _ in range(min(BLOCK, SEQ - len(out))):
+                draft.append(int(torch.multinomial(DRAFTER[(out + draft)[-1]], 1, generator=gen)))
+            draft_t = torch.tensor(draft, dtype=torch.long)
+            head = TARGET[torch.tensor([out[-1]] + draft)]  # [l + 1, V]
+            q = DRAFTER[torch.tensor(out[-1:] + draft[:-1])] if draft else None  # [l, V]
+            acc = TargetEngine._decide(engine, req, draft_t, q, head, None, first_position=len(out))
+            out.extend(acc.tokens)
+            req.controls.commit(acc.tokens)
+        counts[tuple(out[1 : SEQ + 1])] += 1
+    return counts
+
+
+def _chi2(counts: torch.Tensor, joint: torch.Tensor) -> tuple[float, int]:
+    """Chi-square of ``counts`` against N * ``joint`` over cells expecting >= 5, the rest pooled; and its df."""
+    exp = joint * N
+    big = exp >= 5
+    chi2 = float(((counts[big] - exp[big]) ** 2 / exp[big]).sum())
+    df = int(big.sum()) - 1
+    rest_exp, rest_obs = float(exp[~big].sum()), float(counts[~big].sum())
+    if rest_exp >= 1:
+        chi2 += (rest_obs - rest_exp) ** 2 / rest_exp
+        df += 1
+    return chi2, df
+
+
+def _chi2_quantile_999(df: int) -> float:
+    """Wilson-Hilferty approximation of the 0.999 quantile of chi-square(df)."""
+    return df * (1 - 2 / (9 * df) + 3.090 * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "seeded-coupling"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampled_controls_keep_the_target_distribution(case, seeded):
+    joint = _exact_joint(_params(case))
+    assert float((joint == 0).sum()) > 0, "the case truncates nothing: it would not test the cuts"
+    counts = _speculative_counts(case, seeded=seeded)
+    assert float(counts[joint == 0].sum()) == 0, "a token outside the processed, truncated distribution came out"
+    chi2, df = _chi2(counts, joint)
+    assert df >= 10 and chi2 < _chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"
+
+
+def test_penalties_counted_once_per_step_would_be_caught():
+    """Control: penalty state that ignores the accepted drafts of the same step fails the test above."""
+    case = "top_k-presence-frequency"
+    counts = _speculative_counts(case, seeded=False, controls_cls=_CountOncePerStep)
+    chi2, df = _chi2(counts, _exact_joint(_params(case)))
+    assert chi2 > _chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"

@@ -1,13 +1,16 @@
 """Sampling controls under speculation: equality with plain decoding and the accepted length, per control.
 
-Usage: ``python -m app.engine.bench_controls [--model smollm2-135m] [--tokens 48] [--gamma 5] [--prompts 6]``
+Usage: ``python -m app.engine.bench_controls [--model smollm2-135m] [--tokens 48] [--gamma 5] [--prompts 6]
+[--temperature 0.7]``
 
-For each control (greedy), a handful of chat prompts are decoded without speculation and with the prompt-lookup
+For each control (greedy, or sampled with ``--temperature``: each prompt then carries its own ``seed``, so the
+outputs with and without speculation are the same tokens up to near-ties of the target's logits), a handful of chat prompts are decoded without speculation and with the prompt-lookup
 n-gram drafter; the table gives how many outputs are token-identical and tau (committed tokens per verify round)
 with speculation, and the draft tokens proposed and verified (the engine cuts a block to the request's remaining
-``max_tokens`` room and, with a grammar, before the first draft the grammar forbids). For ``json_schema`` it adds
-the share of outputs that parse and match the schema, with and without speculation. Prints the table, then one
-JSON line.
+``max_tokens`` room and, with a grammar, before the first draft the grammar forbids). An output that differs is
+judged by the near-tie rule on the processed logits (``app/engine/near_tie.py``): ``near-tie`` counts rounding
+differences, ``bugs`` anything else. For ``json_schema`` it adds how many outputs that ended (not cut by
+``max_tokens``) parse and match the schema, with and without speculation. Prints the table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import jsonschema
 from app.drafters.ngram import NgramProposer
 from app.engine.decode import RequestResult, generate
 from app.engine.engine import EngineConfig, TargetEngine
-from app.engine.types import DraftBlock, GuidedDecoding, SamplingParams
+from app.engine.near_tie import first_divergence
+from app.engine.types import DraftBlock, FinishReason, GuidedDecoding, SamplingParams
 
 PROMPTS = [
     "Write a short poem about the sea, repeating the line 'the sea, the sea' in every stanza.",
@@ -92,41 +96,52 @@ def _valid(text: str) -> bool:
     return True
 
 
+def _validity(results: list[RequestResult]) -> str:
+    """``valid/ended``: outputs that parse and match SCHEMA among those that ended by themselves."""
+    ended = [r for r in results if r.finish_reason == FinishReason.STOP]
+    return f"{sum(_valid(r.text) for r in ended)}/{len(ended)}"
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, default=48, help="max_tokens per request")
     ap.add_argument("--gamma", type=int, default=5, help="n-gram drafter block size")
     ap.add_argument("--prompts", type=int, default=6, help="prompts per control (at most 6)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled, seeded per prompt")
     args = ap.parse_args(argv)
 
     engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=8, max_draft_len=args.gamma))
     rows = {}
-    print(f"{'control':>20} {'identical':>10} {'tau':>6} {'proposed':>9} {'verified':>9} {'valid off':>10} "
-          f"{'valid on':>9}")
+    print(f"{'control':>20} {'identical':>10} {'near-tie':>9} {'bugs':>5} {'tau':>6} {'proposed':>9} {'verified':>9} "
+          f"{'valid off':>10} {'valid on':>9}")
     for name, fields in controls(engine).items():
         texts = (JSON_PROMPTS if name == "json_schema" else PROMPTS)[: args.prompts]
         prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in texts]
-        params = SamplingParams(max_tokens=args.tokens, **fields)
+        params = [SamplingParams(max_tokens=args.tokens, temperature=args.temperature,
+                                 seed=i if args.temperature > 0 else None, **fields) for i in range(len(prompts))]
         plain, _ = generate(engine, prompts, params)
         proposer = CountingProposer(gamma=args.gamma)
         spec, _ = generate(engine, prompts, params, proposer=proposer)
+        divergences = [first_divergence(engine, p, a.token_ids, b.token_ids, q)
+                       for p, q, a, b in zip(prompts, params, plain, spec)]
         row = {
-            "identical": sum(a.token_ids == b.token_ids for a, b in zip(plain, spec)),
+            "identical": sum(d is None for d in divergences),
+            "near_tie": sum(d is not None and d.near_tie for d in divergences),
+            "bugs": [d.describe() for d in divergences if d is not None and not d.near_tie],
             "prompts": len(prompts),
             "tau": round(_tau(spec), 3),
             "proposed": proposer.proposed,
             "verified": sum(r.num_draft for r in spec),
         }
         if name == "json_schema":
-            row["valid_off"] = sum(_valid(r.text) for r in plain) / len(plain)
-            row["valid_on"] = sum(_valid(r.text) for r in spec) / len(spec)
+            row["valid_off"], row["valid_on"] = _validity(plain), _validity(spec)
         rows[name] = row
-        valid = f"{row['valid_off']:>10.0%} {row['valid_on']:>9.0%}" if "valid_on" in row else ""
-        print(f"{name:>20} {row['identical']:>6}/{row['prompts']:<3} {row['tau']:>6.2f} {row['proposed']:>9} "
-              f"{row['verified']:>9} {valid}")
+        valid = f"{row['valid_off']:>10} {row['valid_on']:>9}" if "valid_on" in row else ""
+        print(f"{name:>20} {row['identical']:>6}/{row['prompts']:<3} {row['near_tie']:>9} {len(row['bugs']):>5} "
+              f"{row['tau']:>6.2f} {row['proposed']:>9} {row['verified']:>9} {valid}")
     result = {"model": args.model, "max_tokens": args.tokens, "gamma": args.gamma, "prompts": args.prompts,
-              "controls": rows}
+              "temperature": args.temperature, "controls": rows}
     print(json.dumps(result))
     return result
 

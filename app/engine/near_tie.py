@@ -22,13 +22,13 @@ accept as a tie; a real acceptance bug flips tokens with gaps of several logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from app.engine.coupling import gumbel_noise
+from app.engine.logits_process import RequestControls, sampling_probs
 from app.engine.model import KVCache, StepLayout
-from app.engine.sampling import target_probs
 from app.engine.types import SamplingParams
 
 NEAR_TIE_EPS = 0.5
@@ -71,38 +71,53 @@ def teacher_forced_logits(engine, token_ids: list[int]) -> torch.Tensor:
         return engine.model.logits_from_final_hidden(teacher_forced_hidden(engine, token_ids))
 
 
-def first_divergence(engine, prompt: list[int], expected: list[int], got: list[int]) -> Divergence | None:
-    """None if ``got == expected``; otherwise the first difference, judged by the target's teacher-forced logits
-    after ``prompt + expected[:index]`` (one forward of the ``TargetEngine``'s model)."""
-    if got == expected:
-        return None
-    j = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
-    if j == min(len(expected), len(got)):
-        return Divergence(index=j, gaps={}, near_tie=False)
-    logits = teacher_forced_logits(engine, prompt + expected[:j])[-1]
-    best = float(logits.max())
-    gaps = {tok: best - float(logits[tok]) for tok in (expected[j], got[j])}
-    return Divergence(index=j, gaps=gaps, near_tie=max(gaps.values()) < NEAR_TIE_EPS)
+def processed_logits(engine, prompt: list[int], params: SamplingParams | None, prefix: list[int]) -> torch.Tensor:
+    """[V] float32: the target's teacher-forced logits after ``prompt + prefix`` through ``params``' controls and
+    grammar (steps 1-5 of ``app/engine/logits_process.py``, as the engine applies them at that position); the raw
+    logits when ``params`` is None or sets no control."""
+    logits = teacher_forced_logits(engine, prompt + prefix)[-1:]
+    if params is None or not params.controls():
+        return logits[0]
+    controls = RequestControls(params, prompt, eos_token_ids=sorted(engine.eos_token_ids), vocab_size=engine.vocab_size)
+    controls.commit(prefix)
+    allowed = None
+    if params.guided is not None:
+        grammar = engine._grammar(params)
+        grammar.commit(prefix)
+        allowed = grammar.block_masks([])[1]
+    return controls.process(logits, [], allowed)[0]
 
 
-def first_divergence_seeded(
-    engine, prompt: list[int], expected: list[int], got: list[int], params: SamplingParams
+def first_divergence(
+    engine, prompt: list[int], expected: list[int], got: list[int], params: SamplingParams | None = None
 ) -> Divergence | None:
-    """``first_divergence`` for a seeded sampled request (``params.seed`` set, temperature > 0): gaps are measured on
-    the coupled scores logits / T + g(seed, position) (the nucleus only, under ``top_p``, widened by NUCLEUS_EPS) and
-    scaled back to logits (times T), so the same NEAR_TIE_EPS applies."""
+    """None if ``got == expected``; otherwise the first difference, judged on the target's teacher-forced logits after
+    ``prompt + expected[:index]`` (one forward of the ``TargetEngine``'s model) through the request's controls and
+    grammar (``processed_logits``).
+
+    Greedy (``params`` None or temperature 0): gaps to the best processed logit. Seeded sampled (``params.seed`` set):
+    gaps on the coupled scores logits / T + g(seed, position) over the tokens the truncations keep (a ``top_p``
+    nucleus widened by NUCLEUS_EPS), scaled back to logits (times T), so the same NEAR_TIE_EPS applies.
+
+    Raises:
+        ValueError: ``params`` is sampled without a seed (unseeded outputs are compared by distribution only).
+    """
+    if params is not None and not params.greedy and params.seed is None:
+        raise ValueError("an unseeded sampled request has no reference output to diverge from")
     if got == expected:
         return None
     j = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
     if j == min(len(expected), len(got)):
         return Divergence(index=j, gaps={}, near_tie=False)
-    logits = teacher_forced_logits(engine, prompt + expected[:j])[-1:]
-    t = params.temperature
-    scores = logits[0] / t + gumbel_noise(params.seed, [len(prompt) + j], logits.shape[-1])[0]
-    if params.top_p < 1.0:  # a token at the nucleus' edge may be in or out with the step's rounding: widen it a little
-        wide = min(1.0, params.top_p + NUCLEUS_EPS)
-        nucleus = target_probs(logits, temperature=t, top_p=wide)[0] > 0
-        scores = scores.masked_fill(~nucleus, float("-inf"))
+    logits = processed_logits(engine, prompt, params, expected[:j])
+    if params is None or params.greedy:
+        scores, t = logits, 1.0
+    else:
+        t = params.temperature
+        scores = logits / t + gumbel_noise(params.seed, [len(prompt) + j], logits.shape[-1])[0]
+        # a token at a cut's edge may be in or out with the step's rounding: widen the nucleus a little
+        wide = replace(params, top_p=min(1.0, params.top_p + NUCLEUS_EPS))
+        scores = scores.masked_fill(sampling_probs(logits[None], wide)[0] == 0, float("-inf"))
     best = float(scores.max())
     gaps = {tok: t * (best - float(scores[tok])) for tok in (expected[j], got[j])}
     return Divergence(index=j, gaps=gaps, near_tie=max(gaps.values()) < NEAR_TIE_EPS)

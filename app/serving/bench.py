@@ -45,7 +45,7 @@ import torch
 
 from app.engine.decode import generate
 from app.engine.engine import EngineConfig, TargetEngine
-from app.engine.near_tie import first_divergence, first_divergence_seeded
+from app.engine.near_tie import first_divergence
 from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
 from app.serving.local_ray import SERVE_ENV, init_local_ray
@@ -98,9 +98,7 @@ def check_outputs(alone: dict, served_ids: dict[int, list[int]]) -> dict:
     near, bugs = 0, []
     for i, ids in served_ids.items():
         p = alone["params"][i]
-        divergence = first_divergence(alone["engine"], alone["prompt_ids"][i], alone["token_ids"][i], ids) \
-            if p.greedy else first_divergence_seeded(alone["engine"], alone["prompt_ids"][i], alone["token_ids"][i],
-                                                     ids, p)
+        divergence = first_divergence(alone["engine"], alone["prompt_ids"][i], alone["token_ids"][i], ids, p)
         if divergence is None or divergence.near_tie:
             near += divergence is not None
         else:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from app.engine.near_tie import first_divergence, first_divergence_seeded
+from app.engine.near_tie import first_divergence
 
 
-def check_same_or_near_tie(engine, prompt: list[int], expected: list[int], got: list[int]) -> str | None:
-    """None if ``got == expected``; a description if they differ at a near-tie; AssertionError otherwise."""
-    divergence = first_divergence(engine, prompt, expected, got)
+def check_same_or_near_tie(engine, prompt: list[int], expected: list[int], got: list[int], params=None) -> str | None:
+    """None if ``got == expected``; a description if they differ at a near-tie (of the logits processed by
+    ``params``' controls and grammar, ``first_divergence``); AssertionError otherwise."""
+    divergence = first_divergence(engine, prompt, expected, got, params)
     if divergence is None:
         return None
     assert divergence.near_tie, divergence.describe()
@@ -15,8 +16,8 @@ def check_same_or_near_tie(engine, prompt: list[int], expected: list[int], got: 
 
 
 def check_seeded_same_or_near_tie(engine, prompt: list[int], expected: list[int], got: list[int], params) -> str | None:
-    """``check_same_or_near_tie`` for a seeded sampled request (``first_divergence_seeded``)."""
-    divergence = first_divergence_seeded(engine, prompt, expected, got, params)
+    """``check_same_or_near_tie`` for a seeded sampled request (coupled scores: ``first_divergence``)."""
+    divergence = first_divergence(engine, prompt, expected, got, params)
     if divergence is None:
         return None
     assert divergence.near_tie, divergence.describe()

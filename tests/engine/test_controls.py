@@ -22,9 +22,10 @@ from app.drafters.ngram import NgramProposer
 from app.engine.bench_controls import SCHEMA
 from app.engine.decode import generate
 from app.engine.grammar import GrammarCompiler
-from app.engine.logits_process import RequestControls, sampling_probs
-from app.engine.near_tie import NEAR_TIE_EPS, teacher_forced_logits
+from app.engine.logits_process import sampling_probs
+from app.engine.near_tie import NEAR_TIE_EPS, processed_logits, teacher_forced_logits
 from app.engine.types import DraftBlock, FinishReason, GuidedDecoding, SamplingParams, StepOutput
+from tests.engine.near_tie import check_same_or_near_tie
 from tests.engine.proposers import OracleProposer, RandomProposer
 
 MAX_TOKENS = 20
@@ -42,30 +43,6 @@ def prompts(engine, eval_prompts) -> list[list[int]]:
 def plain(engine, prompts) -> list[list[int]]:
     results, _ = generate(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS))
     return [r.token_ids for r in results]
-
-
-def processed_row(engine, prompt: list[int], params: SamplingParams, prefix: list[int], grammar=None) -> torch.Tensor:
-    """[V] the processed logits (steps 1-5 of logits_process) after ``prompt + prefix``, teacher-forced."""
-    logits = teacher_forced_logits(engine, prompt + prefix)[-1:]
-    controls = RequestControls(params, prompt, eos_token_ids=sorted(engine.eos_token_ids), vocab_size=engine.vocab_size)
-    controls.commit(prefix)
-    allowed = None
-    if grammar is not None:
-        grammar.commit(prefix)
-        allowed = grammar.block_masks([])[1]
-    return controls.process(logits, [], allowed)[0]
-
-
-def check_same_or_near_tie(engine, prompt, params, expected: list[int], got: list[int], grammar=None) -> str | None:
-    """None if equal; a description if they first differ at a near-tie of the processed logits; else fail."""
-    if got == expected:
-        return None
-    j = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
-    assert j < min(len(expected), len(got)), f"outputs agree on {j} tokens but differ in length: {expected} {got}"
-    row = processed_row(engine, prompt, params, expected[:j], grammar)
-    gaps = {tok: float(row.max() - row[tok]) for tok in (expected[j], got[j])}
-    assert max(gaps.values()) < NEAR_TIE_EPS, f"differ at token {j}, gaps to the best processed logit {gaps}"
-    return f"near-tie at token {j}: {gaps}"
 
 
 def plain_and_perfect(engine, prompts, params) -> tuple[list, list]:
@@ -102,7 +79,7 @@ def test_greedy_control_is_identical_with_speculation(engine, prompts, plain, na
     ties = []
     for prompt, r, a, b in zip(prompts, ref, perfect, rejected):
         for spec in (a, b):
-            tie = check_same_or_near_tie(engine, prompt, params, r.token_ids, spec.token_ids)
+            tie = check_same_or_near_tie(engine, prompt, r.token_ids, spec.token_ids, params)
             ties += [tie] if tie else []
             if spec.token_ids == r.token_ids:
                 assert spec.finish_reason == r.finish_reason
@@ -123,7 +100,7 @@ def test_greedy_control_is_identical_with_speculation(engine, prompts, plain, na
         assert not banned & {t for o in outputs for t in o} and outputs != plain
     elif name == "top_k_min_p":  # truncations keep the argmax: the exact path gives the screened path's output
         for prompt, out, p in zip(prompts, outputs, plain):
-            check_same_or_near_tie(engine, prompt, SamplingParams(max_tokens=MAX_TOKENS), p, out)
+            check_same_or_near_tie(engine, prompt, p, out)
     else:
         assert outputs != plain
 
@@ -214,7 +191,7 @@ def _exact_joint(engine, prompt, params, depth: int) -> dict[tuple[int, ...], fl
     for _ in range(depth):
         nxt = {}
         for prefix, mass in joint.items():
-            probs = sampling_probs(processed_row(engine, prompt, params, list(prefix))[None], params)[0]
+            probs = sampling_probs(processed_logits(engine, prompt, params, list(prefix))[None], params)[0]
             for tok in probs.nonzero().flatten().tolist():
                 nxt[prefix + (tok,)] = mass * float(probs[tok])
         joint = nxt
@@ -288,7 +265,7 @@ def grammars(engine) -> GrammarCompiler:
 
 
 @pytest.mark.parametrize("kind", ["json_schema", "json_object"])
-def test_greedy_json_is_valid_and_identical_with_speculation(engine, grammars, kind):
+def test_greedy_json_is_valid_and_identical_with_speculation(engine, kind):
     params = SamplingParams(max_tokens=64, guided=_guided(kind))
     prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in JSON_QUESTIONS[kind]]
     ref, perfect = plain_and_perfect(engine, prompts, params)
@@ -296,8 +273,7 @@ def test_greedy_json_is_valid_and_identical_with_speculation(engine, grammars, k
     for prompt, r, a, b in zip(prompts, ref, perfect, noisy):
         _check_json(kind, r)
         for spec in (a, b):
-            if check_same_or_near_tie(engine, prompt, params, r.token_ids, spec.token_ids,
-                                      grammars.matcher(params.guided)) is None:
+            if check_same_or_near_tie(engine, prompt, r.token_ids, spec.token_ids, params) is None:
                 assert spec.text == r.text
             _check_json(kind, spec)
     assert all(x.num_accepted > 0 for x in perfect)

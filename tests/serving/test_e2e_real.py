@@ -161,7 +161,6 @@ def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
     import openai
 
     from app.engine.types import GuidedDecoding
-    from tests.engine.test_controls import check_same_or_near_tie as check_processed
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
     prompt = "List three fruits, one per line, then say which is sweetest."
@@ -177,7 +176,7 @@ def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
         (plain,), _ = generate(engine, [ids], params)
         response = served(**client_args)
         got = response.model_extra["token_ids"]
-        check_processed(engine, ids, params, plain.token_ids, got)
+        check_same_or_near_tie(engine, ids, plain.token_ids, got, params)
         if name == "logit_bias":
             assert NEWLINE not in got
         if name == "stop_token_ids" and NEWLINE in got:

@@ -1,7 +1,7 @@
 """Prompts for the load test: the project's evaluation prompt sets or any JSONL of the same shape.
 
 A prompt spec is a comma-separated list of evaluation set names (``gsm8k-eval``, ``mt-bench``, ``humaneval``;
-see ``app/eval/datasets.py``) or paths to JSONL files with one ``{"turns": ["first user turn", ...]}`` a line.
+see ``app/datasets.py``) or paths to JSONL files with one ``{"turns": ["first user turn", ...]}`` a line.
 Only first turns are sent. Training sets are refused by name: the load test reports acceptance lengths, and
 no prompt a drafter was trained on may be used for that (``shared/datasets/README.md``).
 """
@@ -12,7 +12,7 @@ import os
 import random
 from pathlib import Path
 
-from app.eval.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, TRAIN_SETS, PromptSet, load_prompts
+from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, TRAIN_SETS, PromptSet, load_prompts
 
 DEFAULT_PROMPTS = "gsm8k-eval"
 SHARED_ENV = "DSPARK_SHARED_DIR"  # the project's shared folder (its datasets/ holds the prompt sets)

@@ -41,7 +41,7 @@ from app.drafters.dspark import DSparkDrafter
 from app.drafters.proposer import DSparkProposer, draw, make_proposal, round_sampling
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.types import DraftBlock, SamplingParams
-from app.eval.evaluate import DEFAULT_CHECKPOINT
+from app.drafters.checkpoint import DEFAULT_CHECKPOINT
 
 STAGES = ("gather", "backbone", "lm_head", "head", "sample", "assemble", "update")
 VOCAB_STAGES = ("lm_head", "head", "sample")  # the work that scales with the vocabulary

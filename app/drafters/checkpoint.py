@@ -28,6 +28,7 @@ from app.drafters.dspark import DSparkDrafter, check_draft_vocab
 from app.drafters.eagle import EagleDrafter
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "dspark-smollm2-135m"  # the committed one
 DRAFT_VOCAB = "draft_vocab"  # the optional [V'] int64 tensor beside the weights
 Drafter = DSparkDrafter | EagleDrafter
 # kind -> (config class, module class)

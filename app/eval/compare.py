@@ -31,7 +31,7 @@ from app.drafters.registry import make_proposer
 from app.engine.decode import generate
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.types import SamplingParams
-from app.eval.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
+from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
 from app.eval.evaluate import RecordingProposer, positive_int, summarize
 
 

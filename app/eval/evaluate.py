@@ -28,15 +28,14 @@ import torch
 from tqdm import tqdm
 
 from app.drafters.calibration import auc, ece, survival
-from app.drafters.checkpoint import load_checkpoint, read_checkpoint_config
+from app.drafters.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_checkpoint_config
 from app.drafters.lookup import LookupHybridProposer, read_lookup_rates
 from app.drafters.registry import make_proposer
 from app.engine.decode import Proposer, generate
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
-from app.eval.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
+from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "dspark-smollm2-135m"
 
 
 RULES = ("rejection", "coupling")  # accept rules of sampled requests (``evaluate_set``)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import platform
 from pathlib import Path
 from typing import Callable
 
@@ -37,26 +36,13 @@ from app.drafters.config import DrafterConfig, target_shape
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.proposer import DSparkProposer
 from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.hardware import hardware_name
 from app.engine.loader import LOAD_FORMATS
 from app.engine.timing import time_draft_step, time_verify_step
 from app.engine.decode import Proposer
 from app.scheduling.profile import DUMMY_SUFFIX, Provenance, ThroughputProfile, write_profile
 
 ENGINE_NAME = "dspark-engine"
-
-
-def hardware_name(device: torch.device, threads: int | None = None) -> str:
-    """GPU name, or the CPU model name and the torch threads (``threads``, default: this process's)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model} {threads or torch.get_num_threads()} threads"
 
 
 def dummy_proposer(engine: TargetEngine) -> DSparkProposer:

@@ -142,7 +142,7 @@ def check_drafter_fits_target(config: AppConfig) -> None:
     def mismatch(what: str) -> DrafterMismatchError:
         return DrafterMismatchError(
             f"drafter checkpoint {config.drafter_checkpoint} (trained for {shape.target}) does not fit the target "
-            f"{config.model}: {what}. Train a drafter for this target (python -m app.drafters.train.pipeline --model "
+            f"{config.model}: {what}. Train a drafter for this target (python -m app.pipeline --model "
             f"{config.model} --out runs/drafter, docs/drafter.md), or use a drafter that needs no training: "
             "drafter: ngram, or policy: none"
         )

@@ -280,7 +280,7 @@ class AppConfig(BaseModel):
         if committed is not None or self.mock_engine:
             return committed
         from app.engine.loader import resolve_dtype
-        from app.scheduling.profiler import hardware_name
+        from app.engine.hardware import hardware_name
         from app.serving.profiles import profile_cache_path
 
         dtype = str(resolve_dtype(self.dtype)).removeprefix("torch.")
@@ -299,7 +299,7 @@ class AppConfig(BaseModel):
         if self.profile != AUTO_PROFILE:
             return self.profile
         from app.scheduling.profile import measured_profiles
-        from app.scheduling.profiler import hardware_name
+        from app.engine.hardware import hardware_name
 
         hardware = hardware_name(self._torch_device(), self.torch_threads)
         profiles = measured_profiles(PROFILES_DIR, model=self.model)
@@ -339,7 +339,7 @@ class AppConfig(BaseModel):
         if self.speculates and self.drafter == "dspark" and not checkpoint.is_file():
             raise FileNotFoundError(
                 f"drafter_checkpoint: no DSpark checkpoint at {self.drafter_checkpoint} (expected config.json and "
-                f"model.safetensors). Train one for {self.model} with python -m app.drafters.train.pipeline --model "
+                f"model.safetensors). Train one for {self.model} with python -m app.pipeline --model "
                 f"{self.model} --out runs/drafter (docs/drafter.md) and set drafter_checkpoint: "
                 "runs/drafter/checkpoint, or use a drafter that needs no training: drafter: ngram, or policy: none"
             )

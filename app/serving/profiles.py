@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
+from app.engine.hardware import hardware_name
 from app.engine.loader import cache_dir
 from app.scheduling.profile import ThroughputProfile, load_profile, save_profile
 from app.scheduling.profiler import (
     default_grid,
     dummy_proposer,
     engine_provenance,
-    hardware_name,
     measure_profile,
 )
 from app.serving.config import AppConfig

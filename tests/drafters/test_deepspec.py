@@ -227,7 +227,7 @@ def test_training_loss_of_a_drafter_without_confidence_head_is_finite(target):
 def test_export_cli_refuses_the_committed_checkpoint_naming_the_option(tmp_path):
     """The committed SmolLM2 checkpoint uses this project's layout (no q/k norm, normed features, learned mask)."""
     from app.drafters.deepspec import main
-    from app.eval.evaluate import DEFAULT_CHECKPOINT
+    from app.drafters.checkpoint import DEFAULT_CHECKPOINT
 
     with pytest.raises(ValueError, match="cannot express qk_norm=False"):
         main(["export", str(DEFAULT_CHECKPOINT), str(tmp_path / "out")])

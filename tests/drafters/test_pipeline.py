@@ -1,4 +1,4 @@
-"""The whole drafter recipe (``app.drafters.train.pipeline``) end to end on a tiny random Llama target.
+"""The whole drafter recipe (``app.pipeline``) end to end on a tiny random Llama target.
 
 No real weights: a 5-layer, 64-wide Llama and a 300-token byte-level BPE tokenizer are built in a temporary folder,
 so the test runs in seconds on a CPU and, on a machine with a GPU, exercises every stage on CUDA (device auto).
@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.lookup import read_lookup_rates
-from app.drafters.train import pipeline
+from app import pipeline
 from app.engine.loader import load_target
 
 CHAT_TEMPLATE = (

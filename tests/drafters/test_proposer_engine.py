@@ -14,7 +14,7 @@ from app.drafters.lookup import LookupHybridProposer, read_lookup_rates
 from app.drafters.proposer import DRAFT_TOP_K, DSparkProposer
 from app.engine.decode import generate
 from app.engine.types import DraftBlock, SamplingParams
-from app.eval.evaluate import DEFAULT_CHECKPOINT
+from app.drafters.checkpoint import DEFAULT_CHECKPOINT
 from tests.engine.near_tie import check_same_or_near_tie
 
 DRAFT_VOCAB = 8192  # V' = the ids below it (the special ids 0-2 included); many answer tokens lie above

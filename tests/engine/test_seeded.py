@@ -15,7 +15,7 @@ from app.drafters.proposer import DSparkProposer
 from app.engine.decode import generate
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.types import SamplingParams
-from app.eval.evaluate import DEFAULT_CHECKPOINT
+from app.drafters.checkpoint import DEFAULT_CHECKPOINT
 from tests.conftest import load_prompts
 from tests.engine.near_tie import check_seeded_same_or_near_tie
 from tests.engine.proposers import RandomProposer

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.eval.datasets import CHAT_MT_PROMPTS, CODE_FN_PROMPTS, EVAL_SETS, TRAIN_SETS, load_prompts
+from app.datasets import CHAT_MT_PROMPTS, CODE_FN_PROMPTS, EVAL_SETS, TRAIN_SETS, load_prompts
 
 # HumanEval's prompts (and code-fn's) all open with this frame; it is not part of any one problem.
 CODE_FRAME = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"

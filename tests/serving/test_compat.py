@@ -67,7 +67,7 @@ def test_a_missing_checkpoint_says_how_to_train_one(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         config(model="/models/Qwen3-8B", drafter_checkpoint=str(tmp_path / "none")).check_files()
     message = str(info.value)
-    assert "python -m app.drafters.train.pipeline --model /models/Qwen3-8B --out runs/drafter" in message
+    assert "python -m app.pipeline --model /models/Qwen3-8B --out runs/drafter" in message
     assert "drafter: ngram, or policy: none" in message
 
 

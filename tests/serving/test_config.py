@@ -63,13 +63,13 @@ def write_measured(directory: Path, name: str, *, hardware: str, date: str, mode
 
 
 def test_auto_profile_picks_this_hosts_measured_profile(tmp_path, monkeypatch, caplog):
-    from app.scheduling import profiler
+    from app.engine import hardware
     from app.serving import config as config_module
     from app.serving.profiles import profile_cache_path
 
     monkeypatch.setattr(config_module, "PROFILES_DIR", tmp_path)
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(profiler, "hardware_name", lambda device, threads=None: f"CPU X {threads} threads")
+    monkeypatch.setattr(hardware, "hardware_name", lambda device, threads=None: f"CPU X {threads} threads")
     write_measured(tmp_path, "a.json", hardware="CPU X 2 threads", date="2026-11-01")
     new = write_measured(tmp_path, "b.json", hardware="CPU X 2 threads", date="2026-11-20")
     write_measured(tmp_path, "c.json", hardware="CPU X 4 threads", date="2026-11-25")

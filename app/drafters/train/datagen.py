@@ -1,6 +1,6 @@
 """Training data for the drafter: the target answers training prompts itself (self-distillation).
 
-Owns: choosing training prompts (``app/eval/datasets.py`` training sets only), plain decoding through the engine
+Owns: choosing training prompts (``app/datasets.py`` training sets only), plain decoding through the engine
 (greedy, or sampled with ``--temperature``), and writing each sequence's token ids and per-token target features
 to safetensors shards. The features come for free from decoding: the prefill returns the prompt's rows, each
 verify step the rows of the tokens that entered the cache. Row j of a sequence is the target's hidden state at
@@ -38,7 +38,7 @@ from tqdm import tqdm
 from app.engine.decode import generate
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
-from app.eval.datasets import DEFAULT_DATASETS_DIR, TRAIN_SETS, load_prompts
+from app.datasets import DEFAULT_DATASETS_DIR, TRAIN_SETS, load_prompts
 
 
 class FeatureRecorder:

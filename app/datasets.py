@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_DATASETS_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "datasets"
-_TRAIN_DIR = Path(__file__).resolve().parents[1] / "drafters" / "train"
+DEFAULT_DATASETS_DIR = Path(__file__).resolve().parents[2] / "shared" / "datasets"
+_TRAIN_DIR = Path(__file__).resolve().parent / "drafters" / "train"
 CHAT_PROMPTS = _TRAIN_DIR / "chat_prompts.jsonl"
 # Lines 1-40 writing, 41-80 roleplay, 81-120 reasoning, 121-160 math, 161-200 coding, 201-240 extraction,
 # 241-280 stem, 281-320 humanities.

@@ -1,6 +1,6 @@
 """Served single-stream benchmark: per-token time of the Serve application per policy against the engine alone.
 
-Usage: ``python -m app.serving.bench [--policies none,dspark] [--requests 5] [--max-tokens 128]
+Usage: ``python -m loadtest.bench [--policies none,dspark] [--requests 5] [--max-tokens 128]
 [--prompts mt-bench] [--temperature 0.7 [--seed 0]] [--set KEY=VALUE ...]``
 
 Measures in one run, on the same prompts (the first ``--requests`` first turns of ``--prompts``, chat template,

@@ -16,7 +16,7 @@ Layout under ``--out``:
     eval-lookup/     the same with prompt lookup beside the drafter (``evaluate.py --lookup``)
 
 Usage (the committed SmolLM2-135M checkpoint's GPU recipe is in ``docs/drafter.md``):
-    python -m app.drafters.train.pipeline --out runs/drafter --datagen-minutes 3 --train-minutes 4 --eval-limit 40
+    python -m app.pipeline --out runs/drafter --datagen-minutes 3 --train-minutes 4 --eval-limit 40
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 from app.drafters.train import calibrate, calibrate_lookup, datagen, draft_vocab, trainer
 from app.eval import evaluate
-from app.eval.datasets import DEFAULT_DATASETS_DIR
+from app.datasets import DEFAULT_DATASETS_DIR
 
 
 def _stage(name: str, main: Callable[[list[str]], None], argv: list[str], timings: dict[str, float]) -> None:

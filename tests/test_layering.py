@@ -1,0 +1,26 @@
+"""Imports run one way: the engine, drafters and scheduling packages pull in no serving, evaluation or load-test code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LOWER = ("app.engine", "app.drafters", "app.scheduling")
+UPPER = ("app.serving", "app.eval", "loadtest")
+
+PROBE = f"""
+import importlib, pkgutil, sys
+for name in {LOWER!r}:
+    package = importlib.import_module(name)
+    for module in pkgutil.walk_packages(package.__path__, name + "."):
+        importlib.import_module(module.name)
+print(sorted(m for m in sys.modules if m.split(".")[0] == "loadtest" or m.startswith({UPPER!r})))
+"""
+
+
+def test_lower_packages_import_no_serving_eval_or_loadtest_module():
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

@@ -1,6 +1,6 @@
 """The offline speculative-decoding loop: a batch of prompts through the engine with a pluggable proposer.
 
-Owns: driving ``TargetEngine`` round by round for a fixed set of requests until all finish, calling the
+Owns: driving an ``Engine`` (``contract.py``) round by round for a fixed set of requests until all finish, calling the
 proposer's hooks (``start``, ``propose``, ``update``, ``finish``) and an optional verify-length policy, and
 collecting per-request outputs and statistics. Used by tests, benchmarks, the offline evaluator and training
 data generation. The online path (Ray Serve) drives the same engine calls from its own step loop.
@@ -15,7 +15,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from app.engine.admission import prefill_batch_size
-from app.engine.engine import TargetEngine
+from app.engine.contract import Engine
 from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob
 
 
@@ -71,7 +71,7 @@ class GenerateStats:
 
 
 def generate(
-    engine: TargetEngine,
+    engine: Engine,
     prompts: Sequence[Sequence[int]],
     params: SamplingParams | Sequence[SamplingParams],
     *,
@@ -95,7 +95,7 @@ def generate(
     params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(params_list) != len(prompts):
         raise ValueError(f"{len(params_list)} params for {len(prompts)} prompts")
-    limit = min(max_batch or engine.config.max_num_seqs, engine.config.max_num_seqs)
+    limit = min(max_batch or engine.max_num_seqs, engine.max_num_seqs)
     results = [RequestResult(request_id=f"{id_prefix}-{i}") for i in range(len(prompts))]
     by_id = {r.request_id: r for r in results}
     waiting = list(range(len(prompts)))

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.engine.contract import Engine
 from app.engine.coupling import accept_coupled, gumbel_noise
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
@@ -103,8 +104,8 @@ class _Request:
         return self.params.greedy and self.controls is None
 
 
-class TargetEngine:
-    """Target replica engine (module docstring). Not thread-safe: one caller drives it.
+class TargetEngine(Engine):
+    """Target replica engine (module docstring), the real-model ``Engine``. Not thread-safe: one caller drives it.
 
     Attributes:
         vocab_size: V.
@@ -154,12 +155,20 @@ class TargetEngine:
     # ------------------------------------------------------------------ requests
 
     @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    @property
     def num_active(self) -> int:
         return len(self._requests)
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
+
+    @property
+    def input_embeddings(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -171,17 +180,6 @@ class TargetEngine:
     def encode(self, text: str) -> list[int]:
         """Token ids of a raw completion prompt."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> StepOutput:
-        """Validate, prefill the prompt into a free slot and sample the first token (``add_requests`` of one).
-
-        Returns:
-            StepOutput with the first token and the prompt's features ``[T, F]``.
-
-        Raises:
-            As ``add_requests``.
-        """
-        return self.add_requests([NewRequest(request_id, prompt_ids, params)])[0]
 
     def add_requests(self, requests: Sequence[NewRequest]) -> list[StepOutput]:
         """Validate every request, then prefill all their prompts in one ragged forward (batched prefill) and sample

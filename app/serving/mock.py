@@ -1,199 +1,23 @@
-"""A deterministic, weight-free engine and drafter so the Serve layer is tested on CPU in seconds.
+"""A deterministic, weight-free drafter for the mock engine (``app/engine/testing.py``), so the Serve layer is tested on
+CPU in seconds (``mock_drafter`` in an application config).
 
-``MockEngine`` has the ``TargetEngine`` surface the target replica uses (``add_requests``, ``verify``,
-``release``, ``encode_chat``, ``encode``, slots, the same errors). Its "model" continues any token ``t`` with
-``next_token(t) = (7 t + 3) mod V``, and token ``t`` reads as ``" w<t>"``. Greedy acceptance is exact: a draft
-token is accepted while it equals the rule. ``MockProposer`` drafts the rule but deliberately errs at one
-position of each block, so rounds accept part of a block and the acceptance bookkeeping is exercised.
-
-Logprobs (``SamplingParams.logprobs``): the mock's distribution after token ``t`` gives rank ``r`` (0-based) the token
-``(next_token(t) + r) mod V`` with log-probability ``-(r + 1) ln 2``, so every output token has logprob ``-ln 2``
-(``mock_logprobs``). Like the real engine before it applies them, it refuses every other sampling control
-(``SamplingParams.controls``) with an ``InvalidRequestError`` naming them.
-
-Shape symbols: B batch, K block size, C committed tokens, F = 4 (mock feature width).
+``MockProposer`` drafts the mock engine's rule but deliberately errs at one position of each block, so rounds accept
+part of a block and the acceptance bookkeeping is exercised.
 """
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
-from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob
+from app.engine.testing import next_token
+from app.engine.types import DraftBlock, StepOutput
 from app.serving.protocol import DraftRound
 
-MOCK_FEATURE_DIM = 4
 MOCK_MISS_CONFIDENCE = 0.1  # mock drafter's confidence at and after its planted error
 MOCK_HIT_CONFIDENCE = 0.9  # ... and before it
-
-
-def next_token(token: int, vocab_size: int) -> int:
-    return (7 * token + 3) % vocab_size
-
-
-def token_text(token: int) -> str:
-    return f" w{token}"
-
-
-def mock_logprobs(previous: int, k: int, vocab_size: int) -> TokenLogprob:
-    """The logprob of the token the mock emits after ``previous`` and its ``k`` top alternatives (module docstring)."""
-    first = next_token(previous, vocab_size)
-    top = tuple(((first + r) % vocab_size, -(r + 1) * math.log(2)) for r in range(k))
-    return TokenLogprob(token_id=first, logprob=-math.log(2), top=top)
-
-
-class MockTokenizer:
-    """``decode`` for the mock vocabulary (``token_text``)."""
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return "".join(token_text(t) for t in token_ids)
-
-
-@dataclass(frozen=True)
-class MockEngineConfig:
-    max_model_len: int = 256
-    max_num_seqs: int = 4
-    max_draft_len: int = 4
-    vocab_size: int = 512
-    step_ms: float = 0.0  # sleep per verify step
-    fails_after: int = 0  # verify raises once a request in the step has this many tokens (0: never)
-
-
-@dataclass
-class _MockRequest:
-    params: SamplingParams
-    prompt_len: int
-    last: int
-    generated: int = 0
-    text: str = ""
-
-
-class MockEngine:
-    """Deterministic stand-in for ``TargetEngine`` (module docstring). Not thread-safe, like the real one."""
-
-    def __init__(self, config: MockEngineConfig) -> None:
-        self.config = config
-        self.vocab_size = config.vocab_size
-        self.feature_dim = MOCK_FEATURE_DIM
-        self.tokenizer = MockTokenizer()
-        self._requests: dict[str, _MockRequest] = {}
-
-    @property
-    def num_active(self) -> int:
-        return len(self._requests)
-
-    @property
-    def num_free_slots(self) -> int:
-        return self.config.max_num_seqs - len(self._requests)
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode("".join(m["content"] for m in messages)) + [1]
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) % self.vocab_size for c in text]
-
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> StepOutput:
-        return self.add_requests([NewRequest(request_id, prompt_ids, params)])[0]
-
-    def add_requests(self, requests: Sequence[NewRequest]) -> list[StepOutput]:
-        """All requests are validated before any is added, as ``TargetEngine.add_requests`` does."""
-        for r in requests:
-            self._check_new(r)
-        if len({r.request_id for r in requests}) < len(requests):
-            raise InvalidRequestError("the same request id appears twice in one admission batch")
-        if len(requests) > self.num_free_slots:
-            raise CapacityError(f"{len(requests)} requests for {self.num_free_slots} free KV cache slots")
-        outputs = []
-        for r in requests:
-            req = _MockRequest(params=r.params, prompt_len=len(r.prompt_ids), last=int(r.prompt_ids[-1]))
-            self._requests[r.request_id] = req
-            outputs.append(self._commit(r.request_id, req, [next_token(req.last, self.vocab_size)], 0, 0,
-                                        len(r.prompt_ids)))
-        return outputs
-
-    def _check_new(self, request: NewRequest) -> None:
-        if request.request_id in self._requests:
-            raise InvalidRequestError(f"request {request.request_id!r} already exists")
-        if len(request.prompt_ids) == 0:
-            raise InvalidRequestError("prompt is empty")
-        refused = [name for name in request.params.controls() if name != "logprobs"]
-        if refused:
-            raise InvalidRequestError(f"sampling controls not supported by this engine: {refused}")
-        need = len(request.prompt_ids) + request.params.max_tokens + self.config.max_draft_len
-        if need > self.config.max_model_len:
-            raise ContextLengthError(
-                f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.params.max_tokens} + draft room "
-                f"{self.config.max_draft_len} = {need} exceeds the context limit of {self.config.max_model_len} tokens"
-            )
-
-    def release(self, request_id: str) -> None:
-        if self._requests.pop(request_id, None) is None:
-            raise UnknownRequestError(f"unknown request {request_id!r} (never added, finished or released)")
-
-    def verify(self, blocks: Sequence[DraftBlock]) -> list[StepOutput]:
-        for b in blocks:
-            if b.request_id not in self._requests:
-                raise UnknownRequestError(f"unknown request {b.request_id!r} (never added, finished or released)")
-            if b.length > self.config.max_draft_len:
-                raise InvalidRequestError(f"draft of {b.length} tokens exceeds max_draft_len")
-        if self.config.step_ms:
-            time.sleep(self.config.step_ms / 1000)
-        if self.config.fails_after and any(self._requests[b.request_id].generated >= self.config.fails_after
-                                           for b in blocks):
-            raise RuntimeError(f"mock verify failure (a request reached {self.config.fails_after} tokens)")
-        outputs = []
-        for b in blocks:
-            req = self._requests[b.request_id]
-            draft = b.tokens[: b.length].tolist()[: max(req.params.max_tokens - req.generated - 1, 0)]
-            tokens, expected = [], next_token(req.last, self.vocab_size)
-            for d in draft:
-                if d != expected:
-                    break
-                tokens.append(d)
-                expected = next_token(d, self.vocab_size)
-            accepted = len(tokens)
-            tokens.append(expected)
-            outputs.append(self._commit(b.request_id, req, tokens, len(draft), accepted, accepted + 1))
-        return outputs
-
-    def _commit(
-        self, request_id: str, req: _MockRequest, tokens: list[int], num_draft: int, num_accepted: int, rows: int
-    ) -> StepOutput:
-        kept, delta, reason, logprobs = [], "", None, []
-        for tok in tokens:
-            if req.params.logprobs is not None:
-                logprobs.append(mock_logprobs(req.last, req.params.logprobs, self.vocab_size))
-            kept.append(tok)
-            req.generated += 1
-            req.last = tok
-            piece = token_text(tok)
-            full = req.text + delta + piece
-            hit = min((full.find(s) for s in req.params.stop if s in full), default=-1)
-            if hit >= 0:
-                delta = full[len(req.text):hit] if hit >= len(req.text) else ""
-                reason = FinishReason.STOP
-                break
-            delta += piece
-            if req.generated >= req.params.max_tokens:
-                reason = FinishReason.LENGTH
-                break
-        req.text += delta
-        if reason is not None:
-            del self._requests[request_id]
-        return StepOutput(
-            request_id=request_id, new_token_ids=kept, num_draft=num_draft,
-            num_accepted=min(num_accepted, len(kept)), finished=reason is not None, finish_reason=reason,
-            text=delta, features=torch.zeros(rows, MOCK_FEATURE_DIM),
-            logprobs=logprobs if req.params.logprobs is not None else None,
-        )
 
 
 @dataclass

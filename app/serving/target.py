@@ -27,7 +27,7 @@ import copy
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import AsyncIterator, Protocol, Sequence
+from typing import AsyncIterator
 
 import grpc
 import ray
@@ -38,8 +38,9 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from app.drafters.lookup import PromptLookup, prefer_lookup, read_lookup_rates
 from app.engine.admission import prefill_batch_size
+from app.engine.contract import Engine
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
-from app.engine.types import DraftBlock, NewRequest, SamplingParams, StepOutput, TokenLogprob
+from app.engine.types import DraftBlock, NewRequest, StepOutput, TokenLogprob
 from app.scheduling.policies import make_policy
 from app.scheduling.profile import ThroughputProfile, load_profile
 from app.scheduling.scheduler import VerifyScheduler
@@ -105,21 +106,6 @@ def fallback_cause(err: BaseException) -> str:
     return "drafter_error"
 
 
-class Engine(Protocol):
-    """What a target replica needs from an engine (``TargetEngine`` and ``MockEngine`` provide it)."""
-
-    num_free_slots: int
-    tokenizer: object  # ``decode(token_ids) -> str``
-
-    def has_request(self, request_id: str) -> bool: ...
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
-    def encode(self, text: str) -> list[int]: ...
-    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> StepOutput: ...
-    def add_requests(self, requests: Sequence[NewRequest]) -> list[StepOutput]: ...
-    def verify(self, blocks: Sequence[DraftBlock]) -> list[StepOutput]: ...
-    def release(self, request_id: str) -> None: ...
-
-
 def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None) -> list[TokenLogprobText] | None:
     """The engine's logprobs with each token (and alternative) decoded alone by ``tokenizer.decode``."""
     if logprobs is None:
@@ -153,7 +139,7 @@ def make_engine(config: AppConfig) -> Engine:
     """The target engine of ``config``: the mock, or the real engine (``AppConfig.engine_config``: a trained drafter's
     checkpoint names the feature layers the engine returns)."""
     if config.mock_engine:
-        from app.serving.mock import MockEngine, MockEngineConfig
+        from app.engine.testing import MockEngine, MockEngineConfig
 
         return MockEngine(MockEngineConfig(
             max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, max_draft_len=config.gamma,
@@ -221,9 +207,7 @@ class TargetReplica:
 
     def _colocated_drafter(self, config: AppConfig) -> DrafterCore:
         """The colocated drafter, sharing the engine's input embedding (runs on the torch thread)."""
-        model = getattr(self.engine, "model", None)  # the mock engine has none
-        embed = model.embed_tokens.weight if model is not None else None
-        return DrafterCore(config, replica=self.replica_id, embed_weight=embed)
+        return DrafterCore(config, replica=self.replica_id, embed_weight=self.engine.input_embeddings)
 
     # ------------------------------------------------------------------ requests
 
@@ -261,8 +245,7 @@ class TargetReplica:
 
     def debug_state(self) -> dict:
         """Counts of held request state (leak checks and the autoscaler)."""
-        held = getattr(self.engine, "num_active", None)
-        return {"active": len(self._active), "waiting": len(self._waiting), "engine_active": held,
+        return {"active": len(self._active), "waiting": len(self._waiting), "engine_active": self.engine.num_active,
                 "colocated_drafter_states": None if self.colocated is None else self.colocated.num_states,
                 "lookup_states": None if self.lookup is None else self.lookup.num_states,
                 "cancelled_pending": len(self._cancelled), "node_id": ray.get_runtime_context().get_node_id(),

@@ -15,7 +15,7 @@ import ray
 from ray import serve
 
 from app.serving.builder import build_app
-from app.serving.mock import next_token, token_text
+from app.engine.testing import next_token, token_text
 from tests.serving.helpers import local_serve, sse_events, stream_text, wait_until
 
 KEY = "test-key"

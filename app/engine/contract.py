@@ -1,0 +1,92 @@
+"""The engine contract: what the decoding loop and a target replica need from a target engine.
+
+``TargetEngine`` (``engine.py``) implements it over a real model; ``MockEngine`` (``testing.py``) over a
+deterministic rule, so the Serve layer is tested in seconds. Inputs and outputs are the typed records of
+``types.py``: ``NewRequest`` in and ``StepOutput`` out at admission, ``DraftBlock`` in and ``StepOutput`` out at
+verification. Errors are those of ``errors.py``, raised before any state changes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import torch
+
+from app.engine.types import DraftBlock, NewRequest, SamplingParams, StepOutput
+
+
+class Engine(ABC):
+    """A target engine. Not thread-safe: one caller drives it.
+
+    Attributes:
+        vocab_size: V.
+        feature_dim: F, the width of ``StepOutput.features`` rows.
+        tokenizer: has ``decode(token_ids) -> str``.
+    """
+
+    vocab_size: int
+    feature_dim: int
+    tokenizer: object
+
+    @property
+    @abstractmethod
+    def max_num_seqs(self) -> int:
+        """Requests it can hold at once."""
+
+    @property
+    @abstractmethod
+    def num_active(self) -> int:
+        """Requests held (admitted, not finished or released)."""
+
+    @property
+    @abstractmethod
+    def num_free_slots(self) -> int:
+        """Requests that can still be admitted."""
+
+    @property
+    def input_embeddings(self) -> torch.Tensor | None:
+        """[V, Dm] the target's input embedding (a drafter in the same process shares it), or None without one."""
+        return None
+
+    @abstractmethod
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is held."""
+
+    @abstractmethod
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat prompt (generation prompt appended)."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a raw completion prompt."""
+
+    @abstractmethod
+    def add_requests(self, requests: Sequence[NewRequest]) -> list[StepOutput]:
+        """Validate every request, then admit them all and return each one's first token (with the prompt's
+        features [T, F]).
+
+        Raises:
+            InvalidRequestError, ContextLengthError, CapacityError (``errors.py``): nothing is admitted.
+        """
+
+    def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> StepOutput:
+        """``add_requests`` of one request."""
+        return self.add_requests([NewRequest(request_id, prompt_ids, params)])[0]
+
+    @abstractmethod
+    def verify(self, blocks: Sequence[DraftBlock]) -> list[StepOutput]:
+        """One verify step over a batch: each block's request's pending token and its drafts; an empty block is a
+        plain decoding step. One StepOutput per block, in order; finished requests are released.
+
+        Raises:
+            UnknownRequestError, InvalidRequestError (``errors.py``): nothing is changed.
+        """
+
+    @abstractmethod
+    def release(self, request_id: str) -> None:
+        """Free a request's state (client gone, or cleanup after an error).
+
+        Raises:
+            UnknownRequestError: the id is not held (never added, finished or already released).
+        """

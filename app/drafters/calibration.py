@@ -74,8 +74,9 @@ def auc(score: torch.Tensor, label: torch.Tensor) -> float:
     return float((ranks[label].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
-def survival(conf: torch.Tensor) -> torch.Tensor:
-    """Per-position confidences [N, K] -> prefix survival probabilities prod_{j<=k} c_j [N, K] (non-increasing)."""
+def prefix_survival(conf: torch.Tensor) -> torch.Tensor:
+    """Per-position confidences [..., K] -> prefix survival probabilities a_k = prod_{j<=k} c_j [..., K]
+    (non-increasing; DSpark Sec. 3, prefix survival)."""
     return torch.cumprod(conf, dim=-1)
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from app.drafters.calibration import MODES
+from app.drafters.calibration import MODES, prefix_survival
 from app.drafters.checkpoint import read_checkpoint_config
 from app.drafters.ngram import NgramProposer, lookup
 from app.drafters.proposer import DraftProposal
@@ -143,7 +143,7 @@ def fit_lookup_rates(
 def expected_accepted(conf: torch.Tensor) -> torch.Tensor:
     """Expected accepted draft tokens of blocks with per-position confidences ``conf`` [..., K]: the sum of the
     prefix survival probabilities prod_{j<=k} c_j (DSpark Sec. 3.2) -> [...]."""
-    return torch.cumprod(conf, dim=-1).sum(-1)
+    return prefix_survival(conf).sum(-1)
 
 
 @dataclass

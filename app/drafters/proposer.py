@@ -28,7 +28,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from app.drafters.calibration import Calibration, survival
+from app.drafters.calibration import Calibration, prefix_survival
 from app.drafters.dspark import ContextKV, DSparkDrafter
 from app.engine.coupling import gumbel_noise
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
@@ -47,7 +47,7 @@ class DraftProposal:
     @property
     def survival(self) -> torch.Tensor:
         """[B, K] calibrated probability that drafts 1..k are all accepted (non-increasing in k)."""
-        return survival(self.confidences)
+        return prefix_survival(self.confidences)
 
     @classmethod
     def make_dummy(cls, request_ids: Sequence[str], block_size: int) -> "DraftProposal":

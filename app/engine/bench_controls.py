@@ -24,7 +24,7 @@ from app.drafters.ngram import NgramProposer
 from app.engine.decode import RequestResult, generate
 from app.engine.engine import EngineConfig, TargetEngine
 from app.engine.near_tie import first_divergence
-from app.engine.types import DraftBlock, FinishReason, GuidedDecoding, SamplingParams
+from app.engine.types import DraftBlock, FinishReason, GuidedDecoding, SamplingParams, batch_accepted_length
 
 PROMPTS = [
     "Write a short poem about the sea, repeating the line 'the sea, the sea' in every stanza.",
@@ -83,11 +83,6 @@ def controls(engine: TargetEngine) -> dict[str, dict]:
     }
 
 
-def _tau(results: list[RequestResult]) -> float:
-    rounds = sum(r.rounds for r in results)
-    return (sum(r.num_accepted for r in results) + rounds) / rounds if rounds else 0.0
-
-
 def _valid(text: str) -> bool:
     try:
         jsonschema.validate(json.loads(text), SCHEMA)
@@ -130,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
             "near_tie": sum(d is not None and d.near_tie for d in divergences),
             "bugs": [d.describe() for d in divergences if d is not None and not d.near_tie],
             "prompts": len(prompts),
-            "tau": round(_tau(spec), 3),
+            "tau": round(batch_accepted_length(spec), 3),
             "proposed": proposer.proposed,
             "verified": sum(r.num_draft for r in spec),
         }

@@ -16,7 +16,9 @@ import torch
 
 from app.engine.admission import prefill_batch_size
 from app.engine.contract import Engine
-from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob
+from app.engine.types import (
+    DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob, accepted_length,
+)
 
 
 class Proposer(Protocol):
@@ -57,7 +59,7 @@ class RequestResult:
     @property
     def accepted_length(self) -> float:
         """tau: tokens committed per round, accepted drafts plus the bonus token (0 before any round)."""
-        return (self.num_accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        return accepted_length(self.num_accepted, self.rounds)
 
 
 @dataclass

@@ -260,3 +260,15 @@ class StepOutput:
     # [T_new, F] features of the tokens that entered the cache this step (dtype of the model)
     features: torch.Tensor | None = field(default=None, repr=False)
     logprobs: list[TokenLogprob] | None = None  # one per new_token_ids entry when SamplingParams.logprobs is set
+
+
+def accepted_length(accepted: int, rounds: int) -> float:
+    """tau, the mean accepted length: tokens committed per verify round, accepted drafts plus the bonus (or
+    recovered) token each round: (accepted + rounds) / rounds; 0 before any round."""
+    return (accepted + rounds) / rounds if rounds else 0.0
+
+
+def batch_accepted_length(results) -> float:
+    """tau over decoded requests (``RequestResult``s, or anything with ``num_accepted`` and ``rounds``)."""
+    return accepted_length(sum(r.num_accepted for r in results), sum(r.rounds for r in results))
+

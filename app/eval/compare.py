@@ -30,7 +30,7 @@ from app.drafters.ngram import NgramProposer
 from app.drafters.registry import make_proposer
 from app.engine.decode import generate
 from app.engine.engine import EngineConfig, TargetEngine
-from app.engine.types import SamplingParams
+from app.engine.types import SamplingParams, batch_accepted_length
 from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
 from app.eval.evaluate import RecordingProposer, positive_int, summarize
 
@@ -59,13 +59,12 @@ def run_drafter(
     params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i)
               for i in range(len(prompts))]
     results, stats = generate(engine, prompts, params, proposer=rec)
-    rounds = sum(r.rounds for r in results)
     summary = summarize(rec.records, proposer.gamma)
     accept = summary["accept_rate_per_position"] + [None] * (gamma - proposer.gamma)
     row = {
         "prompts": len(prompts),
         "gamma": proposer.gamma,
-        "tau": sum(r.num_accepted + r.rounds for r in results) / rounds if rounds else 0.0,
+        "tau": batch_accepted_length(results),
         "rounds": stats.rounds,
         "tokens": sum(len(r.token_ids) for r in results),
         "accept_rate_per_position": accept,

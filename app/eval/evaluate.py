@@ -27,13 +27,13 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from app.drafters.calibration import auc, ece, survival
+from app.drafters.calibration import auc, ece, prefix_survival
 from app.drafters.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_checkpoint_config
 from app.drafters.lookup import LookupHybridProposer, read_lookup_rates
 from app.drafters.registry import make_proposer
 from app.engine.decode import Proposer, generate
 from app.engine.engine import EngineConfig, TargetEngine
-from app.engine.types import DraftBlock, SamplingParams, StepOutput
+from app.engine.types import DraftBlock, SamplingParams, StepOutput, batch_accepted_length
 from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
 
 
@@ -96,8 +96,8 @@ def summarize(records: list[RoundRecord], gamma: int) -> dict:
                 reached[k] += 1
                 accepted[k] += int(r.num_accepted > k)
         n = min(r.num_draft, gamma)
-        preds_raw.append(survival(r.raw[None, :n].float())[0])
-        preds_cal.append(survival(r.calibrated[None, :n].float())[0])
+        preds_raw.append(prefix_survival(r.raw[None, :n].float())[0])
+        preds_cal.append(prefix_survival(r.calibrated[None, :n].float())[0])
         outcomes.append(torch.arange(n) < r.num_accepted)
     if not outcomes:  # every round ended its request (tiny budgets): nothing to score
         return {"accept_rate_per_position": [None] * gamma, "ece_before": None, "ece_after": None,
@@ -134,11 +134,9 @@ def evaluate_set(
             proposer.set_params(f"req-{i}", p)
     rec = RecordingProposer(proposer)
     results, stats = generate(engine, prompts, params, proposer=rec, id_prefix="req")
-    rounds = sum(r.rounds for r in results)
-    committed = sum(r.num_accepted + r.rounds for r in results)
     return {
         "prompts": len(prompts),
-        "tau": committed / rounds if rounds else 0.0,
+        "tau": batch_accepted_length(results),
         "rounds": stats.rounds,
         "tokens": sum(len(r.token_ids) for r in results),
         "draft_ms_per_round": 1e3 * rec.draft_s / max(stats.rounds, 1),

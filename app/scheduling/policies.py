@@ -39,6 +39,7 @@ from typing import Protocol
 
 import torch
 
+from app.drafters.calibration import prefix_survival
 from app.scheduling.profile import ThroughputProfile
 
 
@@ -92,11 +93,6 @@ class ScheduleInput:
             min_len=torch.zeros(batch, dtype=torch.long),
             max_len=torch.full((batch,), gamma, dtype=torch.long),
         )
-
-
-def prefix_survival(confidences: torch.Tensor) -> torch.Tensor:
-    """a_{r,j} = prod_{i <= j} c_{r,i}: [B, K] -> [B, K] (DSpark Sec. 3, Eq. for prefix survival)."""
-    return torch.cumprod(confidences, dim=1)
 
 
 def fixed_lengths(k: int, *, min_len: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor:
@@ -226,7 +222,7 @@ def best_uniform_length(
         raise ValueError(f"acceptance must be a [K] or [R, K] tensor in [0, 1], got {acceptance.tolist()}")
     b = min(batch, profile.max_batch_size)
     gamma = min(acceptance.shape[-1], profile.max_verify_len)
-    survival = torch.cumprod(acceptance[..., :gamma].double(), dim=-1)
+    survival = prefix_survival(acceptance[..., :gamma].double())
     if survival.dim() == 2:
         survival = survival.mean(0)
     tau = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + torch.cumsum(survival, dim=0)])  # [K + 1]

@@ -34,11 +34,11 @@ from dataclasses import replace
 
 import torch
 
+from app.drafters.calibration import prefix_survival
 from app.scheduling.policies import (
     ScheduleInput,
     VerifyPolicy,
     best_uniform_length,
-    prefix_survival,
     theta_greedy_lengths,
 )
 from app.scheduling.profile import ThroughputProfile

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from app.drafters.proposer import DRAFT_TOP_K
-from app.engine.types import DraftBlock, SamplingParams, StepOutput
+from app.engine.types import DraftBlock, SamplingParams, StepOutput, accepted_length
 
 # Serialisation overhead of one pickled tensor / message object beyond its data (bytes; a pickled 1-element tensor
 # takes about 400 bytes): the bounds below add it per tensor so they stay upper bounds for small batches.
@@ -45,7 +45,7 @@ class SpecStats:
     @property
     def mean_accepted_length(self) -> float:
         """tau: committed tokens per round (accepted drafts + the bonus/recovered token)."""
-        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+        return accepted_length(self.accepted_tokens, self.rounds)
 
     def to_json(self) -> dict:
         return {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from app.drafters.calibration import Calibration, ece, fit_sequential_temperatures, survival
+from app.drafters.calibration import Calibration, ece, fit_sequential_temperatures, prefix_survival
 from app.drafters.checkpoint import load_checkpoint, save_checkpoint
 from app.drafters.config import DrafterConfig
 from app.drafters.dspark import DSparkDrafter
@@ -66,13 +66,13 @@ def test_calibrated_survival_is_non_increasing_and_fit_lowers_ece():
     z = torch.randn(2000, K, generator=gen) * 3 + 2  # over-confident logits
     true_c = torch.sigmoid(z / 3)
     hits = torch.bernoulli(true_c, generator=gen)
-    survived = survival(hits)
+    survived = prefix_survival(hits)
     valid = torch.ones_like(hits, dtype=torch.bool)
     temps = fit_sequential_temperatures(z, survived, valid)
     cal = Calibration({"greedy": temps})
-    after = survival(cal.confidences(z, "greedy"))
+    after = prefix_survival(cal.confidences(z, "greedy"))
     assert (after[:, 1:] <= after[:, :-1] + 1e-7).all()
-    before_ece = ece(survival(torch.sigmoid(z)), survived)
+    before_ece = ece(prefix_survival(torch.sigmoid(z)), survived)
     assert ece(after, survived) < before_ece
     assert Calibration.from_json(cal.to_json()) == cal
 

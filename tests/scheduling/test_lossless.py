@@ -25,7 +25,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.scheduling.policies import ScheduleInput, make_policy, prefix_survival
+from app.drafters.calibration import prefix_survival
+from app.scheduling.policies import ScheduleInput, make_policy
 from app.scheduling.profile import ThroughputProfile
 from tests.scheduling.helpers import provenance
 

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from app.scheduling.policies import ScheduleInput, make_policy, prefix_survival, theta_greedy_lengths
+from app.drafters.calibration import prefix_survival
+from app.scheduling.policies import ScheduleInput, make_policy, theta_greedy_lengths
 from app.scheduling.scheduler import VerifyScheduler, update_capacity
 from tests.scheduling.helpers import make_profile
 

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from app.drafters.calibration import Calibration, auc, ece, fit_sequential_temperatures, survival
+from app.drafters.calibration import Calibration, auc, ece, fit_sequential_temperatures, prefix_survival
 from app.drafters.checkpoint import CONFIG, Drafter, load_checkpoint, read_checkpoint_config
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.train.data import Sequence_, load_shards, make_batch
@@ -65,10 +65,10 @@ def fit(outcomes: dict[str, torch.Tensor]) -> tuple[Calibration, dict]:
     valid = torch.cumprod(valid.float(), dim=1).bool()
     temps, report = {}, {}
     for mode, key in (("greedy", "hit"), ("sampled", "accept")):
-        survived = survival(outcomes[key])
+        survived = prefix_survival(outcomes[key])
         temps[mode] = fit_sequential_temperatures(z, survived, valid)
-        before = survival(torch.sigmoid(z))
-        after = survival(Calibration({mode: temps[mode]}).confidences(z, mode))
+        before = prefix_survival(torch.sigmoid(z))
+        after = prefix_survival(Calibration({mode: temps[mode]}).confidences(z, mode))
         hard = survived > 0.5 if mode == "greedy" else torch.bernoulli(survived, generator=torch.Generator().manual_seed(0)).bool()
         report[mode] = {
             "ece_before": ece(before[valid], survived[valid]), "ece_after": ece(after[valid], survived[valid]),

@@ -32,6 +32,9 @@ from app.engine.errors import InvalidRequestError
 from app.engine.types import GuidedDecoding
 
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # json_object: any JSON object
+# Whitespace between JSON tokens: at most 24 characters (a newline and indentation 11 levels deep at 2 spaces). JSON
+# itself allows any amount, and a small model can pad a value forever; Outlines bounds it for the same reason.
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
 GRAMMAR_CACHE_SIZE = 64  # distinct compiled grammars kept per engine
 
 
@@ -55,15 +58,16 @@ class GrammarCompiler:
         """A fresh per-request grammar state for ``guided``.
 
         Raises:
-            InvalidRequestError: the schema is not valid JSON or not a JSON schema llguidance supports (the message
-                is llguidance's).
+            InvalidRequestError: the schema is not valid JSON, not a JSON schema llguidance supports (the message
+                is llguidance's), or one no JSON value satisfies.
         """
         return RequestGrammar(self._compiled(guided).deep_copy(), self)
 
     def _compile(self, guided: GuidedDecoding) -> llguidance.LLMatcher:
         schema = guided.schema if guided.kind == "json_schema" else JSON_OBJECT_SCHEMA
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
         except ValueError as e:
             raise InvalidRequestError(f"{guided.kind}: the schema is not a JSON object: {e}") from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
@@ -72,6 +76,10 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"{guided.kind}: unsupported schema: {matcher.get_error()}")
+        probe = matcher.deep_copy()  # the first mask tells whether anything but the end token may come
+        llguidance.torch.fill_next_token_bitmask(probe, llguidance.torch.allocate_token_bitmask(1, self.vocab_size))
+        if probe.is_stopped():  # e.g. a $ref that only refers to itself
+            raise InvalidRequestError(f"{guided.kind}: the schema admits no JSON value")
         return matcher
 
 

@@ -371,7 +371,7 @@ class Ingress:
 
     async def _sse(self, flight: _InFlight, *, chat: bool, request_id: str, req) -> AsyncIterator[str]:
         """The streamed response: the choices' chunks as they come, then usage (if asked) and ``[DONE]``."""
-        model = self.config.served_model_name
+        model, created = self.config.served_model_name, int(time.time())
         queue: asyncio.Queue[tuple[_Choice, TextChunk | ErrorItem]] = asyncio.Queue()
 
         async def pump(choice: _Choice) -> None:
@@ -401,7 +401,7 @@ class Ingress:
         try:
             if chat:
                 for c in flight.choices:
-                    yield event(chunk_body(chat=True, request_id=request_id, model=model, text="", index=c.index,
+                    yield event(chunk_body(chat=True, request_id=request_id, created=created, model=model, text="", index=c.index,
                                            role=True))
             while remaining:
                 choice, chunk = await queue.get()
@@ -416,19 +416,19 @@ class Ingress:
                     text = choice.echo + text
                     offsets[choice.index] = len(choice.echo)
                 if text or chunk.logprobs:
-                    yield event(chunk_body(chat=chat, request_id=request_id, model=model, text=text,
+                    yield event(chunk_body(chat=chat, request_id=request_id, created=created, model=model, text=text,
                                            index=choice.index,
                                            logprobs=logprobs(choice, chunk.logprobs, offsets[choice.index])))
                     offsets[choice.index] += sum(len(e.token) for e in chunk.logprobs or ())
                 if chunk.finish_reason is not None:
                     choice.done, remaining = True, remaining - 1
-                    final = chunk_body(chat=chat, request_id=request_id, model=model, text=None if chat else "",
+                    final = chunk_body(chat=chat, request_id=request_id, created=created, model=model, text=None if chat else "",
                                        index=choice.index, finish_reason=chunk.finish_reason)
                     if req.spec_stats and chunk.spec is not None:
                         final["spec_stats"] = chunk.spec.to_json()
                     yield event(final)
             if req.include_usage:
-                body = chunk_body(chat=chat, request_id=request_id, model=model, text=None)
+                body = chunk_body(chat=chat, request_id=request_id, created=created, model=model, text=None)
                 body["choices"] = []
                 body["usage"] = usage(self._prompt_tokens(flight, req), completion_tokens)
                 yield event(body)

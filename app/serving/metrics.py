@@ -226,7 +226,7 @@ def prometheus_text(counters, *, model_name: str, positions: int) -> str:
     lines = []
 
     def counter(name: str, description: str, samples: list[tuple[str, int]]) -> None:
-        lines.extend([f"# HELP {name} {description}", f"# TYPE {name} counter"])
+        lines.extend([f"# HELP {name}_total {description}", f"# TYPE {name}_total counter"])
         lines.extend(f"{name}_total{{{labels}}} {value}" for labels, value in samples)
 
     for ours, vllm, description, attr in API_COUNTERS:

@@ -40,6 +40,24 @@ REJECTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "audio", 
 REJECTED_COMPLETIONS = ("suffix",)
 
 
+# Every request model: unknown fields are a 400, and so is a value of the wrong JSON type ("0.5" for a number, true for
+# an integer, 1 for a boolean): nothing is coerced, as OpenAI's API does not; NaN and infinities are refused.
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _text(value: str, what: str) -> str:
+    """``value`` unless it cannot be UTF-8 (a lone UTF-16 surrogate such as a JSON "\\ud800" escape).
+
+    Raises:
+        ValueError: naming ``what``.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{what} is not valid Unicode text: {err.reason} at character {err.start}") from None
+    return value
+
+
 def _unsupported(name: str, why: str) -> ValueError:
     return ValueError(f"{name} is not supported by this server ({why})")
 
@@ -47,7 +65,7 @@ def _unsupported(name: str, why: str) -> ValueError:
 class TextPart(BaseModel):
     """One ``{"type": "text", "text": ...}`` part of a message's ``content`` list."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     type: Literal["text"]
     text: str
@@ -56,7 +74,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """A message; ``content`` is a string or a list of text parts (joined with a newline, as vLLM does)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
@@ -68,11 +86,13 @@ class ChatMessage(BaseModel):
     @classmethod
     def _text_only(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
         if isinstance(value, list):
-            for part in value:
+            for i, part in enumerate(value):
                 kind = part.get("type")
                 if kind != "text":
                     raise _unsupported(f"content part type {kind!r}", "text parts only")
-                TextPart.model_validate(part)
+                _text(TextPart.model_validate(part).text, f"content part {i}")
+        else:
+            _text(value, "content")
         return value
 
     @field_validator("refusal", "tool_calls")
@@ -88,14 +108,14 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     include_usage: bool = False
     include_obfuscation: bool = Field(True, description="Harmless: this server never adds an obfuscation field.")
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(**STRICT, populate_by_name=True)
 
     name: str
     description: str | None = None
@@ -106,7 +126,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """``response_format``: ``text`` (no constraint), ``json_object`` or ``json_schema`` (guided decoding)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -127,7 +147,7 @@ class ResponseFormat(BaseModel):
 class _Common(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -174,6 +194,14 @@ class _Common(BaseModel):
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
         return value
+
+    @model_validator(mode="after")
+    def _stream_only(self) -> "_Common":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        if self.return_token_ids and self.stream:
+            raise ValueError("return_token_ids is for non-streamed responses (stream: false) only")
+        return self
 
     @property
     def num_choices(self) -> int:
@@ -292,6 +320,8 @@ class CompletionRequest(_Common):
             raise ValueError("at least one prompt is needed")
         if any(p == "" for p in prompts):
             raise ValueError("prompts must not be empty")
+        for p in prompts:
+            _text(p, "prompt")
         return value
 
     @field_validator("suffix")
@@ -393,10 +423,11 @@ def choice_body(*, chat: bool, index: int, text: str, finish_reason: str | None,
 
 
 def chunk_body(
-    *, chat: bool, request_id: str, model: str, text: str | None, index: int = 0, finish_reason: str | None = None,
-    role: bool = False, logprobs: dict | None = None,
+    *, chat: bool, request_id: str, created: int, model: str, text: str | None, index: int = 0,
+    finish_reason: str | None = None, role: bool = False, logprobs: dict | None = None,
 ) -> dict:
-    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice ``index``."""
+    """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice ``index``; ``created`` (Unix
+    seconds) is the stream's, the same in every chunk."""
     if chat:
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
@@ -406,5 +437,5 @@ def chunk_body(
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()), "model": model, "choices": [choice],
+        "created": created, "model": model, "choices": [choice],
     }

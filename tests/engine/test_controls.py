@@ -302,6 +302,19 @@ def test_drafts_the_grammar_forbids_are_cut_before_verification(engine, grammars
     engine.release("cut")
 
 
+def test_whitespace_between_json_tokens_is_bounded(engine, grammars):
+    """A small model can pad JSON with whitespace forever: at most JSON_WHITESPACE's 24 characters in a row."""
+    grammar = grammars.matcher(GuidedDecoding("json_object"))
+    grammar.commit(engine.encode("{"))
+    newline = _token(engine, "\n")
+    allowed = 0
+    while allowed < 40 and bool(grammar.block_masks([])[1][0, newline]):
+        grammar.commit([newline])
+        allowed += 1
+    assert allowed == 24
+    assert bool(grammar.block_masks([])[1][0, _token(engine, '"')])  # the object goes on
+
+
 def test_sampled_json_schema_is_always_valid_under_speculation(engine):
     prompts = [engine.encode_chat([{"role": "user", "content": q}]) for q in JSON_QUESTIONS["json_schema"]] * 3
     params = [SamplingParams(max_tokens=64, temperature=0.8, top_k=20, seed=i, guided=_guided("json_schema"))

@@ -54,6 +54,8 @@ def test_a_failure_after_the_slot_is_taken_gives_it_back(engine, monkeypatch):
         ({"guided": GuidedDecoding("json_object"), "min_tokens": 3}, "min_tokens"),
         ({"guided": GuidedDecoding("json_schema", '{"type": "objectx"}')}, "objectx"),
         ({"guided": GuidedDecoding("json_schema", "[1, 2")}, "json_schema"),
+        ({"guided": GuidedDecoding("json_schema", '{"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}')},
+         "admits no JSON value"),
     ],
 )
 def test_bad_controls_are_refused_before_taking_a_slot(engine, kwargs, match):

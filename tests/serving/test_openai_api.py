@@ -12,6 +12,8 @@ from pydantic import ValidationError
 from app.engine.types import GuidedDecoding
 from app.serving.config import AppConfig
 from app.serving.ingress import admission_limit, json_too_deep
+from prometheus_client.parser import text_string_to_metric_families
+
 from app.serving.metrics import prometheus_text
 from app.serving.openai_api import (
     ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs, validation_error,
@@ -79,6 +81,28 @@ REFUSED = [  # request -> the field the 400 must name
     ({"prompt": "a", "echo": True, "logprobs": 1}, None),
     ({"prompt": ["a"] * 17}, None),
     ({"prompt": [1, 2, 3]}, "prompt"),
+    # nothing is coerced: a value of the wrong JSON type is a 400 naming its field
+    ({"messages": MESSAGES, "temperature": "0.5"}, "temperature"),
+    ({"messages": MESSAGES, "temperature": True}, "temperature"),
+    ({"messages": MESSAGES, "max_tokens": True}, "max_tokens"),
+    ({"messages": MESSAGES, "seed": "1"}, "seed"),
+    ({"messages": MESSAGES, "n": 2.0}, "n"),
+    ({"messages": MESSAGES, "stream": "yes"}, "stream"),
+    ({"messages": MESSAGES, "stream": 1}, "stream"),
+    ({"messages": MESSAGES, "logprobs": "true"}, "logprobs"),
+    ({"messages": MESSAGES, "logit_bias": {"28": "5"}}, "logit_bias"),
+    ({"messages": MESSAGES, "stop_token_ids": ["30"]}, "stop_token_ids.0"),
+    ({"messages": MESSAGES, "ignore_eos": "yes"}, "ignore_eos"),
+    ({"messages": MESSAGES, "temperature": float("nan")}, "temperature"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "logprobs": True}, "logprobs"),
+    # text that is not Unicode (a lone surrogate, as a JSON "\ud800" escape decodes) never reaches the tokenizer
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages.0.content"),
+    ({"prompt": ["ok", "\ud800"]}, "prompt"),
+    # streaming-only and non-streaming-only options
+    ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, None),
+    ({"messages": MESSAGES, "stream": True, "return_token_ids": True}, None),
 ]
 
 
@@ -129,7 +153,11 @@ def test_metrics_text_has_vllm_spec_decode_counters():
     per_pos = [samples[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{k}"}}']
                for k in range(4)]
     assert per_pos == ["3", "2", "0", "0"]
-    assert "# TYPE vllm:spec_decode_num_drafts counter" in text and text.endswith("\n")
+    assert text.endswith("\n")
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # Prometheus' own parser
+    assert families["vllm:spec_decode_num_drafts"].type == "counter"
+    assert [s.value for s in families["vllm:spec_decode_num_drafts"].samples] == [4.0]
+    assert families["vllm:spec_decode_num_accepted_tokens_per_pos"].type == "counter"
 
 
 def test_json_depth_and_admission_limit():

@@ -138,3 +138,32 @@ def test_sampled_verify_uses_draft_probs(engine):
     assert out.num_draft == 2 and 1 <= len(out.new_token_ids) <= 3
     if not out.finished:
         engine.release("probs")
+
+
+def test_top_p_nucleus_beyond_the_candidates_is_sorted_whole():
+    """A flat row's nucleus reaches past NUCLEUS_CANDIDATES tokens: the same set as a full sort keeps."""
+    from app.engine.sampling import NUCLEUS_CANDIDATES
+
+    v = 4 * NUCLEUS_CANDIDATES
+    logits = torch.stack([torch.linspace(0.0, 1.0, v), torch.linspace(0.0, 30.0, v)])  # flat; peaked
+    p = target_probs(logits, temperature=1.0, top_p=0.9)
+    full = torch.softmax(logits, -1)
+    for row in range(2):
+        sorted_p, order = full[row].sort(descending=True)
+        keep = order[(sorted_p.cumsum(-1) - sorted_p) < 0.9]
+        assert set((p[row] > 0).nonzero().flatten().tolist()) == set(keep.tolist())
+        assert torch.allclose(p[row].sum(), torch.tensor(1.0))
+    assert int((p[0] > 0).sum()) > NUCLEUS_CANDIDATES > int((p[1] > 0).sum())
+
+
+def test_sample_draws_from_the_distribution_and_never_a_zero_token():
+    from app.engine.sampling import sample
+
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([sample(probs, gen) for _ in range(6000)]), minlength=6).float()
+    assert counts[[0, 2, 5]].sum() == 0
+    exp = probs * 6000
+    chi2 = float(((counts[[1, 3, 4]] - exp[[1, 3, 4]]) ** 2 / exp[[1, 3, 4]]).sum())
+    assert chi2 < 13.8  # the 0.999 quantile of chi-square(2)
+    assert sample(torch.tensor([0.0, 2.0, 0.0]), gen) == 1  # unnormalised mass is fine

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import contextvars
 import copy
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -58,6 +59,50 @@ from app.serving.torch_thread import TorchThread, thread_cpu_ms
 log = logging.getLogger("ray.serve")
 
 STATS_EMA = 0.2  # weight of the newest round in the step-time / tokens / acceptance EMAs
+
+
+def _ema(new: float, old: float, *, seed_with_first: bool = True) -> float:
+    """STATS_EMA-weighted average; the first figure (``old`` still 0) is taken as it is when ``seed_with_first``."""
+    return new if seed_with_first and not old else STATS_EMA * new + (1 - STATS_EMA) * old
+
+
+@dataclass
+class ReplicaStats:
+    """The replica's running figures, kept once: the Router's load report, the draft gate's inputs and
+    ``debug_state`` all read them here (Prometheus counts the same events in ``TargetTelemetry``)."""
+
+    step_ms: float = 0.0  # EMA of one round (draft + verify), ms
+    tokens_per_step: float = 0.0  # EMA of tokens committed per round, whole batch
+    acceptance: float = 0.0  # EMA of accepted / verified draft tokens, over rounds that verified any
+    rounds: int = 0
+    drafted_rounds: int = 0  # rounds that called the drafter
+    draft_ms: float = 0.0  # EMA of a steady drafter call as the target waits for it, ms (0: none yet)
+    drafter_ms: float = 0.0  # EMA of the time inside the drafter in those calls, ms
+    verify_scale: float = 1.0  # EMA of a round's time without the drafter call over the profile's verify time
+    drafter_failures: int = 0  # requests failed over to plain decoding since start
+    fallbacks: dict[str, int] = field(default_factory=dict)  # cause -> requests failed over
+    by_reference_calls: int = 0  # drafter calls whose payload went through the object store
+
+    def round(self, step_ms: float, *, committed: int, verified: int, accepted: int) -> None:
+        """Count one round: its time, the tokens it committed, the drafts it verified and accepted."""
+        self.step_ms = _ema(step_ms, self.step_ms)
+        self.tokens_per_step = _ema(committed, self.tokens_per_step, seed_with_first=False)
+        self.rounds += 1
+        if verified:
+            self.acceptance = _ema(accepted / verified, self.acceptance, seed_with_first=False)
+
+    def drafted(self, draft_ms: float, drafter_ms: float, *, steady: bool) -> None:
+        """Count a round that called the drafter; only a steady call (``TargetReplica._round``) moves the EMAs."""
+        self.drafted_rounds += 1
+        if steady:
+            self.draft_ms, self.drafter_ms = _ema(draft_ms, self.draft_ms), _ema(drafter_ms, self.drafter_ms)
+
+    def failed_over(self, cause: str, requests: int) -> bool:
+        """Count ``requests`` moved to plain decoding for ``cause``; True the first time that cause is seen."""
+        first = cause not in self.fallbacks
+        self.drafter_failures += requests
+        self.fallbacks[cause] = self.fallbacks.get(cause, 0) + requests
+        return first
 # A drafter call whose message (``protocol.call_bytes``) or answer (``protocol.reply_bytes_bound``) may exceed this
 # goes through Ray's object store instead of Serve's gRPC data plane (``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``), whose
 # replica messages stop at 4 MiB by default (``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH``): a long prompt's features
@@ -195,9 +240,7 @@ class TargetReplica:
         self._drafted_last_round = False
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
-        self._stats = {"step_ms": 0.0, "tokens_per_step": 0.0, "acceptance": 0.0, "drafter_failures": 0,
-                       "draft_ms": 0.0, "drafter_ms": 0.0, "drafted_rounds": 0, "rounds": 0, "verify_scale": 1.0,
-                       "fallbacks": {}, "by_reference_calls": 0}  # fallbacks: cause -> requests
+        self.stats = ReplicaStats()
 
     def _profile(self, config: AppConfig) -> ThroughputProfile:
         """The profile to schedule with (runs on the torch thread: it may time the engine, ``profiles.py``)."""
@@ -249,12 +292,12 @@ class TargetReplica:
                 "colocated_drafter_states": None if self.colocated is None else self.colocated.num_states,
                 "lookup_states": None if self.lookup is None else self.lookup.num_states,
                 "cancelled_pending": len(self._cancelled), "node_id": ray.get_runtime_context().get_node_id(),
-                **self._stats}
+                **dataclasses.asdict(self.stats)}
 
     def record_autoscaling_stats(self) -> dict:
         """Custom autoscaling metrics (Ray Serve polls this; used by the autoscaling policy)."""
         return {"active": float(len(self._active)), "waiting": float(len(self._waiting)),
-                "step_ms": self._stats["step_ms"],
+                "step_ms": self.stats.step_ms,
                 **self.telemetry.autoscaling_stats(active=len(self._active), queued=len(self._waiting))}
 
     # ------------------------------------------------------------------ loop
@@ -427,8 +470,8 @@ class TargetReplica:
         speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.speculates else []
         draft_ms, drafted = 0.0, None
         temperatures = [self._active[rid].request.params.temperature for rid in speculative]
-        if speculative and self.scheduler.should_draft(speculative, draft_ms=self._stats["draft_ms"] or None,
-                                                       verify_scale=self._stats["verify_scale"],
+        if speculative and self.scheduler.should_draft(speculative, draft_ms=self.stats.draft_ms or None,
+                                                       verify_scale=self.stats.verify_scale,
                                                        temperatures=temperatures):
             # Right after a drafted round and with no new request, a call carries one round of context: what
             # drafting every round costs, the figure the draft gate weighs. A probe after rounds without drafting
@@ -438,7 +481,7 @@ class TargetReplica:
             drafted = await self._call_drafter(speculative)
             draft_ms = (time.perf_counter() - t_draft) * 1000
             if drafted is not None:
-                self._observe_draft(draft_ms, drafted.drafter_ms, steady=steady)
+                self.stats.drafted(draft_ms, drafted.drafter_ms, steady=steady)
         self._drafted_last_round = drafter_called
         drafts, confidences, from_lookup = self._choose_drafts(speculative, drafted)
         if drafts:
@@ -475,7 +518,7 @@ class TargetReplica:
                 if self.lookup is not None:
                     self.lookup.update([out])
         round_ms = (time.perf_counter() - t0) * 1000
-        self._observe(round_ms, committed, verified, accepted)
+        self.stats.round(round_ms, committed=committed, verified=verified, accepted=accepted)
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
             self._observe_verify_scale(round_ms - draft_ms, tokens=len(ids) + verified, batch=len(ids))
         self.telemetry.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called,
@@ -560,7 +603,7 @@ class TargetReplica:
             except Exception as err:  # a drafter bug must not take the batch's requests down with it
                 raise ColocatedDrafterError(f"{type(err).__name__}: {err}") from err
         by_reference = goes_by_reference(call, gamma=self.config.gamma)
-        self._stats["by_reference_calls"] += by_reference
+        self.stats.by_reference_calls += by_reference
         handle = self._drafter_by_reference if by_reference else self.drafter
         response = handle.draft.remote(call, replica_key=f"target:{self.replica_id}")
         try:
@@ -585,10 +628,7 @@ class TargetReplica:
                 stream.spec = replace(stream.spec, fallback=True, fallback_cause=cause)
                 self._forget_lookup(rid)
                 moved.append(rid)
-        self._stats["drafter_failures"] += len(moved)
-        counts = self._stats["fallbacks"]
-        first = cause not in counts
-        counts[cause] = counts.get(cause, 0) + len(moved)
+        first = self.stats.failed_over(cause, len(moved))
         self.telemetry.metrics.fallback(cause, len(moved))
         if first:  # later failures of the same cause are counted, not logged again
             # a colocated drafter's exception is a bug in this process: keep its traceback in the log
@@ -626,16 +666,6 @@ class TargetReplica:
             spec=stream.spec if out.finished else None, logprobs=logprob_texts(self.engine.tokenizer, out.logprobs),
         ))
 
-    def _observe_draft(self, draft_ms: float, drafter_ms: float, *, steady: bool) -> None:
-        """Count a drafted round; only a steady call (see ``_round``) moves the EMAs of the drafter call as the
-        target waits for it (``draft_ms``) and of the time spent inside the drafter (``drafter_ms``; the rest is
-        transport and waiting for a thread or a core)."""
-        s = self._stats
-        s["drafted_rounds"] += 1
-        if steady:
-            for key, ms in (("draft_ms", draft_ms), ("drafter_ms", drafter_ms)):
-                s[key] = STATS_EMA * ms + (1 - STATS_EMA) * s[key] if s[key] else ms
-
     def _observe_verify_scale(self, ms: float, *, tokens: int, batch: int) -> None:
         """EMA of this round's time without the drafter call over the profile's verify time for the same step.
 
@@ -645,25 +675,16 @@ class TargetReplica:
         profile = self.scheduler.profile
         b = min(batch, profile.max_batch_size)
         profiled = float(profile.verify_time_ms(tokens * b / batch, batch=b))
-        s = self._stats
-        s["verify_scale"] = STATS_EMA * (ms / profiled) + (1 - STATS_EMA) * s["verify_scale"]
-
-    def _observe(self, step_ms: float, committed: int, verified: int, accepted: int) -> None:
-        s, a = self._stats, STATS_EMA
-        s["step_ms"] = a * step_ms + (1 - a) * s["step_ms"] if s["step_ms"] else step_ms
-        s["tokens_per_step"] = a * committed + (1 - a) * s["tokens_per_step"]
-        s["rounds"] += 1
-        if verified:
-            s["acceptance"] = a * (accepted / verified) + (1 - a) * s["acceptance"]
+        self.stats.verify_scale = _ema(ms / profiled, self.stats.verify_scale, seed_with_first=False)
 
     async def _report_loop(self) -> None:
         """Push this replica's load to the Router every ``stats_interval_s`` (never on the token path)."""
         while True:
             load = TargetLoad(
                 replica_id=self.replica_id, active=len(self._active), waiting=len(self._waiting),
-                max_num_seqs=self.config.max_num_seqs, step_ms=self._stats["step_ms"],
-                tokens_per_step=self._stats["tokens_per_step"], acceptance=self._stats["acceptance"],
-                drafter_failures=self._stats["drafter_failures"], counters=copy.deepcopy(self.telemetry.counters),
+                max_num_seqs=self.config.max_num_seqs, step_ms=self.stats.step_ms,
+                tokens_per_step=self.stats.tokens_per_step, acceptance=self.stats.acceptance,
+                drafter_failures=self.stats.drafter_failures, counters=copy.deepcopy(self.telemetry.counters),
             )
             self.telemetry.report(active=load.active, queued=load.waiting)
             try:

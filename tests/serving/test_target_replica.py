@@ -105,8 +105,8 @@ def test_features_for_the_drafter_are_copied_on_the_torch_thread(replica, monkey
 
     results = run_requests(replica, [12, 12])
     assert [sum(len(chunk.token_ids) for chunk in items) for items in results] == [12, 12]
-    assert replica._stats["drafted_rounds"] > 0, "the colocated drafter never ran"
-    assert len(threads) >= 2 + replica._stats["rounds"]  # two prefills, then every output of every round
+    assert replica.stats.drafted_rounds > 0, "the colocated drafter never ran"
+    assert len(threads) >= 2 + replica.stats.rounds  # two prefills, then every output of every round
     assert {name.split("_")[0] for name in threads} == {"engine"}, set(threads)
 
 
@@ -117,7 +117,7 @@ def test_draft_gate_weighs_steady_drafter_calls_only(replica, monkeypatch):
     estimates, rounds = [], iter(range(10**6))
 
     def timed_draft(call):
-        estimates.append(replica._stats["draft_ms"])  # the EMA after every earlier call
+        estimates.append(replica.stats.draft_ms)  # the EMA after every earlier call
         rounds_behind = max((sum(u.request_id == rid for u in call.updates) for rid in call.propose), default=0)
         time.sleep((slow_ms if call.starts or rounds_behind > 1 else steady_ms) / 1000)
         return draft(call)
@@ -129,13 +129,13 @@ def test_draft_gate_weighs_steady_drafter_calls_only(replica, monkeypatch):
     monkeypatch.setattr(replica.colocated, "draft", timed_draft)
     monkeypatch.setattr(replica.scheduler, "should_draft", scripted_gate)
     run_requests(replica, [80, 40], delays_s=[0.0, 0.15])
-    assert replica._stats["drafted_rounds"] >= 8
-    estimates.append(replica._stats["draft_ms"])
+    assert replica.stats.drafted_rounds >= 8
+    estimates.append(replica.stats.draft_ms)
     # any slow call counted would lift the EMA to >= 0.2 x 150 + 0.8 x 5 = 34 ms for at least one call; steady calls
     # measure a few ms above their 5 ms sleep on a loaded 2-core machine
     assert max(estimates) < 4 * steady_ms, estimates
     # the sleep is outside the drafter: every steady call waited >= 5 ms longer than the drafter worked
-    assert replica._stats["draft_ms"] - replica._stats["drafter_ms"] >= steady_ms, replica._stats
+    assert replica.stats.draft_ms - replica.stats.drafter_ms >= steady_ms, replica.stats
 
 
 def test_prompt_lookup_drafts_in_rounds_that_skip_the_drafter(monkeypatch):
@@ -283,7 +283,7 @@ def test_a_drafter_exception_that_arrives_unwrapped_falls_back_to_plain_decoding
     assert items[-1].spec.fallback_cause == "drafter_error"
     assert [t for item in items for t in item.token_ids] == [t for item in expected for t in item.token_ids]
     assert drafter.calls >= 1 and drafter.cancelled == drafter.calls
-    assert replica._stats["drafter_failures"] == 1 and replica._stats["fallbacks"] == {"drafter_error": 1}
+    assert replica.stats.drafter_failures == 1 and replica.stats.fallbacks == {"drafter_error": 1}
 
 
 class _InProcessDrafter:
@@ -317,10 +317,10 @@ def test_drafter_calls_whose_message_or_answer_may_be_large_go_by_reference(monk
     results, expected = run_requests(replica, [16, 6]), run_requests(plain, [16, 6])
     assert [[t for item in items for t in item.token_ids] for items in results] == \
         [[t for item in items for t in item.token_ids] for items in expected]
-    assert replica._stats["drafter_failures"] == 0 and replica._stats["drafted_rounds"] > 0
+    assert replica.stats.drafter_failures == 0 and replica.stats.drafted_rounds > 0
     assert all(by_ref == (size > limit or answer > limit) for by_ref, size, answer in drafter.calls), drafter.calls
     assert {by_ref for by_ref, _, _ in drafter.calls} == {True, False}, drafter.calls
-    assert replica._stats["by_reference_calls"] == sum(by_ref for by_ref, _, _ in drafter.calls)
+    assert replica.stats.by_reference_calls == sum(by_ref for by_ref, _, _ in drafter.calls)
 
 
 def test_an_answer_over_its_bound_is_refused_and_counted_by_cause(monkeypatch):
@@ -338,7 +338,7 @@ def test_an_answer_over_its_bound_is_refused_and_counted_by_cause(monkeypatch):
     replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
     (items,) = run_requests(replica, [10])
     assert num_tokens(items) == 10 and items[-1].spec.fallback_cause == "reply_too_large"
-    assert replica._stats["fallbacks"] == {"reply_too_large": 1}
+    assert replica.stats.fallbacks == {"reply_too_large": 1}
     with pytest.raises(DraftReplyTooLargeError, match="exceeds its bound"):
         check_reply(DraftRound(blocks=[DraftBlock("x", torch.zeros(4, dtype=torch.long), torch.ones(4, 49152))],
                                confidences=torch.ones(1, 4)), gamma=4)

@@ -13,7 +13,7 @@ variable can be set from ``deployments/*.yaml``; against a running cluster, set 
 - ``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``: Serve's gRPC data plane for the proxy's and the replicas' handle calls
   instead of Ray actor calls: more plain-decoding throughput under load (docs/serving.md); in the proxy alone or the
   replicas alone it gained less or nothing. Drafter calls over 1 MiB still go by reference
-  (``target.BY_REFERENCE_BYTES``).
+  (``drafter_client.BY_REFERENCE_BYTES``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ class SpecStats:
     accepted_tokens: int = 0  # draft tokens accepted
     lookup_rounds: int = 0  # rounds whose draft came from prompt lookup (the others: the drafter's, or none)
     fallback: bool = False  # the drafter failed and the request finished with plain decoding
-    fallback_cause: str | None = None  # why (``target.fallback_cause``), when ``fallback``
+    fallback_cause: str | None = None  # why (``drafter_client.fallback_cause``), when ``fallback``
 
     @property
     def mean_accepted_length(self) -> float:

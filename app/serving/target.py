@@ -8,8 +8,9 @@ tokens -> verify-length policy over the whole batch -> one ragged verify; the dr
 (``prompt_lookup``: it runs here, on the tokens this replica commits, so it drafts in every round, also those that
 skip the drafter), streaming each request's committed text back, cancellation (a client that goes away frees its KV
 slot at once and its drafter state with the next drafter call), drafter fail-over (a failed or slow drafter call
-moves the affected requests to plain decoding for the rest of their life, counted in ``drafter_failures``) and load
-reports to the Router, off the per-token path.
+moves the affected requests to plain decoding for the rest of their life, counted in ``drafter_failures``; the call
+itself, its transport and its failure causes are ``drafter_client.py``'s) and load reports to the Router, off the
+per-token path.
 
 The engine is built and driven on one dedicated thread (``TorchThread``: it is not thread-safe, and torch work
 spread over several threads is slower, see ``torch_thread.py``), so the replica's event loop stays free to
@@ -30,12 +31,10 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
-import grpc
 import ray
 import torch
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from app.drafters.lookup import PromptLookup, prefer_lookup, read_lookup_rates
 from app.engine.admission import prefill_batch_size
@@ -48,9 +47,12 @@ from app.scheduling.scheduler import VerifyScheduler
 from app.serving.config import AppConfig
 from app.serving.profiles import serving_profile
 from app.serving.drafter import DrafterCore
+from app.serving.drafter_client import (
+    DRAFTER_FAILURES, ColocatedDrafterError, DrafterClient, RemoteDrafterError, fallback_cause,
+)
 from app.serving.protocol import (
-    DraftCall, DraftReplyTooLargeError, DraftRound, DraftStart, ErrorItem, GenerateRequest, SpecStats, TextChunk,
-    TokenLogprobText, call_bytes, reply_bytes_bound, strip_for_drafter,
+    DraftCall, DraftRound, DraftStart, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText,
+    strip_for_drafter,
 )
 from app.serving.router import TargetLoad
 from app.serving.telemetry import TargetTelemetry
@@ -103,52 +105,6 @@ class ReplicaStats:
         self.drafter_failures += requests
         self.fallbacks[cause] = self.fallbacks.get(cause, 0) + requests
         return first
-# A drafter call whose message (``protocol.call_bytes``) or answer (``protocol.reply_bytes_bound``) may exceed this
-# goes through Ray's object store instead of Serve's gRPC data plane (``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``), whose
-# replica messages stop at 4 MiB by default (``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH``): a long prompt's features
-# alone take 6 MB on SmolLM2-135M. A quarter of the limit leaves room for what the bounds do not model.
-BY_REFERENCE_BYTES = 1 << 20
-
-
-class ColocatedDrafterError(RuntimeError):
-    """The colocated drafter raised (the cause is chained)."""
-
-
-class RemoteDrafterError(RuntimeError):
-    """A call to the Drafter replica raised what Ray's own error types do not cover (the cause is chained): over
-    Serve's gRPC data plane (``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``) the drafter's exception arrives as itself instead of
-    a ``RayTaskError``, and a transport failure (a message over gRPC's size limit) as ``grpc.aio.AioRpcError``."""
-
-
-# A drafter call fails over to plain decoding on these (replica died or was restarted, call timed out or was
-# rejected, or the drafter raised).
-DRAFTER_FAILURES = (RayActorError, RayTaskError, asyncio.TimeoutError, BackPressureError, RequestCancelledError,
-                    ColocatedDrafterError, RemoteDrafterError)
-
-
-def goes_by_reference(call: DraftCall, *, gamma: int) -> bool:
-    """Whether a drafter call or its answer may exceed ``BY_REFERENCE_BYTES`` (then both go by reference)."""
-    return call_bytes(call) > BY_REFERENCE_BYTES or reply_bytes_bound(len(call.propose), gamma) > BY_REFERENCE_BYTES
-
-
-def fallback_cause(err: BaseException) -> str:
-    """The cause label of a failed drafter call (``dspark_fallbacks``, ``SpecStats.fallback_cause``): ``transport``
-    (gRPC refused the message, e.g. over its size limit), ``timeout``, ``drafter_unavailable`` (replica dead or
-    restarting), ``drafter_overloaded`` (back pressure), ``cancelled``, ``reply_too_large`` or ``drafter_error``."""
-    cause = err.__cause__ if isinstance(err, RemoteDrafterError) else None
-    if isinstance(cause, grpc.aio.AioRpcError) or isinstance(err, grpc.aio.AioRpcError):
-        return "transport"
-    if isinstance(err, asyncio.TimeoutError):
-        return "timeout"
-    if isinstance(err, RayActorError):
-        return "drafter_unavailable"
-    if isinstance(err, BackPressureError):
-        return "drafter_overloaded"
-    if isinstance(err, RequestCancelledError):
-        return "cancelled"
-    if isinstance(cause, DraftReplyTooLargeError) or "DraftReplyTooLargeError" in str(err):
-        return "reply_too_large"
-    return "drafter_error"
 
 
 def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None) -> list[TokenLogprobText] | None:
@@ -217,11 +173,14 @@ class TargetReplica:
         self.engine = self._torch.call(make_engine, config)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.speculates = config.speculates  # turned off for good if a colocated drafter cannot drop its state
-        self.drafter = drafter if self.speculates and config.drafter_placement == "separate" else None
-        # for calls over BY_REFERENCE_BYTES (without the gRPC data plane every call already goes by reference)
-        self._drafter_by_reference = self.drafter.options(_by_reference=True) if self.drafter is not None else None
-        self.colocated = self._torch.call(self._colocated_drafter, config) \
+        self.stats = ReplicaStats()
+        colocated = self._torch.call(self._colocated_drafter, config) \
             if self.speculates and config.drafter_placement == "colocated" else None
+        self.drafter = DrafterClient(
+            handle=drafter if self.speculates and colocated is None else None, colocated=colocated,
+            run=self._run, replica_id=self.replica_id, gamma=config.gamma, timeout_s=config.drafter_timeout_s,
+            stats=self.stats,
+        ) if self.speculates else None
         self.lookup = self._torch.call(make_prompt_lookup, config) if self.speculates else None
         self.router = router
         self.policy = make_policy(config.policy)
@@ -240,7 +199,11 @@ class TargetReplica:
         self._drafted_last_round = False
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
-        self.stats = ReplicaStats()
+
+    @property
+    def colocated(self) -> DrafterCore | None:
+        """The drafter on this replica's torch thread (``drafter_placement: colocated``), else None."""
+        return self.drafter.colocated if self.drafter is not None else None
 
     def _profile(self, config: AppConfig) -> ThroughputProfile:
         """The profile to schedule with (runs on the torch thread: it may time the engine, ``profiles.py``)."""
@@ -563,7 +526,7 @@ class TargetReplica:
                          finished=self._draft_finished, propose=propose)
         self._draft_starts, self._draft_updates, self._draft_finished = [], [], []
         try:
-            result = await self._draft(call)
+            result = await self.drafter.draft(call)
         except DRAFTER_FAILURES as err:
             moved = self._fail_over(propose + [s.request_id for s in call.starts], err)
             if isinstance(err, ColocatedDrafterError):  # the call may have raised half-way: drop their state now
@@ -584,36 +547,12 @@ class TargetReplica:
         """Drop failed-over requests' state from the colocated drafter; if that raises too, stop drafting on this
         replica: every request continues with plain decoding (counted in ``drafter_failures``)."""
         try:
-            await self._run(self.colocated.forget, request_ids)
+            await self.drafter.forget_colocated(request_ids)
         except Exception:
             log.exception("colocated drafter could not drop its state; this replica stops drafting")
             self._fail_over([rid for rid, s in self._active.items() if s.on_drafter], cause)
             self.speculates = False
             self._draft_starts, self._draft_updates, self._draft_finished = [], [], []
-
-    async def _draft(self, call: DraftCall) -> DraftRound:
-        """The round's drafter call, colocated or to this replica's pinned Drafter replica.
-
-        Raises:
-            One of ``DRAFTER_FAILURES``.
-        """
-        if self.colocated is not None:  # same process: no message, no size limit
-            try:
-                return await self._run(self.colocated.draft, call)
-            except Exception as err:  # a drafter bug must not take the batch's requests down with it
-                raise ColocatedDrafterError(f"{type(err).__name__}: {err}") from err
-        by_reference = goes_by_reference(call, gamma=self.config.gamma)
-        self.stats.by_reference_calls += by_reference
-        handle = self._drafter_by_reference if by_reference else self.drafter
-        response = handle.draft.remote(call, replica_key=f"target:{self.replica_id}")
-        try:
-            return await asyncio.wait_for(response, timeout=self.config.drafter_timeout_s)
-        except DRAFTER_FAILURES:
-            response.cancel()
-            raise
-        except Exception as err:
-            response.cancel()
-            raise RemoteDrafterError(f"{type(err).__name__}: {err}") from err
 
     def _fail_over(self, request_ids: list[str], err: BaseException, *, cause: str | None = None) -> list[str]:
         """Move active requests to plain decoding, counted under ``cause`` (default ``fallback_cause(err)``) in

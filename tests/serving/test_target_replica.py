@@ -26,6 +26,7 @@ from ray import serve
 
 from app.drafters.lookup import LookupRates, PromptLookup
 from app.engine.types import DraftBlock, SamplingParams
+from app.serving import drafter_client
 from app.serving import target as target_module
 from app.serving.config import AppConfig
 from app.serving.drafter import DrafterReplica
@@ -311,7 +312,7 @@ def test_drafter_calls_whose_message_or_answer_may_be_large_go_by_reference(monk
     drafter = _InProcessDrafter(AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate"}))
     # the answer for two drafted requests passes the bound, for one it does not (the mock's calls are tiny)
     limit = reply_bytes_bound(1, 4) * 3 // 2
-    monkeypatch.setattr(target_module, "BY_REFERENCE_BYTES", limit)
+    monkeypatch.setattr(drafter_client, "BY_REFERENCE_BYTES", limit)
     replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
     plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
     results, expected = run_requests(replica, [16, 6]), run_requests(plain, [16, 6])

@@ -79,6 +79,11 @@ class AppConfig(BaseModel):
         2048, ge=1, description="Prompt tokens prefilled in one forward: requests admitted together (between two "
         "rounds) share one batched prefill up to this many tokens (vLLM's max_num_batched_tokens for prefills)."
     )
+    stream_interval: int = Field(
+        1, ge=1, description="Tokens a request gathers before its text is sent (vLLM's --stream-interval): fewer, "
+        "larger chunks cost the streaming path (two processes and the HTTP proxy) less per token. The first token "
+        "and the last are always sent at once."
+    )
     max_request_bytes: int = Field(
         1 << 20, ge=1024, description="Largest HTTP request body accepted (bytes); larger bodies answer 413."
     )

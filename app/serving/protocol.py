@@ -132,6 +132,14 @@ class TextChunk:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    def then(self, later: "TextChunk") -> "TextChunk":
+        """This chunk followed by ``later`` of the same request, as one chunk."""
+        logprobs = None if self.logprobs is None and later.logprobs is None else \
+            (self.logprobs or []) + (later.logprobs or [])
+        return TextChunk(text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
+                         prompt_tokens=later.prompt_tokens, finish_reason=later.finish_reason, spec=later.spec,
+                         logprobs=logprobs)
+
 
 @dataclass(frozen=True)
 class ErrorItem:

@@ -162,6 +162,7 @@ class _Stream:
     spec: SpecStats = field(default_factory=SpecStats)
     on_drafter: bool = False  # it speculates: its state lives on the drafter (and in the prompt lookup)
     done: bool = False
+    held: TextChunk | None = None  # committed output not sent yet (``stream_interval``)
 
 
 class TargetReplica:
@@ -599,11 +600,19 @@ class TargetReplica:
         stream.done = out.finished
         self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished,
                               spec=stream.spec)
-        stream.queue.put_nowait(TextChunk(
+        chunk = TextChunk(
             text=out.text, token_ids=list(out.new_token_ids), prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,
             spec=stream.spec if out.finished else None, logprobs=logprob_texts(self.engine.tokenizer, out.logprobs),
-        ))
+        )
+        if stream.held is not None:
+            chunk = stream.held.then(chunk)
+        first = stream.generated == len(out.new_token_ids)
+        if out.finished or first or chunk.num_tokens >= self.config.stream_interval:
+            stream.queue.put_nowait(chunk)
+            stream.held = None
+        else:
+            stream.held = chunk
 
     def _observe_verify_scale(self, ms: float, *, tokens: int, batch: int) -> None:
         """EMA of this round's time without the drafter call over the profile's verify time for the same step.

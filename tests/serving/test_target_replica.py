@@ -343,3 +343,18 @@ def test_an_answer_over_its_bound_is_refused_and_counted_by_cause(monkeypatch):
     with pytest.raises(DraftReplyTooLargeError, match="exceeds its bound"):
         check_reply(DraftRound(blocks=[DraftBlock("x", torch.zeros(4, dtype=torch.long), torch.ones(4, 49152))],
                                confidences=torch.ones(1, 4)), gamma=4)
+
+
+@pytest.mark.parametrize("policy", ["none", "dspark"])
+def test_stream_interval_gathers_tokens_but_never_delays_the_first_or_the_last(monkeypatch, policy):
+    """The same text as one chunk a round; the first chunk holds the first token alone, every later chunk but the
+    last at least ``stream_interval`` tokens, and the last carries the finish reason and spec stats."""
+    plain = run_requests(make_replica(monkeypatch, policy=policy), [17, 5])
+    gathered = run_requests(make_replica(monkeypatch, policy=policy, stream_interval=6), [17, 5])
+    for items, reference in zip(gathered, plain):
+        assert [t for i in items for t in i.token_ids] == [t for i in reference for t in i.token_ids]
+        assert "".join(i.text for i in items) == "".join(i.text for i in reference)
+        assert len(items[0].token_ids) == 1 and all(len(i.token_ids) >= 6 for i in items[1:-1])
+        assert items[-1].finish_reason == "length" and items[-1].spec is not None
+        assert all(i.finish_reason is None and i.spec is None for i in items[:-1])
+    assert len(gathered[0]) < len(plain[0])

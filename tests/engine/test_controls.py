@@ -11,7 +11,6 @@ off, and drafts the grammar forbids are cut before verification.
 from __future__ import annotations
 
 import json
-import math
 from typing import Sequence
 
 import jsonschema
@@ -25,6 +24,7 @@ from app.engine.grammar import GrammarCompiler
 from app.engine.logits_process import sampling_probs
 from app.engine.near_tie import NEAR_TIE_EPS, processed_logits, teacher_forced_logits
 from app.engine.types import DraftBlock, FinishReason, GuidedDecoding, SamplingParams, StepOutput
+from tests.engine.chi2 import chi2_quantile_999, pooled_chi2
 from tests.engine.near_tie import check_same_or_near_tie
 from tests.engine.proposers import OracleProposer, RandomProposer
 
@@ -198,12 +198,6 @@ def _exact_joint(engine, prompt, params, depth: int) -> dict[tuple[int, ...], fl
     return joint
 
 
-def _chi2_quantile_999(df: int) -> float:
-    """Wilson-Hilferty approximation of the 0.999 quantile of chi-square(df)."""
-    z = 3.090
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 @pytest.mark.parametrize("controls", [
     {"min_p": 0.1, "top_p": 0.95, "repetition_penalty": 1.8},
 ], ids=["min_p-top_p-repetition"])
@@ -228,15 +222,9 @@ def test_sampled_controls_keep_the_distribution_under_speculation(engine, contro
     counts: dict[tuple[int, ...], int] = {}
     for r in results:
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
-    big = [c for c in joint if joint[c] * n >= 5]
-    rest_exp = n - sum(joint[c] * n for c in big)
-    rest_obs = n - sum(counts.get(c, 0) for c in big)
-    chi2 = sum((counts.get(c, 0) - joint[c] * n) ** 2 / (joint[c] * n) for c in big)
-    df = len(big) - 1
-    if rest_exp >= 1:
-        chi2 += (rest_obs - rest_exp) ** 2 / rest_exp
-        df += 1
-    assert df >= 3 and chi2 < _chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"
+    cells = list(joint) + [c for c in counts if c not in joint]  # an impossible output counts in the pooled cell
+    chi2, df = pooled_chi2([counts.get(c, 0) for c in cells], [joint.get(c, 0.0) * n for c in cells])
+    assert df >= 3 and chi2 < chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"
 
 
 JSON_QUESTIONS = {

@@ -11,7 +11,6 @@ the near-ties that make such a test unreliable on the real model.
 from __future__ import annotations
 
 import itertools
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 from app.engine.engine import TargetEngine, _Request
 from app.engine.logits_process import RequestControls, sampling_probs
 from app.engine.types import SamplingParams
+from tests.engine.chi2 import chi2_quantile_999, pooled_chi2
 
 V = 6  # toy vocabulary; token 0 is the prompt
 SEQ = 3  # output tokens per sequence: the joint over V**SEQ cells is tested
@@ -96,21 +96,8 @@ def _speculative_counts(case: str, *, seeded: bool, controls_cls=RequestControls
 
 
 def _chi2(counts: torch.Tensor, joint: torch.Tensor) -> tuple[float, int]:
-    """Chi-square of ``counts`` against N * ``joint`` over cells expecting >= 5, the rest pooled; and its df."""
-    exp = joint * N
-    big = exp >= 5
-    chi2 = float(((counts[big] - exp[big]) ** 2 / exp[big]).sum())
-    df = int(big.sum()) - 1
-    rest_exp, rest_obs = float(exp[~big].sum()), float(counts[~big].sum())
-    if rest_exp >= 1:
-        chi2 += (rest_obs - rest_exp) ** 2 / rest_exp
-        df += 1
-    return chi2, df
-
-
-def _chi2_quantile_999(df: int) -> float:
-    """Wilson-Hilferty approximation of the 0.999 quantile of chi-square(df)."""
-    return df * (1 - 2 / (9 * df) + 3.090 * math.sqrt(2 / (9 * df))) ** 3
+    """``pooled_chi2`` of ``counts`` against N * ``joint``, cell by cell."""
+    return pooled_chi2(counts.flatten().tolist(), (joint * N).flatten().tolist())
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["rejection", "seeded-coupling"])
@@ -121,7 +108,7 @@ def test_sampled_controls_keep_the_target_distribution(case, seeded):
     counts = _speculative_counts(case, seeded=seeded)
     assert float(counts[joint == 0].sum()) == 0, "a token outside the processed, truncated distribution came out"
     chi2, df = _chi2(counts, joint)
-    assert df >= 10 and chi2 < _chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"
+    assert df >= 10 and chi2 < chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"
 
 
 def test_penalties_counted_once_per_step_would_be_caught():
@@ -129,4 +116,4 @@ def test_penalties_counted_once_per_step_would_be_caught():
     case = "top_k-presence-frequency"
     counts = _speculative_counts(case, seeded=False, controls_cls=_CountOncePerStep)
     chi2, df = _chi2(counts, _exact_joint(_params(case)))
-    assert chi2 > _chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"
+    assert chi2 > chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"

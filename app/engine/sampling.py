@@ -40,15 +40,17 @@ def target_probs(logits: torch.Tensor, *, temperature: float, top_p: float) -> t
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p >= 1.0:
         return probs
-    k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
-    top, order = probs.topk(k, dim=-1)  # [L, k], most likely first
+
+    def nucleus(ranked: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        """[n, V]: ``ranked`` [n, k] (probabilities most likely first, at ``order``) cut to the nucleus, scattered."""
+        kept = torch.where(ranked.cumsum(-1) - ranked < top_p, ranked, torch.zeros_like(ranked))
+        return torch.zeros(ranked.shape[0], probs.shape[-1]).scatter_(-1, order, kept)
+
+    top, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)  # [L, k]
+    truncated = nucleus(top, order)
     wide = (top.sum(-1) < top_p).nonzero().flatten()  # rows whose nucleus reaches past the candidates
-    kept = torch.where(top.cumsum(-1) - top < top_p, top, torch.zeros_like(top))
-    truncated = torch.zeros_like(probs).scatter_(-1, order, kept)
     if wide.numel():
-        sorted_p, full_order = probs[wide].sort(dim=-1, descending=True)
-        sorted_p = torch.where(sorted_p.cumsum(-1) - sorted_p < top_p, sorted_p, torch.zeros_like(sorted_p))
-        truncated[wide] = torch.zeros_like(sorted_p).scatter_(-1, full_order, sorted_p)
+        truncated[wide] = nucleus(*probs[wide].sort(dim=-1, descending=True))
     return truncated / truncated.sum(-1, keepdim=True)
 
 

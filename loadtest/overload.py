@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from loadtest.metrics import distribution
 from loadtest.server import DEFAULT_CONFIG, ManagedServer
 
 
@@ -33,11 +34,6 @@ async def _burst(url: str, n: int, method: str, path: str, **kwargs) -> list[tup
         return await asyncio.gather(*[one(client) for _ in range(n)])
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def run_round(url: str, model: str, n: int, max_tokens: int, headers: dict) -> dict:
     """One health burst then one overload burst; the round's figures."""
     health = asyncio.run(_burst(url, n, "GET", "/health"))
@@ -48,15 +44,16 @@ def run_round(url: str, model: str, n: int, max_tokens: int, headers: dict) -> d
     well_formed = all(h.get("Retry-After") and h.get("content-type") == "application/json" and '"overloaded"' in t
                       for _, h, t in rejected)
     latencies = [s for s, _, _ in rejected]
+    spread = distribution(latencies, "s")  # the sweep's percentiles; None without a rejection
     return {
         "ok": sum(code == 200 for code, *_ in results),
         "rejected": len(rejected),
         "other": sorted(code for code, *_ in results if code not in (200, 503)),
         "well_formed": well_formed,
-        "first_s": min(latencies) if latencies else float("nan"),
-        "p50_s": _quantile(latencies, 0.5) if latencies else float("nan"),
-        "p99_s": _quantile(latencies, 0.99) if latencies else float("nan"),
-        "max_s": max(latencies) if latencies else float("nan"),
+        "first_s": min(latencies, default=float("nan")),
+        "p50_s": spread["p50_s"] if latencies else float("nan"),
+        "p99_s": spread["p99_s"] if latencies else float("nan"),
+        "max_s": max(latencies, default=float("nan")),
         "health_max_s": max(s for _, s, _, _ in health),
         "healthy_after": httpx.get(f"{url}/health", timeout=30).status_code == 200,
     }

@@ -4,13 +4,14 @@ Usage: ``python -m app.engine.bench_controls [--model smollm2-135m] [--tokens 48
 [--temperature 0.7]``
 
 For each control (greedy, or sampled with ``--temperature``: each prompt then carries its own ``seed``, so the
-outputs with and without speculation are the same tokens up to near-ties of the target's logits), a handful of chat prompts are decoded without speculation and with the prompt-lookup
-n-gram drafter; the table gives how many outputs are token-identical and tau (committed tokens per verify round)
-with speculation, and the draft tokens proposed and verified (the engine cuts a block to the request's remaining
-``max_tokens`` room and, with a grammar, before the first draft the grammar forbids). An output that differs is
-judged by the near-tie rule on the processed logits (``app/engine/near_tie.py``): ``near-tie`` counts rounding
-differences, ``bugs`` anything else. For ``json_schema`` it adds how many outputs that ended (not cut by
-``max_tokens``) parse and match the schema, with and without speculation. Prints the table, then one JSON line.
+outputs with and without speculation are the same tokens up to near-ties of the target's logits), a handful of chat
+prompts are decoded without speculation and with the prompt-lookup n-gram drafter; the table gives how many outputs
+are token-identical and tau (committed tokens per verify round) with speculation, and the draft tokens proposed and
+verified (the engine cuts a block to the request's remaining ``max_tokens`` room and, with a grammar, before the
+first draft the grammar forbids). An output that differs is judged by the near-tie rule on the processed logits
+(``app/engine/near_tie.py``): ``near-tie`` counts rounding differences, ``bugs`` anything else. For
+``json_schema`` it adds how many outputs that ended (not cut by ``max_tokens``) parse and match the schema, with
+and without speculation. Prints the table, then one JSON line.
 """
 
 from __future__ import annotations

@@ -271,4 +271,3 @@ def accepted_length(accepted: int, rounds: int) -> float:
 def batch_accepted_length(results) -> float:
     """tau over decoded requests (``RequestResult``s, or anything with ``num_accepted`` and ``rounds``)."""
     return accepted_length(sum(r.num_accepted for r in results), sum(r.rounds for r in results))
-

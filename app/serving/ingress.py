@@ -401,8 +401,8 @@ class Ingress:
         try:
             if chat:
                 for c in flight.choices:
-                    yield event(chunk_body(chat=True, request_id=request_id, created=created, model=model, text="", index=c.index,
-                                           role=True))
+                    yield event(chunk_body(chat=True, request_id=request_id, created=created, model=model, text="",
+                                           index=c.index, role=True))
             while remaining:
                 choice, chunk = await queue.get()
                 if isinstance(chunk, ErrorItem):  # failed mid-stream: an error event ends the stream (as vLLM)
@@ -422,8 +422,8 @@ class Ingress:
                     offsets[choice.index] += sum(len(e.token) for e in chunk.logprobs or ())
                 if chunk.finish_reason is not None:
                     choice.done, remaining = True, remaining - 1
-                    final = chunk_body(chat=chat, request_id=request_id, created=created, model=model, text=None if chat else "",
-                                       index=choice.index, finish_reason=chunk.finish_reason)
+                    final = chunk_body(chat=chat, request_id=request_id, created=created, model=model,
+                                       text=None if chat else "", index=choice.index, finish_reason=chunk.finish_reason)
                     if req.spec_stats and chunk.spec is not None:
                         final["spec_stats"] = chunk.spec.to_json()
                     yield event(final)

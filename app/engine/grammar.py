@@ -24,8 +24,7 @@ import functools
 from typing import Sequence
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from app.engine.errors import InvalidRequestError
@@ -48,6 +47,8 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        import llguidance.hf  # imports transformers: only processes that compile grammars pay for it
+
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         # about 0.4 s for SmolLM2's 49152-token vocabulary, once per engine
@@ -77,7 +78,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise InvalidRequestError(f"{guided.kind}: unsupported schema: {matcher.get_error()}")
         probe = matcher.deep_copy()  # the first mask tells whether anything but the end token may come
-        llguidance.torch.fill_next_token_bitmask(probe, llguidance.torch.allocate_token_bitmask(1, self.vocab_size))
+        llguidance.numpy.fill_next_token_bitmask(probe, llguidance.numpy.allocate_token_bitmask(1, self.vocab_size))
         if probe.is_stopped():  # e.g. a $ref that only refers to itself
             raise InvalidRequestError(f"{guided.kind}: the schema admits no JSON value")
         return matcher
@@ -90,7 +91,10 @@ class RequestGrammar:
         self._matcher = matcher
         self._vocab_size = compiler.vocab_size
         self._eos = frozenset(compiler.eos_token_ids)
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, compiler.vocab_size)  # [1, W] int32
+        # [1, W] int32, the tensor sharing the array's memory (llguidance's numpy helpers: importing its torch module
+        # compiles a kernel, which loads torch's compiler stack into every replica process)
+        self._bitmask_np = llguidance.numpy.allocate_token_bitmask(1, compiler.vocab_size)
+        self._bitmask = torch.from_numpy(self._bitmask_np)
         self._shifts = torch.arange(32, dtype=torch.int32)
 
     def block_masks(self, draft: Sequence[int]) -> tuple[int, torch.Tensor]:
@@ -135,7 +139,7 @@ class RequestGrammar:
 
     def _mask(self) -> torch.Tensor:
         """[V] bool: the tokens allowed next in the matcher's current state."""
-        llguidance.torch.fill_next_token_bitmask(self._matcher, self._bitmask)
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask_np)
         bits = (self._bitmask[0].unsqueeze(-1) >> self._shifts) & 1  # [W, 32], bit j of word w is token 32 w + j
         return bits.reshape(-1)[: self._vocab_size].bool()
 

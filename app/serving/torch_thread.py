@@ -3,9 +3,9 @@
 Why one thread. PyTorch's CPU kernels run their parallel regions on GNU OpenMP (libgomp), which keeps a worker
 pool per thread that starts parallel regions. Once a second thread of the process has started one, the pools'
 threads outnumber a small machine's cores and libgomp stops spin-waiting between regions: every region then
-wakes its workers through the kernel. On a 2-core machine that about doubles the cost of the small per-token
-kernels (a bf16 ``[1, 576] x [576, 1536]`` matmul) and made a served plain-decoding step about 20 % slower than
-the same engine driven from one thread. A Serve replica's
+wakes its workers through the kernel. On a machine with few cores that can double the cost of the small
+per-token kernels (a bf16 ``[1, 576] x [576, 1536]`` matmul) and makes a served step slower than the same engine
+driven from one thread. A Serve replica's
 constructor runs on Serve's user-code thread, synchronous methods on a thread pool and ``run_in_executor``
 calls on yet another thread, so a replica must route all torch work through one ``TorchThread`` itself, tensor
 copies included: a copy of a prompt's drafter features on the event loop thread was enough (target.py).

@@ -2,8 +2,7 @@
 
 - All its torch work runs on its torch thread, including copying features for the drafter: a prompt's feature
   rows are enough for torch to start an OpenMP parallel region, and started on the event loop thread that gives
-  the process a second OpenMP pool and slowed every later engine step of the served ``dspark`` policy by ~25%
-  (43 -> 56 ms per plain step on the 2-core machine; torch_thread.py).
+  the process a second OpenMP pool, which slows every later engine step (torch_thread.py).
 - Drafting runs with ``drafter_threads`` torch threads, verify with ``torch_threads``.
 - The drafter-call time the draft gate weighs comes from steady calls only, not from calls that also project
   a new prompt or catch up on rounds drafted without.

@@ -14,7 +14,9 @@ import time
 
 import torch
 
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+
+from app.engine.engine import TargetEngine
 from app.engine.types import DraftBlock, SamplingParams
 
 # An MT-Bench writing prompt (Apache-2.0), shipped here so the demo needs no dataset.

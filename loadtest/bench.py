@@ -44,7 +44,8 @@ import httpx
 import torch
 
 from app.engine.decode import generate
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.near_tie import first_divergence
 from app.engine.types import SamplingParams
 from app.serving.config import AppConfig

@@ -81,7 +81,8 @@ def shared_datasets() -> Path:
 
 @pytest.fixture(scope="session")
 def engine():
-    from app.engine.engine import EngineConfig, TargetEngine
+    from app.engine.config import EngineConfig
+    from app.engine.engine import TargetEngine
 
     return TargetEngine(EngineConfig(max_num_seqs=24, max_model_len=1024))
 

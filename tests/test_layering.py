@@ -24,3 +24,25 @@ def test_lower_packages_import_no_serving_eval_or_loadtest_module():
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
+INGRESS_PROBE = """
+import pickle, sys
+import app.serving.ingress
+config = pickle.loads(sys.stdin.buffer.read())  # a replica gets its config pickled, not validated again
+print(config.served_model_name, sorted(m for m in ("torch", "transformers", "llguidance") if m in sys.modules))
+"""
+
+
+def test_http_ingress_runs_without_torch_or_transformers():
+    """The ingress (HTTP, OpenAI schemas, streaming) loads neither torch nor transformers: its replicas start fast
+    and stay small."""
+    import pickle
+
+    from app.serving.config import AppConfig
+
+    config = pickle.dumps(AppConfig(served_model_name="m"))
+    out = subprocess.run([sys.executable, "-c", INGRESS_PROBE], cwd=REPO, input=config, capture_output=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.decode().strip().splitlines()[-1] == "m []", out.stdout[-2000:]

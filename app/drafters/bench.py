@@ -39,7 +39,8 @@ import torch
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.proposer import DSparkProposer, draw, make_proposal, round_sampling
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.types import DraftBlock, SamplingParams
 from app.drafters.checkpoint import DEFAULT_CHECKPOINT
 

@@ -420,7 +420,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     # checkpoint.py dispatches DeepSpec folders to this module, so it is imported here, not at the top
     from app.drafters.checkpoint import KINDS, load_checkpoint, read_checkpoint_config
-    from app.engine.engine import EngineConfig, TargetEngine
+    from app.engine.config import EngineConfig
+    from app.engine.engine import TargetEngine
 
     doc, dtype = read_checkpoint_config(args.checkpoint), getattr(torch, args.dtype)
     kind = doc.get("kind", "dspark")

@@ -31,7 +31,7 @@ import torch
 from app.drafters.calibration import Calibration, prefix_survival
 from app.drafters.dspark import ContextKV, DSparkDrafter
 from app.engine.coupling import gumbel_noise
-from app.engine.types import DraftBlock, SamplingParams, StepOutput
+from app.engine.types import DRAFT_TOP_K, DraftBlock, SamplingParams, StepOutput
 
 
 @dataclass(frozen=True)
@@ -82,16 +82,6 @@ def round_sampling(
     if not sampled:
         return temps, rows, torch.zeros(0, gamma, device=device)
     return temps, rows, torch.stack([torch.rand(gamma, generator=states[b].generator) for b in sampled]).to(device)
-
-
-# A sampled request's drafts are drawn from the drafter's distribution truncated to its DRAFT_TOP_K most likely tokens
-# (renormalised). Speculative sampling is lossless for any draft distribution the drafts really follow, so the engine
-# verifies against exactly this sparse q, and a block's probabilities take K x 64 x (4 + 8) bytes whatever the
-# vocabulary (5.4 kB at K = 7, against 1.4 MB for a dense [K, V] float32 on SmolLM2's V = 49,152). The mass the
-# truncation drops bounds the acceptance lost at a position; measured on 112 draft positions of 8 gsm8k-eval prompts
-# with the committed checkpoint: mean 0.5 % (max 6 %) at T = 0.7, mean 6 % (max 36 %) at T = 1.0; 256 tokens would
-# drop 0.1 % / 3 % (docs/serving.md).
-DRAFT_TOP_K = 64
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ import statistics
 import torch
 
 from app.engine.decode import generate
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.timing import time_verify_step
 from app.engine.types import SamplingParams
 

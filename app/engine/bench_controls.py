@@ -23,7 +23,8 @@ import jsonschema
 
 from app.drafters.ngram import NgramProposer
 from app.engine.decode import RequestResult, generate
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.near_tie import first_divergence
 from app.engine.types import DraftBlock, FinishReason, GuidedDecoding, SamplingParams, batch_accepted_length
 

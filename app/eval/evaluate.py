@@ -32,7 +32,8 @@ from app.drafters.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_ch
 from app.drafters.lookup import LookupHybridProposer, read_lookup_rates
 from app.drafters.registry import make_proposer
 from app.engine.decode import Proposer, generate
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput, batch_accepted_length
 from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
 

@@ -35,9 +35,10 @@ from app.drafters.checkpoint import load_checkpoint
 from app.drafters.config import DrafterConfig, target_shape
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.proposer import DSparkProposer
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.hardware import hardware_name
-from app.engine.loader import LOAD_FORMATS
+from app.engine.config import LOAD_FORMATS
 from app.engine.timing import time_draft_step, time_verify_step
 from app.engine.decode import Proposer
 from app.scheduling.profile import DUMMY_SUFFIX, Provenance, ThroughputProfile, write_profile

@@ -17,8 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from app.engine.engine import EngineConfig
-from app.scheduling.policies import make_policy
+from app.engine.config import EngineConfig
 from autoscale.config import SLOAutoscalingConfig
 
 log = logging.getLogger("ray.serve")
@@ -61,7 +60,7 @@ class AppConfig(BaseModel):
     # ------------------------------------------------------------------ target
     engine: EngineConfig = Field(
         default_factory=EngineConfig,
-        description="The target engine, every field of app/engine/engine.py's EngineConfig: model, load_format, "
+        description="The target engine, every field of app/engine/config.py's EngineConfig: model, load_format, "
         "dtype, device, max_model_len, max_num_seqs, feature_layers, prepack, fp32_lm_head, greedy_screen "
         "(max_draft_len is `gamma`). The keys model, dtype, device, max_model_len and max_num_seqs are also "
         "accepted at the top level of `args`.",
@@ -206,6 +205,9 @@ class AppConfig(BaseModel):
     @field_validator("policy")
     @classmethod
     def _check_policy(cls, value: str) -> str:
+        # imported here: the scheduling package needs torch, this module does not (the HTTP ingress reads it)
+        from app.scheduling.policies import make_policy
+
         make_policy(value)  # raises ValueError naming the policy
         return value
 
@@ -265,6 +267,8 @@ class AppConfig(BaseModel):
     @property
     def speculates(self) -> bool:
         """Whether rounds call the drafter (policy 'none' never does)."""
+        from app.scheduling.policies import make_policy
+
         return make_policy(self.policy).speculates
 
     @property

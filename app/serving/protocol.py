@@ -11,10 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from app.drafters.proposer import DRAFT_TOP_K
-from app.engine.types import DraftBlock, SamplingParams, StepOutput, accepted_length
+from app.engine.types import DRAFT_TOP_K, DraftBlock, SamplingParams, StepOutput, accepted_length
 
 # Serialisation overhead of one pickled tensor / message object beyond its data (bytes; a pickled 1-element tensor
 # takes about 400 bytes): the bounds below add it per tensor so they stay upper bounds for small batches.

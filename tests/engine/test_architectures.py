@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from app.engine.decode import generate
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.model import ModelArgs
 from app.engine.near_tie import teacher_forced_logits
 from app.engine.types import SamplingParams

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from app.engine.decode import generate
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.loader import DUMMY_STD, load_target
 from app.engine.types import SamplingParams
 from tests.conftest import TINY_LLAMA, write_model_dir

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from app.engine.decode import generate
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.prepack import PrepackedLinear, prepack_linears, prepack_supported
 from app.engine.types import DraftBlock, SamplingParams
 

@@ -13,7 +13,8 @@ import pytest
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.proposer import DSparkProposer
 from app.engine.decode import generate
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.types import SamplingParams
 from app.drafters.checkpoint import DEFAULT_CHECKPOINT
 from tests.conftest import load_prompts

@@ -36,7 +36,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from app.engine.decode import generate
-from app.engine.engine import EngineConfig, TargetEngine
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
 from app.datasets import DEFAULT_DATASETS_DIR, TRAIN_SETS, load_prompts
 

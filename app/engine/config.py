@@ -1,0 +1,60 @@
+"""Settings of one target engine (``TargetEngine``): a pydantic model without torch, so configuration can be read and
+validated by processes that never run the engine (the HTTP ingress, config checks).
+
+Owns: the engine's fields, their defaults and documentation, and the checks between them. Does not own: what the
+fields do (``engine.py``, ``loader.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LoadFormat = Literal["auto", "dummy"]
+LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
+
+
+class EngineConfig(BaseModel):
+    """Settings of one target engine (one target replica)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("smollm2-135m", description="Target: embedded name, local dir, .gguf file or cached HF id.")
+    load_format: LoadFormat = Field(
+        "auto", description="auto: the checkpoint's weights; dummy: random weights on the checkpoint's config.json and "
+        "tokenizer (no safetensors needed), for profiling step costs (vLLM's --load-format dummy).",
+    )
+    dtype: str = Field("auto", description="Weights/activations dtype: auto (bfloat16), bfloat16, float16, float32.")
+    device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    max_model_len: int = Field(2048, ge=16, description="Per-request context limit in tokens (KV slot capacity).")
+    max_num_seqs: int = Field(32, ge=1, description="Concurrent requests (KV cache slots).")
+    max_draft_len: int = Field(8, ge=0, le=256, description="Most draft tokens verified per request per step.")
+    fp32_lm_head: bool = Field(
+        True, description="Compute logits with a float32 copy of the LM head (stable greedy ties in bfloat16)."
+    )
+    greedy_screen: bool = Field(
+        True, description="CPU, bfloat16/float16 model with the float32 LM head: greedy requests take the argmax of "
+        "exact logits of the candidates a half-precision LM head screens out (app/engine/greedy_head.py), "
+        "not a float32 matmul over the vocabulary.",
+    )
+    prepack: bool = Field(
+        True, description="CPU, bfloat16 model, oneDNN with bfloat16 kernels: the decoder's linear layers and the greedy "
+        "screen run on weights prepacked once into oneDNN's blocked layout (app/engine/prepack.py; bit-identical "
+        "outputs, 1.4-2x faster matmuls at decode sizes). Ignored where unsupported.",
+    )
+    batch_invariant: bool = Field(
+        False, description="A request's logits depend on its own tokens only, not on the other requests of the step "
+        "nor on how many drafts it verifies: each request runs alone, padded to max_draft_len + 1 rows, attending over "
+        "its whole KV slot, and is prefilled alone. Seeded requests then reproduce exactly, greedy ones are identical "
+        "alone and in any batch. Costs one forward per request per step (docs/serving.md).",
+    )
+    feature_layers: tuple[int, ...] | None = Field(
+        None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.max_draft_len >= self.max_model_len // 2:
+            raise ValueError(f"max_draft_len {self.max_draft_len} leaves no room in max_model_len {self.max_model_len}")
+        return self

@@ -28,6 +28,16 @@ CHECKPOINT = Path(AppConfig().drafter_checkpoint)
 DRAFTER = "dspark" if (CHECKPOINT / "config.json").is_file() else "ngram"
 
 
+_PLAIN: dict[str, list] = {}  # plain decodes in this process, the same reference for both placements
+
+
+def plain_decode(engine, key: str, prompt_ids: list[list[int]], params: SamplingParams) -> list:
+    """``generate(engine, prompt_ids, params)``'s results without speculation, decoded once per ``key``."""
+    if key not in _PLAIN:
+        _PLAIN[key], _ = generate(engine, prompt_ids, params)
+    return _PLAIN[key]
+
+
 @pytest.fixture(scope="module", params=["separate", "colocated"])
 def url(request):
     with local_serve(num_cpus=2) as base:
@@ -63,7 +73,7 @@ def test_served_greedy_equals_plain_greedy_under_batching(url, engine, eval_prom
 
     served = asyncio.run(send_all())
     prompt_ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in prompts]
-    plain, _ = generate(engine, prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
+    plain = plain_decode(engine, "batching", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS))
     ties = []
     for ids, ref, body in zip(prompt_ids, plain, served):
         assert body["usage"]["prompt_tokens"] == len(ids)
@@ -173,7 +183,7 @@ def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
 
     for name, (client_args, param_args) in CONTROLS.items():
         params = SamplingParams(max_tokens=24, **param_args)
-        (plain,), _ = generate(engine, [ids], params)
+        (plain,) = plain_decode(engine, name, [ids], params)
         response = served(**client_args)
         got = response.model_extra["token_ids"]
         check_same_or_near_tie(engine, ids, plain.token_ids, got, params)
@@ -188,7 +198,7 @@ def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
                 assert abs(c.logprob - ref.logprob) <= 0.25 + 0.03 * abs(ref.logprob)
     schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
     params = SamplingParams(max_tokens=24, guided=GuidedDecoding("json_schema", json.dumps(SCHEMA)))
-    (plain,), _ = generate(engine, [ids], params)
+    (plain,) = plain_decode(engine, "json_schema", [ids], params)
     response = served(response_format=schema_format)
     assert response.model_extra["token_ids"] == plain.token_ids
     assert json.loads(response.choices[0].message.content).keys() == {"answer"}

@@ -23,6 +23,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # tensors are made where needed: the HTTP ingress reads these types without torch
+    import torch
 
 
 class FinishReason(str, enum.Enum):
@@ -229,7 +233,7 @@ class DraftBlock:
         """The draft distributions as [K, V] float32 (zero outside ``prob_ids`` in the sparse form), or None."""
         if self.probs is None or self.prob_ids is None:
             return None if self.probs is None else self.probs.float()
-        import torch  # this module imports no torch: the HTTP ingress reads its request types without it
+        import torch
 
         dense = torch.zeros(self.probs.shape[0], vocab_size, dtype=torch.float32, device=self.probs.device)
         return dense.scatter_(1, self.prob_ids.long(), self.probs.float())

@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.near_tie import first_divergence

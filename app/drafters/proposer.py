@@ -1,4 +1,4 @@
-"""The DSpark drafting API: a ``Proposer`` (``app/engine/decode.py``) for a batch of requests.
+"""The DSpark drafting API: a ``Proposer`` (``app/engine/contract.py``) for a batch of requests.
 
 Owns per-request drafter state: the injected keys/values of the request's context (projected once per token:
 each round projects only the newly committed tokens' features), the anchor (the engine's pending token), the

@@ -1,7 +1,7 @@
 """Admission batching: how many waiting requests to prefill together in one forward.
 
-Owns the pure rule shared by the served target (``app/serving/target.py``) and offline decoding
-(``app/engine/decode.py``); ``TargetEngine.add_requests`` runs the batched prefill itself.
+Owns the pure rule the decoding loop (``app/loop.py``, served and offline) admits by; ``TargetEngine.add_requests``
+runs the batched prefill itself.
 """
 
 from __future__ import annotations

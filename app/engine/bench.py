@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.timing import time_verify_step

@@ -22,7 +22,7 @@ import json
 import jsonschema
 
 from app.drafters.ngram import NgramProposer
-from app.engine.decode import RequestResult, generate
+from app.loop import RequestResult, generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.near_tie import first_divergence

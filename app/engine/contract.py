@@ -1,4 +1,5 @@
-"""The engine contract: what the decoding loop and a target replica need from a target engine.
+"""The contracts of the decoding loop (``app/loop.py``): what it needs from a target engine (``Engine``) and from a
+drafter (``Proposer``).
 
 ``TargetEngine`` (``engine.py``) implements it over a real model; ``MockEngine`` (``testing.py``) over a
 deterministic rule, so the Serve layer is tested in seconds. Inputs and outputs are the typed records of
@@ -9,11 +10,28 @@ verification. Errors are those of ``errors.py``, raised before any state changes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from app.engine.types import DraftBlock, NewRequest, SamplingParams, StepOutput
+
+
+class Proposer(Protocol):
+    """Per-method hooks of a drafter (DSpark, DFlash, EAGLE-3, MTP, n-gram, test doubles).
+
+    The proposer keeps its own per-request context state, fed by ``start`` (prefill output: the first token
+    and the prompt's target features) and ``update`` (each verify step's committed tokens and features). A drafter
+    that drafts at each request's temperature also has ``set_params(request_id, params)``, called before ``start``.
+    """
+
+    def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None: ...
+
+    def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]: ...
+
+    def update(self, outputs: Sequence[StepOutput]) -> None: ...
+
+    def finish(self, request_id: str) -> None: ...
 
 
 class Engine(ABC):

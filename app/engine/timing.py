@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from app.engine.decode import Proposer
+from app.engine.contract import Proposer
 from app.engine.engine import TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
 

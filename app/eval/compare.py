@@ -28,7 +28,7 @@ from tqdm import tqdm
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.ngram import NgramProposer
 from app.drafters.registry import make_proposer
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.types import SamplingParams, batch_accepted_length

@@ -31,7 +31,8 @@ from app.drafters.calibration import auc, ece, prefix_survival
 from app.drafters.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_checkpoint_config
 from app.drafters.lookup import LookupHybridProposer, read_lookup_rates
 from app.drafters.registry import make_proposer
-from app.engine.decode import Proposer, generate
+from app.engine.contract import Proposer
+from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput, batch_accepted_length

@@ -40,7 +40,7 @@ from app.engine.engine import TargetEngine
 from app.engine.hardware import hardware_name
 from app.engine.config import LOAD_FORMATS
 from app.engine.timing import time_draft_step, time_verify_step
-from app.engine.decode import Proposer
+from app.engine.contract import Proposer
 from app.scheduling.profile import DUMMY_SUFFIX, Provenance, ThroughputProfile, write_profile
 
 ENGINE_NAME = "dspark-engine"

@@ -1,11 +1,11 @@
-"""The drafter side of a round: ``DrafterCore`` (a proposer and its per-request state, one call per target batch
-per round) and the Drafter deployment that hosts it on its own resource group.
+"""The drafter side of a round: ``DrafterCore`` (the configured proposer in a ``ProposerHost``, one call per
+target batch per round, with its metrics) and the Drafter deployment that hosts it on its own resource group.
 
-Any ``Proposer`` (``app/engine/decode.py``: ``start``, ``propose``, ``update``, ``finish``) plugs in, provided
-it leaves the round's confidences ``[B, K]`` in ``last_proposal.confidences`` (every trained drafter, n-gram and
-the mock do). One ``draft`` call per round carries the target batch's new requests, last round's outputs (only the
-newly committed tokens' features), finished requests and the ids to draft, in that order, exactly as the
-offline loop drives the hooks.
+Any ``Proposer`` (``app/engine/contract.py``: ``start``, ``propose``, ``update``, ``finish``) plugs in; it leaves the
+round's confidences ``[B, K]`` in ``last_proposal.confidences`` (every trained drafter, n-gram and the mock do).
+One ``draft`` call per round carries the target batch's new requests, the outputs since the last call (only the
+newly committed tokens' features), finished requests and the ids to draft, applied in that order by the same
+``ProposerHost`` the offline ``generate`` uses (``app/loop.py``).
 
 Placement (``AppConfig.drafter_placement``): ``separate`` (default) runs ``DrafterCore`` in Drafter replicas; a
 target replica always reaches the same drafter replica (``PinnedReplicaRouter``), so a request's state lives on
@@ -21,28 +21,19 @@ Shape symbols: B requests in a call, K block size (gamma).
 from __future__ import annotations
 
 import logging
-import time
-from typing import Protocol, runtime_checkable
 
 import ray
 import torch
 from ray import serve
 
-from app.engine.decode import Proposer
-from app.engine.types import SamplingParams
+from app.engine.contract import Proposer
+from app.loop import DraftCall, DraftRound, ProposerHost
 from app.serving.config import AppConfig
 from app.serving.metrics import DrafterMetrics
-from app.serving.protocol import DraftCall, DraftRound, check_reply
+from app.serving.protocol import check_reply
 from app.serving.torch_thread import TorchThread, intra_op_threads
 
 log = logging.getLogger("ray.serve")
-
-
-@runtime_checkable
-class TakesParams(Protocol):
-    """A proposer that drafts each request at its own temperature (the trained drafters)."""
-
-    def set_params(self, request_id: str, params: SamplingParams) -> None: ...
 
 
 def make_proposer(config: AppConfig, embed_weight: torch.Tensor | None = None) -> Proposer:
@@ -90,8 +81,8 @@ def resident_mib() -> float:
 
 
 class DrafterCore:
-    """The configured proposer and the set of requests it holds state for. Not thread-safe: build it and call
-    ``draft`` / ``forget`` on one torch thread (``num_states`` is a plain read).
+    """The configured proposer in a ``ProposerHost`` (``app/loop.py``), with its metrics and torch threads. Not
+    thread-safe: build it and call ``draft`` / ``forget`` on one torch thread (``num_states`` is a plain read).
 
     Args:
         config: the application config (drafter kind, checkpoint, gamma, policy label).
@@ -103,56 +94,33 @@ class DrafterCore:
 
     def __init__(self, config: AppConfig, *, replica: str, embed_weight: torch.Tensor | None = None) -> None:
         self.config = config
-        self.proposer = make_proposer(config, embed_weight)
-        self._live: set[str] = set()
+        self.host = ProposerHost(make_proposer(config, embed_weight), gamma=config.gamma)
         self.metrics = DrafterMetrics(policy=config.policy, replica=replica)
+
+    @property
+    def proposer(self):
+        """The configured drafter."""
+        return self.host.proposer
 
     @property
     def num_states(self) -> int:
         """Requests this core holds drafter state for (leak checks)."""
-        return len(self._live)
+        return self.host.num_states
 
     def forget(self, request_ids: list[str]) -> None:
-        """Drop the state of these requests (finished, cancelled or failed over; unknown ids are ignored).
-
-        An id stays counted in ``num_states`` until the proposer has dropped it, so a leak stays visible.
-        """
-        for rid in request_ids:
-            if rid in self._live:
-                self.proposer.finish(rid)
-                self._live.discard(rid)
+        """Drop the state of these requests (``ProposerHost.forget``)."""
+        self.host.forget(request_ids)
 
     def draft(self, call: DraftCall) -> DraftRound:
-        """Apply the hooks gathered since the last call, then draft ``call.propose``.
+        """``ProposerHost.draft`` with ``drafter_threads`` torch threads, timed in the drafter metrics.
 
-        A call may carry several rounds (the target skips the drafter while its draft gate is closed), so a
-        request can start, step and finish within one call: starts are applied first, then the steps in
-        order, then the finishes; a request that starts and finishes in the same call is never started.
-
-        Returns:
-            blocks and confidences ``[B, K]`` for the proposed ids this core holds state for; the others are
-            listed in ``missing``.
+        Raises:
+            Whatever the proposer raises.
         """
-        t0 = time.perf_counter()
         with intra_op_threads(self.config.drafter_threads):
-            finished = set(call.finished)
-            for s in call.starts:
-                if s.request_id in finished:
-                    continue
-                self._live.add(s.request_id)  # before start: a start that raises half-way is still forgotten
-                if isinstance(self.proposer, TakesParams):
-                    self.proposer.set_params(s.request_id, s.params)
-                self.proposer.start(s.request_id, s.prompt_ids, s.first)
-            self.proposer.update([out for out in call.updates if out.request_id in self._live])
-            self.forget(call.finished)
-            missing = [rid for rid in call.propose if rid not in self._live]
-            ids = [rid for rid in call.propose if rid in self._live]
-            blocks = self.proposer.propose(ids) if ids else []
-            confidences = self.proposer.last_proposal.confidences if ids else torch.zeros(0, self.config.gamma)
-            confidences = confidences.float()
-        ms = (time.perf_counter() - t0) * 1000
-        self.metrics.call(ms=ms, batch=len(ids))
-        return DraftRound(blocks=blocks, confidences=confidences, missing=missing, drafter_ms=ms)
+            reply = self.host.draft(call)
+        self.metrics.call(ms=reply.drafter_ms, batch=len(reply.blocks))
+        return reply
 
 
 class DrafterReplica:

@@ -4,7 +4,7 @@ Owns: the call to the Drafter replica (pinned to this target replica by its repl
 colocated ``DrafterCore`` on the replica's torch thread; the call's timeout; choosing Ray's object store over Serve's
 gRPC data plane for a call whose message or answer could pass the transport's limit; and turning every way a call
 can fail into one of ``DRAFTER_FAILURES`` with a cause label (``fallback_cause``). Does not own: what a call carries
-(``protocol.DraftCall``, assembled by the replica) or what a failure does to requests (the replica's fail-over).
+(``app.loop.DraftCall``, assembled by the loop) or what a failure does to requests (the replica's fail-over).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import grpc
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
+from app.loop import DraftCall, DraftRound
 from app.serving.drafter import DrafterCore
-from app.serving.protocol import DraftCall, DraftReplyTooLargeError, DraftRound, call_bytes, reply_bytes_bound
+from app.serving.protocol import DraftReplyTooLargeError, call_bytes, reply_bytes_bound
 
 # A drafter call whose message (``protocol.call_bytes``) or answer (``protocol.reply_bytes_bound``) may exceed this
 # goes through Ray's object store instead of Serve's gRPC data plane (``RAY_SERVE_USE_GRPC_BY_DEFAULT=1``), whose

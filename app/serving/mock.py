@@ -14,7 +14,7 @@ import torch
 
 from app.engine.testing import next_token
 from app.engine.types import DraftBlock, StepOutput
-from app.serving.protocol import DraftRound
+from app.loop import DraftRound
 
 MOCK_MISS_CONFIDENCE = 0.1  # mock drafter's confidence at and after its planted error
 MOCK_HIT_CONFIDENCE = 0.9  # ... and before it

@@ -1,6 +1,7 @@
 """Typed messages between the serving deployments (ingress -> target -> drafter), all plain picklable dataclasses.
 
-Owns the wire format inside the application; the OpenAI HTTP schemas live in ``openai_api.py``. Errors travel
+Owns the wire format inside the application (the drafter call's records, ``DraftCall`` and ``DraftRound``, are the
+loop's, ``app/loop.py``; their size bounds are here); the OpenAI HTTP schemas live in ``openai_api.py``. Errors travel
 as values (``ErrorItem`` with an HTTP status), never as exceptions across replicas, so the ingress can answer
 with a structured 4xx / 503 before it sends any byte of a response.
 
@@ -10,8 +11,12 @@ Shape symbols: B requests in a drafter call, K block size (gamma), C committed t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from app.engine.types import DRAFT_TOP_K, DraftBlock, SamplingParams, StepOutput, accepted_length
+from app.engine.types import DRAFT_TOP_K, SamplingParams, StepOutput, accepted_length
+
+if TYPE_CHECKING:  # the drafter call's own types (app/loop.py) need torch; the ingress reads this module without it
+    from app.loop import DraftCall, DraftRound
 
 # Serialisation overhead of one pickled tensor / message object beyond its data (bytes; a pickled 1-element tensor
 # takes about 400 bytes): the bounds below add it per tensor so they stay upper bounds for small batches.
@@ -147,38 +152,6 @@ class ErrorItem:
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
-
-
-@dataclass(frozen=True)
-class DraftStart:
-    """A new request for the drafter: its prompt, prefill output (first token, prompt features) and params."""
-
-    request_id: str
-    prompt_ids: list[int]
-    first: StepOutput
-    params: SamplingParams
-
-
-@dataclass(frozen=True)
-class DraftCall:
-    """What a target replica tells its drafter: at most one call per round per target batch, none in rounds
-    its draft gate skips (the hooks of those rounds travel with the next call)."""
-
-    starts: list[DraftStart] = field(default_factory=list)
-    updates: list[StepOutput] = field(default_factory=list)  # outputs since the last call, in order (new features)
-    finished: list[str] = field(default_factory=list)  # requests to forget (done, cancelled, failed over)
-    propose: list[str] = field(default_factory=list)  # requests to draft this round, in batch order
-
-
-@dataclass(frozen=True)
-class DraftRound:
-    """The drafter's answer: blocks and confidences for ``DraftCall.propose`` (minus ``missing``)."""
-
-    blocks: list[DraftBlock]
-    # [B, K] float32 calibrated per-position confidences, rows aligned with ``blocks``
-    confidences: torch.Tensor
-    missing: list[str] = field(default_factory=list)  # requests this replica holds no state for
-    drafter_ms: float = 0.0  # time inside the drafter for this call (hooks + drafting), without transport (ms)
 
 
 def call_bytes(call: DraftCall) -> int:

@@ -1,16 +1,16 @@
-"""The Target deployment: one engine, a continuous-batching step loop, one drafter call and one verify per round.
+"""The Target deployment: a ``SpecLoop`` (``app/loop.py``: admission, the round, commit) under a Serve shell.
 
-Owns: the replica's waiting queue (bounded: beyond ``max_queued_requests`` a request answers 503), admission between
-rounds (requests admitted together share one batched prefill into free KV slots), the round (drafter call when the
-draft gate is open -> per request the drafter's block or the prompt-lookup draft, whichever expects more accepted
-tokens -> verify-length policy over the whole batch -> one ragged verify; the drafter is a Drafter replica or, with
-``drafter_placement: colocated``, a ``DrafterCore`` on this replica's torch thread), prompt lookup
-(``prompt_lookup``: it runs here, on the tokens this replica commits, so it drafts in every round, also those that
-skip the drafter), streaming each request's committed text back, cancellation (a client that goes away frees its KV
-slot at once and its drafter state with the next drafter call), drafter fail-over (a failed or slow drafter call
-moves the affected requests to plain decoding for the rest of their life, counted in ``drafter_failures``; the call
-itself, its transport and its failure causes are ``drafter_client.py``'s) and load reports to the Router, off the
-per-token path.
+Owns: the replica's waiting queue (bounded: beyond ``max_queued_requests`` a request answers 503), when to admit
+and when to run a round, the drafter call of a round whose draft gate is open (through ``DrafterClient``: a Drafter
+replica or, with ``drafter_placement: colocated``, a ``DrafterCore`` on this replica's torch thread), streaming each
+request's committed text back, cancellation (a client that goes away frees its KV slot at once and its drafter
+state with the next drafter call), drafter fail-over (a failed or slow drafter call moves the affected requests to
+plain decoding for the rest of their life, counted by cause; the call itself, its transport and its failure causes
+are ``drafter_client.py``'s), the running figures (``ReplicaStats``), metrics and load reports to the Router, off
+the per-token path. The round itself (the drafter's block or the prompt-lookup draft, verify lengths, the verify,
+the drafter's next hooks) is the loop's, the same code the offline ``generate`` runs; prompt lookup (``prompt_lookup``)
+runs in the loop on this replica, on the tokens it commits, so it drafts in every round, also those that skip the
+drafter.
 
 The engine is built and driven on one dedicated thread (``TorchThread``: it is not thread-safe, and torch work
 spread over several threads is slower, see ``torch_thread.py``), so the replica's event loop stays free to
@@ -28,19 +28,18 @@ import copy
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import ray
-import torch
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
-from app.drafters.lookup import PromptLookup, prefer_lookup, read_lookup_rates
-from app.engine.admission import prefill_batch_size
+from app.drafters.lookup import PromptLookup, read_lookup_rates
 from app.engine.contract import Engine
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
-from app.engine.types import DraftBlock, NewRequest, StepOutput, TokenLogprob
+from app.engine.types import NewRequest, StepOutput, TokenLogprob
+from app.loop import DraftCall, DraftRound, RequestResult, Round, SpecLoop
 from app.scheduling.policies import make_policy
 from app.scheduling.profile import ThroughputProfile, load_profile
 from app.scheduling.scheduler import VerifyScheduler
@@ -50,10 +49,7 @@ from app.serving.drafter import DrafterCore
 from app.serving.drafter_client import (
     DRAFTER_FAILURES, ColocatedDrafterError, DrafterClient, RemoteDrafterError, fallback_cause,
 )
-from app.serving.protocol import (
-    DraftCall, DraftRound, DraftStart, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText,
-    strip_for_drafter,
-)
+from app.serving.protocol import ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText, strip_for_drafter
 from app.serving.router import TargetLoad
 from app.serving.telemetry import TargetTelemetry
 from app.serving.torch_thread import TorchThread, thread_cpu_ms
@@ -158,11 +154,19 @@ class _Stream:
     request: GenerateRequest
     prompt_ids: list[int]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    generated: int = 0
-    spec: SpecStats = field(default_factory=SpecStats)
-    on_drafter: bool = False  # it speculates: its state lives on the drafter (and in the prompt lookup)
+    record: RequestResult | None = None  # the loop's record of it, once admitted
     done: bool = False
     held: TextChunk | None = None  # committed output not sent yet (``stream_interval``)
+
+    @property
+    def spec(self) -> SpecStats:
+        """Its speculative statistics so far."""
+        r = self.record
+        if r is None:
+            return SpecStats()
+        return SpecStats(rounds=r.rounds, draft_tokens=r.num_draft, accepted_tokens=r.num_accepted,
+                         lookup_rounds=r.lookup_rounds, fallback=r.fallback_cause is not None,
+                         fallback_cause=r.fallback_cause)
 
 
 class TargetReplica:
@@ -173,30 +177,31 @@ class TargetReplica:
         self._torch = TorchThread("engine", config.torch_threads)
         self.engine = self._torch.call(make_engine, config)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self.speculates = config.speculates  # turned off for good if a colocated drafter cannot drop its state
+        speculates = config.speculates
         self.stats = ReplicaStats()
         colocated = self._torch.call(self._colocated_drafter, config) \
-            if self.speculates and config.drafter_placement == "colocated" else None
+            if speculates and config.drafter_placement == "colocated" else None
         self.drafter = DrafterClient(
-            handle=drafter if self.speculates and colocated is None else None, colocated=colocated,
+            handle=drafter if speculates and colocated is None else None, colocated=colocated,
             run=self._run, replica_id=self.replica_id, gamma=config.gamma, timeout_s=config.drafter_timeout_s,
             stats=self.stats,
-        ) if self.speculates else None
-        self.lookup = self._torch.call(make_prompt_lookup, config) if self.speculates else None
+        ) if speculates else None
+        self.lookup = self._torch.call(make_prompt_lookup, config) if speculates else None
         self.router = router
         self.policy = make_policy(config.policy)
         self.scheduler = VerifyScheduler(
             self.policy, self._torch.call(self._profile, config), max_batch=config.max_num_seqs, gamma=config.gamma,
             draft_gate=config.draft_gate,
-        ) if self.speculates else None
+        ) if speculates else None
+        # speculation stops for good on this replica if a colocated drafter cannot drop its state
+        self.loop = SpecLoop(self.engine, gamma=config.gamma, speculates=speculates, scheduler=self.scheduler,
+                             lookup=self.lookup, max_prefill_tokens=config.max_prefill_tokens,
+                             strip=strip_for_drafter)
         self.telemetry = TargetTelemetry(slo=config.autoscaling, policy=config.policy, replica=self.replica_id,
                                          gamma=config.gamma, max_num_seqs=config.max_num_seqs)
         self._waiting: collections.deque[_Stream] = collections.deque()
         self._active: dict[str, _Stream] = {}
         self._cancelled: set[str] = set()
-        self._draft_starts: list[DraftStart] = []
-        self._draft_updates: list[StepOutput] = []
-        self._draft_finished: list[str] = []
         self._drafted_last_round = False
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
@@ -279,7 +284,7 @@ class TargetReplica:
 
     async def _loop(self) -> None:
         while True:
-            if not (self._waiting or self._active or self._cancelled or self._draft_finished):
+            if not (self._waiting or self._active or self._cancelled or self.loop.has_pending_finishes):
                 self._wakeup.clear()
                 await self._wakeup.wait()
             try:
@@ -287,8 +292,8 @@ class TargetReplica:
                 await self._admit()
                 if self._active:
                     await self._round()
-                elif self._draft_finished and self.speculates:
-                    await self._call_drafter([])  # tell the drafter to forget cancelled requests
+                elif self.loop.has_pending_finishes and self.loop.speculates:
+                    await self._call_drafter(self.loop.take_call())  # tell the drafter to forget cancelled requests
                 elif self._waiting:  # nothing running, yet no slot free: the engine lost track of a slot
                     err = RuntimeError(f"no free KV slot with no request running ({len(self._waiting)} waiting)")
                     log.error("target step loop: %s; failing the waiting requests", err)
@@ -315,11 +320,7 @@ class TargetReplica:
         rid = stream.request.request_id
         stream.done = True
         self.telemetry.dropped(rid)
-        if stream.on_drafter:
-            self._draft_finished.append(rid)
-            self._forget_lookup(rid)
-        if self.engine.has_request(rid):
-            await self._run(self.engine.release, rid)
+        await self._run(self.loop.cancel, rid)
 
     def check_health(self) -> None:
         """Serve's health check: unhealthy (the replica is replaced) once the step loop or load reports stopped.
@@ -345,12 +346,17 @@ class TargetReplica:
     async def _admit(self) -> None:
         """Move waiting requests into free KV slots, prefilling those admitted together in one forward
         (``max_prefill_tokens`` per forward)."""
-        while self._waiting and self.engine.num_free_slots > 0:
-            n = prefill_batch_size([len(s.prompt_ids) for s in self._waiting],
-                                   max_tokens=self.config.max_prefill_tokens, max_requests=self.engine.num_free_slots)
+        while self._waiting:
+            n = self.loop.admission_size([len(s.prompt_ids) for s in self._waiting])
+            if n == 0:
+                return
             streams = [self._waiting.popleft() for _ in range(n)]
+            # On the torch thread: the loop copies features for the drafter (``strip_for_drafter``), and a prompt's rows
+            # are enough for torch to start an OpenMP parallel region; started on the event loop thread, that gives
+            # the process a second pool and slows every later engine step (torch_thread.py).
             try:
-                results = await self._run(self._add_requests, streams)
+                results = await self._run(self.loop.admit, [NewRequest(s.request.request_id, s.prompt_ids,
+                                                                      s.request.params) for s in streams])
             except Exception as err:  # not one of them may be lost: each gets the error
                 results = [err] * len(streams)
             deferred = [stream for stream, result in zip(streams, results) if isinstance(result, CapacityError)]
@@ -362,7 +368,7 @@ class TargetReplica:
                 self._waiting.extendleft(reversed(deferred))
                 return
 
-    def _admitted(self, stream: _Stream, result: tuple[StepOutput, StepOutput | None] | Exception) -> None:
+    def _admitted(self, stream: _Stream, result: tuple[RequestResult, StepOutput] | Exception) -> None:
         """Start streaming an admitted request, or answer its admission error."""
         req = stream.request
         if isinstance(result, InvalidRequestError):
@@ -375,169 +381,67 @@ class TargetReplica:
             stream.done = True
             stream.queue.put_nowait(internal_error(result))
             return
-        first, for_drafter = result
+        stream.record, first = result
         self._emit(stream, first)
-        if stream.done:
-            return
-        self._active[req.request_id] = stream
-        if self.speculates:
-            self._draft_starts.append(DraftStart(req.request_id, stream.prompt_ids, for_drafter, req.params))
-            stream.on_drafter = True
-            if self.lookup is not None:
-                self.lookup.start(req.request_id, stream.prompt_ids, first)
+        if not stream.done:
+            self._active[req.request_id] = stream
 
-    # The next two run on the torch thread: copying features for the drafter is torch work too, and a prompt's
-    # rows are enough to start a parallel region. Started on the event loop thread, it gives the process a second
-    # OpenMP pool and slows every later engine step (torch_thread.py; tests/serving/test_target_replica.py).
-
-    def _add_requests(self, streams: list[_Stream]) -> list[tuple[StepOutput, StepOutput | None] | Exception]:
-        """Prefill ``streams`` in one forward; per stream its first output and, when speculating, that output for the
-        drafter, or the exception that refused it (an ``EngineError``, or a bug's). A batch that raises is admitted
-        again one by one (a failed ``add_requests`` holds no slot), so only the request at fault fails."""
-        def admitted(first: StepOutput) -> tuple[StepOutput, StepOutput | None]:
-            return first, strip_for_drafter(first) if self.speculates else None
-
-        try:
-            firsts = self.engine.add_requests(
-                [NewRequest(s.request.request_id, s.prompt_ids, s.request.params) for s in streams]
-            )
-            return [admitted(first) for first in firsts]
-        except Exception as err:
-            if len(streams) == 1:
-                return [err]
-            log.warning("batched prefill of %d requests failed (%s: %s); admitting them one by one", len(streams),
-                        type(err).__name__, err)
-        results: list[tuple[StepOutput, StepOutput | None] | Exception] = []
-        for s in streams:
-            try:
-                results.append(admitted(self.engine.add_request(s.request.request_id, s.prompt_ids, s.request.params)))
-            except Exception as err:
-                results.append(err)
-        return results
-
-    def _verify(
-        self, blocks: list[DraftBlock]
-    ) -> tuple[list[StepOutput], list[StepOutput | None], tuple[float, float] | None]:
-        """One verify step; returns the outputs, when speculating each output for the drafter, and the engine
-        thread's (ms on a CPU, ms waiting for one) during the step (None where the kernel does not tell)."""
+    def _step(self, drafted: DraftRound | None) -> tuple[Round, tuple[float, float] | None]:
+        """The loop's round (runs on the torch thread); returns it and the engine thread's (ms on a CPU, ms waiting
+        for one) during it (None where the kernel does not tell)."""
         before = thread_cpu_ms()
-        outputs = self.engine.verify(blocks)
+        result = self.loop.step(drafted)
         after = thread_cpu_ms()
-        cpu = None if before is None or after is None else (after[0] - before[0], after[1] - before[1])
-        return outputs, [strip_for_drafter(out) if self.speculates else None for out in outputs], cpu
+        return result, None if before is None or after is None else (after[0] - before[0], after[1] - before[1])
 
     async def _round(self) -> None:
         t0 = time.perf_counter()
-        ids = list(self._active)
-        blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
-        drafter_called = False
-        speculative = [rid for rid in ids if self._active[rid].on_drafter] if self.speculates else []
-        draft_ms, drafted = 0.0, None
-        temperatures = [self._active[rid].request.params.temperature for rid in speculative]
-        if speculative and self.scheduler.should_draft(speculative, draft_ms=self.stats.draft_ms or None,
-                                                       verify_scale=self.stats.verify_scale,
-                                                       temperatures=temperatures):
+        batch = len(self._active)
+        speculative = self.loop.speculating()
+        draft_ms, drafted, drafter_called = 0.0, None, False
+        if self.loop.should_draft(speculative, draft_ms=self.stats.draft_ms or None,
+                                  verify_scale=self.stats.verify_scale):
+            call = self.loop.take_call(speculative)
             # Right after a drafted round and with no new request, a call carries one round of context: what
             # drafting every round costs, the figure the draft gate weighs. A probe after rounds without drafting
             # also catches up on their context, and a new request's prompt is projected: both cost more once.
-            steady = self._drafted_last_round and not self._draft_starts
+            steady = self._drafted_last_round and not call.starts
             t_draft, drafter_called = time.perf_counter(), True
-            drafted = await self._call_drafter(speculative)
+            drafted = await self._call_drafter(call)
             draft_ms = (time.perf_counter() - t_draft) * 1000
             if drafted is not None:
                 self.stats.drafted(draft_ms, drafted.drafter_ms, steady=steady)
         self._drafted_last_round = drafter_called
-        drafts, confidences, from_lookup = self._choose_drafts(speculative, drafted)
-        if drafts:
-            blocks.update(self._schedule(drafts, confidences))
         t_verify = time.perf_counter()
-        outputs, for_drafter, verify_cpu = await self._run(self._verify, [blocks[rid] for rid in ids])
+        result, verify_cpu = await self._run(self._step, drafted)
         verify_ms = (time.perf_counter() - t_verify) * 1000
-        # The draft gate weighs the drafter call, so it learns from the drafter's blocks only.
-        drafted_outputs = [out for out in outputs
-                           if blocks[out.request_id].tokens.numel() and out.request_id not in from_lookup]
-        if drafted_outputs:
-            self.scheduler.observe([o.request_id for o in drafted_outputs], [o.num_draft for o in drafted_outputs],
-                                   [o.num_accepted for o in drafted_outputs])
-        committed, verified, accepted, lookup_verified = 0, 0, 0, 0
-        for out, stripped in zip(outputs, for_drafter):
+        for out in result.outputs:
             stream = self._active[out.request_id]
-            by_lookup = int(out.num_draft > 0 and out.request_id in from_lookup)  # it verified a lookup draft
-            lookup_verified += by_lookup
-            stream.spec = replace(stream.spec, rounds=stream.spec.rounds + 1,
-                                  draft_tokens=stream.spec.draft_tokens + out.num_draft,
-                                  accepted_tokens=stream.spec.accepted_tokens + out.num_accepted,
-                                  lookup_rounds=stream.spec.lookup_rounds + by_lookup)
-            committed += len(out.new_token_ids)
-            verified += out.num_draft
-            accepted += out.num_accepted
             self._emit(stream, out)
             if stream.done:
                 del self._active[out.request_id]
-                if stream.on_drafter:
-                    self._draft_finished.append(out.request_id)
-                    self._forget_lookup(out.request_id)
-            elif stream.on_drafter:
-                self._draft_updates.append(stripped)
-                if self.lookup is not None:
-                    self.lookup.update([out])
         round_ms = (time.perf_counter() - t0) * 1000
-        self.stats.round(round_ms, committed=committed, verified=verified, accepted=accepted)
+        self.stats.round(round_ms, committed=result.committed, verified=result.verified, accepted=result.accepted)
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
-            self._observe_verify_scale(round_ms - draft_ms, tokens=len(ids) + verified, batch=len(ids))
+            self._observe_verify_scale(round_ms - draft_ms, tokens=batch + result.verified, batch=batch)
         self.telemetry.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called,
-                             drafted=sum(b.tokens.shape[0] for b in drafts), lookup=lookup_verified, outputs=outputs,
+                             drafted=result.drafted, lookup=result.lookup, outputs=result.outputs,
                              verify_cpu=verify_cpu)
 
-    def _choose_drafts(
-        self, speculative: list[str], drafted: DraftRound | None
-    ) -> tuple[list[DraftBlock], torch.Tensor, set[str]]:
-        """This round's draft per speculating request: the drafter's block (when it was called) or the prompt-lookup
-        draft, whichever expects more accepted tokens (``prefer_lookup``); without a drafter call, the lookup draft.
-
-        Returns:
-            the chosen blocks in batch order, their confidences ``[n, K]``, and the ids whose block is a lookup draft.
-        """
-        k = self.config.gamma
-        chosen: dict[str, tuple[DraftBlock, torch.Tensor]] = {}
-        if drafted is not None and drafted.blocks:
-            conf = drafted.confidences[:, :k]
-            conf = torch.nn.functional.pad(conf, (0, k - conf.shape[1]))
-            chosen = {b.request_id: (b, conf[i]) for i, b in enumerate(drafted.blocks)}
-        from_lookup: set[str] = set()
-        ids = [rid for rid in speculative if self._active[rid].on_drafter] if self.lookup is not None else []
-        if ids:
-            found, found_conf = self.lookup.drafts(ids, [self._active[rid].request.params.greedy for rid in ids])
-            drafter_conf = torch.stack([chosen[rid][1] if rid in chosen else torch.zeros(k) for rid in ids])
-            for i in prefer_lookup(drafter_conf, found_conf).nonzero().flatten().tolist():
-                chosen[ids[i]] = (found[i], found_conf[i])
-                from_lookup.add(ids[i])
-        if not chosen:
-            return [], torch.zeros(0, k), from_lookup
-        order = [rid for rid in speculative if rid in chosen]
-        return [chosen[rid][0] for rid in order], torch.stack([chosen[rid][1] for rid in order]), from_lookup
-
-    def _forget_lookup(self, request_id: str) -> None:
-        if self.lookup is not None:
-            self.lookup.finish(request_id)
-
-    async def _call_drafter(self, propose: list[str]) -> DraftRound | None:
-        """One drafter call with everything pending; on failure the involved requests fall back to plain."""
-        call = DraftCall(starts=self._draft_starts, updates=self._draft_updates,
-                         finished=self._draft_finished, propose=propose)
-        self._draft_starts, self._draft_updates, self._draft_finished = [], [], []
+    async def _call_drafter(self, call: DraftCall) -> DraftRound | None:
+        """One drafter call (``SpecLoop.take_call``); on failure the involved requests fall back to plain."""
         try:
             result = await self.drafter.draft(call)
         except DRAFTER_FAILURES as err:
-            moved = self._fail_over(propose + [s.request_id for s in call.starts], err)
+            moved = self._fail_over(call.propose + [s.request_id for s in call.starts], err)
             if isinstance(err, ColocatedDrafterError):  # the call may have raised half-way: drop their state now
                 await self._forget_colocated(call.finished + moved, err)
             elif isinstance(err, asyncio.TimeoutError):  # the replica may still hold their state: forget it next call
-                self._draft_finished.extend(call.finished + moved)
+                self.loop.forget_later(call.finished + moved)
             elif isinstance(err, (RayTaskError, RemoteDrafterError)) and (call.starts or call.updates or call.propose):
                 # it raised half-way, maybe before applying the finishes: the next call drops the state (a call
                 # of finishes only that raises is not retried, so a broken drafter cannot loop)
-                self._draft_finished.extend(call.finished + moved)
+                self.loop.forget_later(call.finished + moved)
             return None
         if result.missing:
             self._fail_over(result.missing, RuntimeError("drafter replica holds no state for them"),
@@ -551,23 +455,15 @@ class TargetReplica:
             await self.drafter.forget_colocated(request_ids)
         except Exception:
             log.exception("colocated drafter could not drop its state; this replica stops drafting")
-            self._fail_over([rid for rid, s in self._active.items() if s.on_drafter], cause)
-            self.speculates = False
-            self._draft_starts, self._draft_updates, self._draft_finished = [], [], []
+            self._fail_over(self.loop.speculating(), cause)
+            self.loop.stop_speculating()
 
     def _fail_over(self, request_ids: list[str], err: BaseException, *, cause: str | None = None) -> list[str]:
         """Move active requests to plain decoding, counted under ``cause`` (default ``fallback_cause(err)``) in
         ``dspark_fallbacks``, ``debug_state()["fallbacks"]`` and their ``spec_stats``; the first failure of each cause
         is logged with its error. Returns the ids moved."""
         cause = cause or fallback_cause(err)
-        moved = []
-        for rid in dict.fromkeys(request_ids):
-            stream = self._active.get(rid)
-            if stream is not None and stream.on_drafter:
-                stream.on_drafter = False
-                stream.spec = replace(stream.spec, fallback=True, fallback_cause=cause)
-                self._forget_lookup(rid)
-                moved.append(rid)
+        moved = self.loop.fail_over(request_ids, cause)
         first = self.stats.failed_over(cause, len(moved))
         self.telemetry.metrics.fallback(cause, len(moved))
         if first:  # later failures of the same cause are counted, not logged again
@@ -578,36 +474,19 @@ class TargetReplica:
                         type(err).__name__, err, len(moved), exc_info=trace)
         return moved
 
-    def _schedule(self, drafts: list[DraftBlock], confidences: torch.Tensor) -> dict[str, DraftBlock]:
-        """Verify lengths for the drafted requests under the policy, over the whole drafted batch.
-
-        Args:
-            drafts: one block per drafted request; confidences: [n, K] their per-position confidences.
-        """
-        k = self.config.gamma
-        max_len = torch.tensor([
-            min(b.tokens.shape[0], k, self._active[b.request_id].request.params.max_tokens
-                - self._active[b.request_id].generated - 1)
-            for b in drafts
-        ], dtype=torch.long).clamp(min=0)
-        lengths = self.scheduler.schedule(confidences=confidences.clamp(0, 1), min_len=torch.zeros_like(max_len),
-                                          max_len=max_len)
-        return {b.request_id: replace(b, verify_len=int(n))
-                for b, n in zip(drafts, lengths.tolist())}
-
     def _emit(self, stream: _Stream, out: StepOutput) -> None:
-        stream.generated += len(out.new_token_ids)
+        """Stream a committed output (its tokens are already in ``stream.record``)."""
         stream.done = out.finished
-        self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished,
-                              spec=stream.spec)
+        spec = stream.spec
+        self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished, spec=spec)
         chunk = TextChunk(
             text=out.text, token_ids=list(out.new_token_ids), prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,
-            spec=stream.spec if out.finished else None, logprobs=logprob_texts(self.engine.tokenizer, out.logprobs),
+            spec=spec if out.finished else None, logprobs=logprob_texts(self.engine.tokenizer, out.logprobs),
         )
         if stream.held is not None:
             chunk = stream.held.then(chunk)
-        first = stream.generated == len(out.new_token_ids)
+        first = len(stream.record.token_ids) == len(out.new_token_ids)
         if out.finished or first or chunk.num_tokens >= self.config.stream_interval:
             stream.queue.put_nowait(chunk)
             stream.held = None

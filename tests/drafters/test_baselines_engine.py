@@ -16,7 +16,7 @@ from app.drafters.dspark import DSparkDrafter
 from app.drafters.eagle import EagleDrafter
 from app.drafters.ngram import NgramProposer
 from app.drafters.registry import make_proposer
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.types import DraftBlock, SamplingParams
 from tests.engine.near_tie import check_same_or_near_tie
 

@@ -18,7 +18,7 @@ from app.drafters.config import DrafterConfig, target_shape
 from app.drafters.deepspec import main as deepspec_cli
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.proposer import DSparkProposer
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
 from app.serving.drafter import make_proposer

@@ -8,7 +8,8 @@ from app.drafters.calibration import Calibration, ece, fit_sequential_temperatur
 from app.drafters.checkpoint import load_checkpoint, save_checkpoint
 from app.drafters.config import DrafterConfig
 from app.drafters.dspark import DSparkDrafter
-from app.drafters.proposer import DRAFT_TOP_K, DSparkProposer
+from app.drafters.proposer import DSparkProposer
+from app.engine.types import DRAFT_TOP_K
 from app.engine.types import SamplingParams, StepOutput
 
 V, DM, K = 97, 32, 4

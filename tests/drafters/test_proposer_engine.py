@@ -11,8 +11,9 @@ import torch
 
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.lookup import LookupHybridProposer, read_lookup_rates
-from app.drafters.proposer import DRAFT_TOP_K, DSparkProposer
-from app.engine.decode import generate
+from app.drafters.proposer import DSparkProposer
+from app.engine.types import DRAFT_TOP_K
+from app.loop import generate
 from app.engine.types import DraftBlock, SamplingParams
 from app.drafters.checkpoint import DEFAULT_CHECKPOINT
 from tests.engine.near_tie import check_same_or_near_tie

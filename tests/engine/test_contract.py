@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.engine.contract import Engine
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.engine import TargetEngine
 from app.engine.testing import MockEngine, MockEngineConfig, next_token
 from app.engine.types import SamplingParams

@@ -19,7 +19,7 @@ import torch
 
 from app.drafters.ngram import NgramProposer
 from app.engine.bench_controls import SCHEMA
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.grammar import GrammarCompiler
 from app.engine.logits_process import sampling_probs
 from app.engine.near_tie import NEAR_TIE_EPS, processed_logits, teacher_forced_logits

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.errors import ContextLengthError, InvalidRequestError, UnknownRequestError
 from app.engine.types import DraftBlock, GuidedDecoding, SamplingParams
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.greedy_head import ScreenedArgmax

@@ -6,7 +6,7 @@ import pydantic
 import pytest
 import torch
 
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.loader import DUMMY_STD, load_target

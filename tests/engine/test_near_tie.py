@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.near_tie import first_divergence
 from app.engine.types import SamplingParams
 from tests.engine.near_tie import check_same_or_near_tie

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.sampling import accept_sampled, target_probs
 from app.engine.types import DraftBlock, SamplingParams
 from tests.engine.proposers import RandomProposer

@@ -12,7 +12,7 @@ import pytest
 
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.proposer import DSparkProposer
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.types import SamplingParams

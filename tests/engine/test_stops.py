@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.types import DraftBlock, FinishReason, SamplingParams
 from tests.engine.proposers import OracleProposer
 

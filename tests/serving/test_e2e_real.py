@@ -16,7 +16,7 @@ import httpx
 import pytest
 from ray import serve
 
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.types import SamplingParams
 from app.serving.builder import build_app
 from app.serving.config import AppConfig

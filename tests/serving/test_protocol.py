@@ -7,7 +7,8 @@ import pickle
 import torch
 
 from app.engine.types import FinishReason, StepOutput
-from app.serving.protocol import DraftCall, strip_for_drafter
+from app.loop import DraftCall
+from app.serving.protocol import strip_for_drafter
 
 
 def _outputs(batch: int, rows: int, width: int) -> list[StepOutput]:

@@ -24,14 +24,14 @@ import torch
 from ray import serve
 
 from app.drafters.lookup import LookupRates, PromptLookup
-from app.engine.types import DraftBlock, SamplingParams
+from app.engine.types import DraftBlock, NewRequest, SamplingParams
 from app.serving import drafter_client
 from app.serving import target as target_module
 from app.serving.config import AppConfig
 from app.serving.drafter import DrafterReplica
+from app.loop import DraftRound
 from app.serving.protocol import (
-    DraftReplyTooLargeError, DraftRound, ErrorItem, GenerateRequest, TextChunk, call_bytes, check_reply,
-    reply_bytes_bound,
+    DraftReplyTooLargeError, ErrorItem, GenerateRequest, TextChunk, call_bytes, check_reply, reply_bytes_bound,
 )
 
 
@@ -95,13 +95,13 @@ def num_tokens(items: list) -> int:
 
 def test_features_for_the_drafter_are_copied_on_the_torch_thread(replica, monkeypatch):
     threads = []
-    strip = target_module.strip_for_drafter
+    strip = replica.loop.strip
 
     def recording_strip(out):
         threads.append(threading.current_thread().name)
         return strip(out)
 
-    monkeypatch.setattr(target_module, "strip_for_drafter", recording_strip)
+    monkeypatch.setattr(replica.loop, "strip", recording_strip)
 
     results = run_requests(replica, [12, 12])
     assert [sum(len(chunk.token_ids) for chunk in items) for items in results] == [12, 12]
@@ -200,6 +200,10 @@ def _stream(rid: str, max_tokens: int) -> target_module._Stream:
     return target_module._Stream(request=request, prompt_ids=[1, 2, 3])
 
 
+def _new(rid: str, max_tokens: int) -> NewRequest:
+    return NewRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens))
+
+
 def test_requests_admitted_together_share_one_prefill_and_a_bad_one_fails_alone(replica, monkeypatch):
     add_requests, batches = replica.engine.add_requests, []
 
@@ -208,19 +212,18 @@ def test_requests_admitted_together_share_one_prefill_and_a_bad_one_fails_alone(
         return add_requests(requests)
 
     monkeypatch.setattr(replica.engine, "add_requests", recording)
-    stream = _stream
-    good = replica._torch.call(replica._add_requests, [stream("a", 8), stream("b", 8)])
-    assert batches == [["a", "b"]] and [first.request_id for first, _ in good] == ["a", "b"]
-    mixed = replica._torch.call(replica._add_requests, [stream("c", 8), stream("long", 10**4), stream("d", 8)])
+    good = replica._torch.call(replica.loop.admit, [_new("a", 8), _new("b", 8)])
+    assert batches == [["a", "b"]] and [first.request_id for _, first in good] == ["a", "b"]
+    mixed = replica._torch.call(replica.loop.admit, [_new("c", 8), _new("long", 10**4), _new("d", 8)])
     assert batches[1:] == [["c", "long", "d"], ["c"], ["long"], ["d"]]
     assert isinstance(mixed[1], target_module.ContextLengthError)
-    assert [mixed[0][0].request_id, mixed[2][0].request_id] == ["c", "d"]
+    assert [mixed[0][1].request_id, mixed[2][1].request_id] == ["c", "d"]
     assert {"a", "b", "c", "d"} == {rid for rid in "abcd" if replica.engine.has_request(rid)}
 
 
 def test_requests_the_engine_has_no_slot_for_go_back_to_the_front_of_the_queue_in_order(replica, monkeypatch):
-    monkeypatch.setattr(replica, "_add_requests",
-                        lambda streams: [target_module.CapacityError("no slot")] * len(streams))
+    monkeypatch.setattr(replica.loop, "admit",
+                        lambda requests: [target_module.CapacityError("no slot")] * len(requests))
     replica._waiting.extend([_stream("a", 8), _stream("b", 8), _stream("c", 8)])
     asyncio.run(replica._admit())
     assert [s.request.request_id for s in replica._waiting] == ["a", "b", "c"] and not replica._active

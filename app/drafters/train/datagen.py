@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from app.engine.decode import generate
+from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput

@@ -1,0 +1,533 @@
+"""The speculative-decoding loop, written once and free of Serve: the offline ``generate`` (evaluator, benches,
+training data, tests) and the Target replica (``app/serving/target.py``) both drive a ``SpecLoop``.
+
+Owns: the requests being decoded (prompt, sampling parameters, tokens committed, per-request statistics, whether
+the request still speculates), admission into the engine (one batched prefill; a batch that raises is admitted
+again one by one, so only the request at fault fails), and the round: the draft gate -> the drafter's hooks gathered
+since the last call (``DraftCall``; the caller carries it to the drafter and back, so the transport is the
+caller's) -> per request the drafter's block or the prompt-lookup draft, whichever expects more accepted tokens
+(``prefer_lookup``) -> verify lengths under the policy over the drafted batch -> one ragged verify -> commit
+(statistics, the lookup's histories, the drafter's next updates and finishes). Also: cancelling a request and
+moving requests to plain decoding (fail-over).
+
+Does not own: queues, threads, transports, streaming, metrics (the Target replica's), what to draft (a
+``Proposer``, hosted by ``ProposerHost``), how much to verify (the scheduler passed in: ``should_draft``,
+``schedule``, ``observe``, as ``app.scheduling.scheduler.VerifyScheduler`` provides). Not thread-safe: one caller
+drives a loop, on the thread that runs the engine.
+
+Shape symbols: B requests in a round, K block size (gamma).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Protocol, Sequence
+
+import torch
+
+from app.drafters.lookup import PromptLookup, prefer_lookup
+from app.engine.admission import prefill_batch_size
+from app.engine.contract import Engine, Proposer
+from app.engine.types import (
+    DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob, accepted_length,
+)
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------- drafter hooks
+
+@dataclass(frozen=True)
+class DraftStart:
+    """A request the drafter has not seen: its prompt and the prefill's output (first token, prompt features)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    first: StepOutput
+    params: SamplingParams  # the drafter drafts at the request's temperature
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """What the loop tells its drafter: at most one call per round, none in rounds the draft gate skips (the hooks
+    of those rounds travel with the next call)."""
+
+    starts: list[DraftStart] = field(default_factory=list)
+    updates: list[StepOutput] = field(default_factory=list)  # outputs since the last call, in order (new features)
+    finished: list[str] = field(default_factory=list)  # requests to forget (done, cancelled, failed over)
+    propose: list[str] = field(default_factory=list)  # requests to draft this round, in batch order
+
+
+@dataclass(frozen=True)
+class DraftRound:
+    """The drafter's answer: blocks and confidences for ``DraftCall.propose`` (minus ``missing``)."""
+
+    blocks: list[DraftBlock]
+    # [B, K] float32 calibrated per-position confidences, rows aligned with ``blocks``
+    confidences: torch.Tensor
+    missing: list[str] = field(default_factory=list)  # requests this drafter holds no state for
+    drafter_ms: float = 0.0  # time inside the drafter for this call (hooks + drafting), without transport (ms)
+
+
+class ProposerHost:
+    """A proposer and the set of requests it holds state for, applying ``DraftCall``s in order (the drafter side of
+    a round, in this process or a Drafter replica's).
+
+    Args:
+        proposer: the drafter; it leaves the round's confidences ``[B, K]`` in ``last_proposal.confidences`` after
+            ``propose`` (every trained drafter, n-gram and the mock do), else the round's confidences are ones.
+        gamma: K, the width of the confidences of a call that proposes nothing.
+    """
+
+    def __init__(self, proposer: Proposer, *, gamma: int) -> None:
+        self.proposer = proposer
+        self.gamma = gamma
+        self._live: set[str] = set()
+
+    @property
+    def num_states(self) -> int:
+        """Requests this host holds drafter state for (leak checks)."""
+        return len(self._live)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Drop the state of these requests (finished, cancelled or failed over; unknown ids are ignored).
+
+        An id stays counted in ``num_states`` until the proposer has dropped it, so a leak stays visible.
+        """
+        for rid in request_ids:
+            if rid in self._live:
+                self.proposer.finish(rid)
+                self._live.discard(rid)
+
+    def draft(self, call: DraftCall) -> DraftRound:
+        """Apply the hooks gathered since the last call, then draft ``call.propose``.
+
+        A call may carry several rounds (the draft gate skips the drafter some rounds), so a request can start, step
+        and finish within one call: starts are applied first, then the steps in order, then the finishes; a request
+        that starts and finishes in the same call is never started.
+
+        Returns:
+            blocks and confidences ``[B, K]`` for the proposed ids this host holds state for; the others are listed
+            in ``missing``.
+        Raises:
+            Whatever the proposer raises.
+        """
+        t0 = time.perf_counter()
+        finished = set(call.finished)
+        for s in call.starts:
+            if s.request_id in finished:
+                continue
+            self._live.add(s.request_id)  # before start: a start that raises half-way is still forgotten
+            if hasattr(self.proposer, "set_params"):  # the trained drafters draft at each request's temperature
+                self.proposer.set_params(s.request_id, s.params)
+            self.proposer.start(s.request_id, s.prompt_ids, s.first)
+        self.proposer.update([out for out in call.updates if out.request_id in self._live])
+        self.forget(call.finished)
+        missing = [rid for rid in call.propose if rid not in self._live]
+        ids = [rid for rid in call.propose if rid in self._live]
+        blocks = self.proposer.propose(ids) if ids else []
+        proposal = getattr(self.proposer, "last_proposal", None)
+        if not ids:
+            confidences = torch.zeros(0, self.gamma)
+        elif proposal is None:
+            confidences = torch.ones(len(ids), max([int(b.tokens.shape[0]) for b in blocks] + [self.gamma]))
+        else:
+            confidences = proposal.confidences.float()
+        return DraftRound(blocks=blocks, confidences=confidences, missing=missing,
+                          drafter_ms=(time.perf_counter() - t0) * 1000)
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+
+class Scheduler(Protocol):
+    """The draft gate and verify-length policy a loop consults (``app.scheduling.scheduler.VerifyScheduler``)."""
+
+    def should_draft(self, requests: Sequence[str], *, draft_ms: float | None, verify_scale: float,
+                     temperatures: Sequence[float]) -> bool: ...
+
+    def schedule(self, *, confidences: torch.Tensor, min_len: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor: ...
+
+    def observe(self, requests: Sequence[str], num_draft: Sequence[int], num_accepted: Sequence[int]) -> None: ...
+
+
+@dataclass
+class RequestResult:
+    """One request's output and statistics so far (the loop updates it every round)."""
+
+    request_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    rounds: int = 0  # verify steps (the prefill is not a round)
+    num_draft: int = 0  # draft tokens verified
+    num_accepted: int = 0  # draft tokens accepted
+    lookup_rounds: int = 0  # rounds that verified a prompt-lookup draft
+    accepted_per_round: list[int] = field(default_factory=list)  # accepted drafts in each round
+    verified_per_round: list[int] = field(default_factory=list)  # l_r in each round
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
+    speculates: bool = False  # its state lives on the drafter (and in the prompt lookup)
+    fallback_cause: str | None = None  # why it was moved to plain decoding (``SpecLoop.fail_over``), or None
+
+    @property
+    def accepted_length(self) -> float:
+        """tau: tokens committed per round, accepted drafts plus the bonus token (0 before any round)."""
+        return accepted_length(self.num_accepted, self.rounds)
+
+    def record(self, out: StepOutput) -> None:
+        """Append a step's committed output."""
+        self.token_ids.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(out.logprobs)
+        self.text += out.text
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+
+@dataclass(frozen=True)
+class Round:
+    """What one ``SpecLoop.step`` did.
+
+    Attributes:
+        outputs: one per request of the round, in batch order.
+        committed / verified / accepted: tokens over the batch (accepted drafts + bonus) / drafts verified /
+            drafts accepted.
+        drafted: draft tokens the round chose (drafter or lookup), before verify lengths cut them.
+        lookup: requests that verified a prompt-lookup draft.
+        verify_ms: the engine's verify call (ms).
+    """
+
+    outputs: list[StepOutput]
+    committed: int
+    verified: int
+    accepted: int
+    drafted: int
+    lookup: int
+    verify_ms: float
+
+
+class SpecLoop:
+    """The requests on one engine and their rounds (module docstring).
+
+    Args:
+        engine: the target engine.
+        gamma: K, the most draft tokens a request verifies per round (confidences are cut or padded to K); None
+            (only without a scheduler and a lookup) verifies every block as proposed.
+        speculates: whether admitted requests speculate (a drafter is reachable); False is plain decoding.
+        scheduler: the draft gate and verify-length policy; None drafts every round and verifies whole blocks.
+        lookup: prompt lookup (drafts from each request's own context, chosen per request against the drafter's
+            block), or None.
+        max_prefill_tokens: prompt tokens per admission forward.
+        strip: what an output becomes on its way to the drafter (the Target replica drops what the drafter does not
+            read); default unchanged.
+
+    Raises:
+        ValueError: no ``gamma`` with a scheduler or a lookup.
+    """
+
+    def __init__(self, engine: Engine, *, gamma: int | None, speculates: bool, scheduler: Scheduler | None = None,
+                 lookup: PromptLookup | None = None, max_prefill_tokens: int = 2048, strip=None) -> None:
+        if gamma is None and (scheduler is not None or lookup is not None):
+            raise ValueError("a loop with a scheduler or a prompt lookup needs gamma")
+        self.engine = engine
+        self.gamma = gamma
+        self.speculates = speculates
+        self.scheduler = scheduler
+        self.lookup = lookup if speculates else None
+        self.max_prefill_tokens = max_prefill_tokens
+        self.strip = strip or (lambda out: out)
+        self.active: dict[str, RequestResult] = {}
+        self._starts: list[DraftStart] = []
+        self._updates: list[StepOutput] = []
+        self._finished: list[str] = []
+
+    # ------------------------------------------------------------------ admission
+
+    def admission_size(self, prompt_lens: Sequence[int]) -> int:
+        """How many of the waiting prompts (lengths in queue order) the next ``admit`` takes (0: no free slot)."""
+        free = self.engine.num_free_slots
+        if free <= 0 or not prompt_lens:
+            return 0
+        return prefill_batch_size(list(prompt_lens), max_tokens=self.max_prefill_tokens, max_requests=free)
+
+    def admit(self, requests: Sequence[NewRequest]) -> list[tuple[RequestResult, StepOutput] | Exception]:
+        """Prefill ``requests`` in one forward; per request its record and first output, or the exception that
+        refused it (an ``EngineError``, or a bug's). A batch that raises is admitted again one by one (a failed
+        ``add_requests`` holds no slot), so only the request at fault fails. Admitted requests that did not finish at
+        once join ``active`` (and speculate when the loop does)."""
+        try:
+            results: list[StepOutput | Exception] = list(self.engine.add_requests(list(requests)))
+        except Exception as err:
+            if len(requests) == 1:
+                return [err]
+            log.warning("batched prefill of %d requests failed (%s: %s); admitting them one by one", len(requests),
+                        type(err).__name__, err)
+            results = []
+            for r in requests:
+                try:
+                    results.append(self.engine.add_request(r.request_id, r.prompt_ids, r.params))
+                except Exception as one:
+                    results.append(one)
+        admitted: list[tuple[RequestResult, StepOutput] | Exception] = []
+        for request, result in zip(requests, results):
+            if isinstance(result, Exception):
+                admitted.append(result)
+                continue
+            res = RequestResult(request.request_id, list(request.prompt_ids), request.params)
+            res.record(result)
+            admitted.append((res, result))
+            if result.finished:
+                continue
+            self.active[request.request_id] = res
+            if self.speculates:
+                res.speculates = True
+                self._starts.append(DraftStart(request.request_id, list(request.prompt_ids), self.strip(result),
+                                               request.params))
+                if self.lookup is not None:
+                    self.lookup.start(request.request_id, request.prompt_ids, result)
+        return admitted
+
+    # ------------------------------------------------------------------ the round
+
+    def speculating(self) -> list[str]:
+        """Active requests that speculate, in batch order."""
+        return [rid for rid, r in self.active.items() if r.speculates] if self.speculates else []
+
+    def should_draft(self, request_ids: Sequence[str], *, draft_ms: float | None = None,
+                     verify_scale: float = 1.0) -> bool:
+        """The draft gate for a round of ``request_ids`` (the speculating ones; always open without a scheduler)."""
+        if not request_ids:
+            return False
+        if self.scheduler is None:
+            return True
+        temperatures = [self.active[rid].params.temperature for rid in request_ids]
+        return self.scheduler.should_draft(request_ids, draft_ms=draft_ms, verify_scale=verify_scale,
+                                           temperatures=temperatures)
+
+    def take_call(self, propose: Sequence[str] = ()) -> DraftCall:
+        """The drafter call carrying every hook gathered since the last one, proposing ``propose``."""
+        call = DraftCall(starts=self._starts, updates=self._updates, finished=self._finished, propose=list(propose))
+        self._starts, self._updates, self._finished = [], [], []
+        return call
+
+    @property
+    def has_pending_finishes(self) -> bool:
+        """Whether the drafter still has state to forget (a call without proposals delivers it)."""
+        return bool(self._finished)
+
+    def step(self, drafted: DraftRound | None) -> Round:
+        """One round over every active request: choose drafts (``drafted``: the drafter's answer this round, None
+        when it was not called), cut them to verify lengths, verify, commit.
+
+        Raises:
+            The engine's errors (a bug: every request was validated at admission).
+        """
+        ids = list(self.active)
+        blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
+        drafts, confidences, from_lookup = self._choose(self.speculating(), drafted)
+        if drafts:
+            blocks.update(self._lengths(drafts, confidences))
+        t0 = time.perf_counter()
+        outputs = self.engine.verify([blocks[rid] for rid in ids])
+        verify_ms = (time.perf_counter() - t0) * 1000
+        if self.scheduler is not None:  # the draft gate weighs the drafter call: it learns from its blocks only
+            observed = [o for o in outputs if blocks[o.request_id].tokens.numel() and o.request_id not in from_lookup]
+            if observed:
+                self.scheduler.observe([o.request_id for o in observed], [o.num_draft for o in observed],
+                                       [o.num_accepted for o in observed])
+        committed = verified = accepted = lookup = 0
+        for out in outputs:
+            res = self.active[out.request_id]
+            by_lookup = int(out.num_draft > 0 and out.request_id in from_lookup)
+            res.record(out)
+            res.rounds += 1
+            res.num_draft += out.num_draft
+            res.num_accepted += out.num_accepted
+            res.lookup_rounds += by_lookup
+            res.accepted_per_round.append(out.num_accepted)
+            res.verified_per_round.append(out.num_draft)
+            committed += len(out.new_token_ids)
+            verified += out.num_draft
+            accepted += out.num_accepted
+            lookup += by_lookup
+            if res.speculates:
+                self._updates.append(self.strip(out))
+                if self.lookup is not None:
+                    self.lookup.update([out])
+            if out.finished:
+                del self.active[out.request_id]
+                self._forget(res)
+        return Round(outputs=outputs, committed=committed, verified=verified, accepted=accepted,
+                     drafted=sum(int(b.tokens.shape[0]) for b in drafts), lookup=lookup, verify_ms=verify_ms)
+
+    def _choose(self, speculative: list[str], drafted: DraftRound | None
+                ) -> tuple[list[DraftBlock], torch.Tensor, set[str]]:
+        """This round's draft per speculating request: the drafter's block or the prompt-lookup draft, whichever
+        expects more accepted tokens (``prefer_lookup``); without a drafter answer, the lookup draft.
+
+        Returns:
+            the chosen blocks in batch order, their confidences ``[n, K]``, and the ids whose block is a lookup draft.
+        """
+        k = self.gamma
+        chosen: dict[str, tuple[DraftBlock, torch.Tensor]] = {}
+        if drafted is not None and drafted.blocks:
+            conf = drafted.confidences
+            if k is not None:
+                conf = torch.nn.functional.pad(conf[:, :k], (0, k - min(k, conf.shape[1])))
+            chosen = {b.request_id: (b, conf[i]) for i, b in enumerate(drafted.blocks)
+                      if b.request_id in self.active and self.active[b.request_id].speculates}
+        from_lookup: set[str] = set()
+        if self.lookup is not None and speculative:
+            found, found_conf = self.lookup.drafts(speculative,
+                                                   [self.active[rid].params.greedy for rid in speculative])
+            drafter_conf = torch.stack([chosen[rid][1] if rid in chosen else torch.zeros(k) for rid in speculative])
+            for i in prefer_lookup(drafter_conf, found_conf).nonzero().flatten().tolist():
+                chosen[speculative[i]] = (found[i], found_conf[i])
+                from_lookup.add(speculative[i])
+        if not chosen:
+            return [], torch.zeros(0, k or 0), from_lookup
+        order = [rid for rid in self.active if rid in chosen]
+        return [chosen[rid][0] for rid in order], torch.stack([chosen[rid][1] for rid in order]), from_lookup
+
+    def _lengths(self, drafts: list[DraftBlock], confidences: torch.Tensor) -> dict[str, DraftBlock]:
+        """Verify lengths for the drafted requests under the policy over the drafted batch, each capped by K and the
+        request's max_tokens left; without a scheduler the blocks as proposed.
+
+        Args:
+            drafts: one block per drafted request; confidences: [n, K] their per-position confidences.
+        """
+        if self.scheduler is None:
+            return {b.request_id: b for b in drafts}
+        max_len = torch.tensor([
+            min(b.tokens.shape[0], self.gamma,
+                self.active[b.request_id].params.max_tokens - len(self.active[b.request_id].token_ids) - 1)
+            for b in drafts
+        ], dtype=torch.long).clamp(min=0)
+        lengths = self.scheduler.schedule(confidences=confidences.clamp(0, 1), min_len=torch.zeros_like(max_len),
+                                          max_len=max_len)
+        return {b.request_id: replace(b, verify_len=int(n)) for b, n in zip(drafts, lengths.tolist())}
+
+    # ------------------------------------------------------------------ ending requests early
+
+    def cancel(self, request_id: str) -> RequestResult | None:
+        """End a request before it finished: its KV slot is freed now, its drafter state with the next call.
+
+        Returns:
+            the request's record, or None when it is not active.
+        """
+        res = self.active.pop(request_id, None)
+        if res is not None:
+            self._forget(res)
+        if self.engine.has_request(request_id):
+            self.engine.release(request_id)
+        return res
+
+    def fail_over(self, request_ids: Sequence[str], cause: str) -> list[str]:
+        """Move speculating requests to plain decoding for the rest of their life (their lookup history is dropped
+        now; their drafter state is not touched: the caller knows whether the drafter still holds it).
+
+        Returns:
+            the ids moved (active and speculating, each once).
+        """
+        moved = []
+        for rid in dict.fromkeys(request_ids):
+            res = self.active.get(rid)
+            if res is not None and res.speculates:
+                res.speculates = False
+                res.fallback_cause = cause
+                if self.lookup is not None:
+                    self.lookup.finish(rid)
+                moved.append(rid)
+        return moved
+
+    def forget_later(self, request_ids: Sequence[str]) -> None:
+        """Have the next drafter call drop these requests' state (a failed call may have left it there)."""
+        self._finished.extend(request_ids)
+
+    def stop_speculating(self) -> None:
+        """No request speculates from now on (the drafter is gone for good); pending hooks are dropped."""
+        self.speculates = False
+        self._starts, self._updates, self._finished = [], [], []
+
+    def _forget(self, res: RequestResult) -> None:
+        if res.speculates:
+            self._finished.append(res.request_id)
+            if self.lookup is not None:
+                self.lookup.finish(res.request_id)
+
+
+# ---------------------------------------------------------------------------------------------------- offline driver
+
+@dataclass
+class GenerateStats:
+    """Timing of one ``generate`` call (seconds)."""
+
+    wall_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    rounds: int = 0
+
+
+def generate(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams | Sequence[SamplingParams],
+    *,
+    proposer: Proposer | None = None,
+    max_batch: int | None = None,
+    max_prefill_tokens: int = 2048,
+    id_prefix: str = "req",
+) -> tuple[list[RequestResult], GenerateStats]:
+    """Decode ``prompts`` to completion with continuous batching (at most ``max_batch`` active at once) through a
+    ``SpecLoop`` whose drafter is hosted in this process; waiting prompts are prefilled together, up to
+    ``max_prefill_tokens`` prompt tokens per forward. Every round drafts, and verifies each block as proposed.
+
+    With ``proposer=None`` this is plain decoding (every round verifies 0 drafts). The proposer's hooks run as a
+    Drafter replica runs them (``ProposerHost``): ``start`` and the last round's ``update`` and ``finish`` before each
+    ``propose``; every committed output reaches ``update``, each request's last one included.
+
+    Returns:
+        Per-prompt results in input order, and timing stats.
+
+    Raises:
+        ValueError: not one params per prompt. The engine's errors for bad prompts or params.
+    """
+    params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(params_list) != len(prompts):
+        raise ValueError(f"{len(params_list)} params for {len(prompts)} prompts")
+    host = ProposerHost(proposer, gamma=int(getattr(proposer, "gamma", 0))) if proposer is not None else None
+    loop = SpecLoop(engine, gamma=None, speculates=host is not None, max_prefill_tokens=max_prefill_tokens)
+    limit = min(max_batch or engine.max_num_seqs, engine.max_num_seqs)
+    results: list[RequestResult] = []
+    waiting = list(range(len(prompts)))
+    stats = GenerateStats()
+    start = time.perf_counter()
+    while waiting or loop.active:
+        while waiting and len(loop.active) < limit:
+            n = prefill_batch_size([len(prompts[i]) for i in waiting], max_tokens=max_prefill_tokens,
+                                   max_requests=limit - len(loop.active))
+            admitted, waiting = waiting[:n], waiting[n:]
+            for admission in loop.admit([NewRequest(f"{id_prefix}-{i}", prompts[i], params_list[i])
+                                         for i in admitted]):
+                if isinstance(admission, Exception):
+                    raise admission
+                results.append(admission[0])
+        if not loop.active:
+            continue
+        t0 = time.perf_counter()
+        ids = loop.speculating()
+        drafted = host.draft(loop.take_call(ids)) if host is not None and loop.should_draft(ids) else None
+        t1 = time.perf_counter()
+        loop.step(drafted)
+        stats.draft_s += t1 - t0
+        stats.verify_s += time.perf_counter() - t1
+        stats.rounds += 1
+    if host is not None:
+        host.draft(loop.take_call())  # the last outputs and finishes reach the drafter
+    stats.wall_s = time.perf_counter() - start
+    return results, stats

@@ -1,0 +1,153 @@
+"""The decoding loop (app/loop.py) on the mock engine: the drafter's hooks as generate and the Target replica drive
+them, verify lengths under a scheduler, prompt lookup chosen per request, cancel and fail-over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.engine.testing import MockEngine, MockEngineConfig, next_token
+from app.engine.types import NewRequest, SamplingParams
+from app.loop import DraftCall, DraftStart, ProposerHost, SpecLoop, generate
+from app.scheduling.policies import make_policy
+from app.scheduling.profile import load_profile
+from app.scheduling.scheduler import VerifyScheduler
+from app.serving.config import AppConfig
+from app.serving.mock import MockProposer
+
+GAMMA = 4
+
+
+class HookLog(MockProposer):
+    """The mock drafter, recording every hook call."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__(vocab_size=vocab_size, gamma=GAMMA)
+        self.calls: list[tuple[str, str]] = []
+        self.updated: dict[str, list[int]] = {}
+
+    def start(self, request_id, prompt_ids, first):
+        self.calls.append(("start", request_id))
+        self.updated[request_id] = list(first.new_token_ids)
+        super().start(request_id, prompt_ids, first)
+
+    def update(self, outputs):
+        for out in outputs:
+            self.calls.append(("update", out.request_id))
+            self.updated[out.request_id] += out.new_token_ids
+        super().update(outputs)
+
+    def propose(self, request_ids):
+        self.calls.extend(("propose", rid) for rid in request_ids)
+        return super().propose(request_ids)
+
+    def finish(self, request_id):
+        self.calls.append(("finish", request_id))
+        super().finish(request_id)
+
+
+def mock_engine(**kw) -> MockEngine:
+    return MockEngine(MockEngineConfig(max_draft_len=GAMMA, **kw))
+
+
+def expected_tokens(last: int, n: int, vocab_size: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        last = next_token(last, vocab_size)
+        out.append(last)
+    return out
+
+
+def test_generate_drives_the_hooks_as_a_drafter_replica_sees_them():
+    """Each request starts before it is proposed, every committed token reaches the drafter (the last output too:
+    training data records it), and each request finishes once, after its last update; the output is the rule's."""
+    engine = mock_engine(max_num_seqs=2)
+    log = HookLog(engine.vocab_size)
+    prompts = [[5, 6], [9], [1, 2, 3]]
+    results, stats = generate(engine, prompts, SamplingParams(max_tokens=10, ignore_eos=True), proposer=log)
+    for prompt, res in zip(prompts, results):
+        rid = res.request_id
+        assert res.token_ids == expected_tokens(prompt[-1], 10, engine.vocab_size)
+        assert log.updated[rid] == res.token_ids
+        mine = [kind for kind, r in log.calls if r == rid]
+        assert mine[0] == "start" and mine[-1] == "finish" and mine.count("finish") == 1
+        assert mine[-2] == "update" and "propose" in mine
+        assert res.rounds == len(res.accepted_per_round) and res.num_accepted == sum(res.accepted_per_round)
+    assert stats.rounds > 0 and engine.num_active == 0 and not log._anchor
+
+
+def test_a_request_that_starts_and_finishes_within_one_call_is_never_started():
+    engine = mock_engine()
+    host = ProposerHost(HookLog(engine.vocab_size), gamma=GAMMA)
+    (first,) = engine.add_requests([NewRequest("a", [3], SamplingParams(max_tokens=5))])
+    reply = host.draft(DraftCall(starts=[DraftStart("a", [3], first, SamplingParams(max_tokens=5))],
+                                 finished=["a"], propose=["a", "b"]))
+    assert host.proposer.calls == [] and host.num_states == 0
+    assert reply.blocks == [] and reply.missing == ["a", "b"] and reply.confidences.shape == (0, GAMMA)
+
+
+def scheduler(policy: str) -> VerifyScheduler:
+    config = AppConfig(mock_engine=True, drafter="mock", policy=policy, gamma=GAMMA)
+    return VerifyScheduler(make_policy(policy), load_profile(config.profile_path()), max_batch=4, gamma=GAMMA)
+
+
+def run(loop: SpecLoop, host: ProposerHost | None, prompts, params) -> list:
+    records = [r for r, _ in loop.admit([NewRequest(f"r{i}", p, params) for i, p in enumerate(prompts)])]
+    while loop.active:
+        ids = loop.speculating()
+        drafted = host.draft(loop.take_call(ids)) if host is not None and loop.should_draft(ids) else None
+        loop.step(drafted)
+    return records
+
+
+@pytest.mark.parametrize("policy", ["fixed-2", "dspark"])
+def test_verify_lengths_follow_the_policy_and_stop_at_max_tokens(policy):
+    engine = mock_engine()
+    host = ProposerHost(MockProposer(vocab_size=engine.vocab_size, gamma=GAMMA), gamma=GAMMA)
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, scheduler=scheduler(policy))
+    records = run(loop, host, [[5], [8, 9]], SamplingParams(max_tokens=9, ignore_eos=True))
+    for prompt, res in zip([[5], [8, 9]], records):
+        assert res.token_ids == expected_tokens(prompt[-1], 9, engine.vocab_size)
+        assert all(v <= (2 if policy == "fixed-2" else GAMMA) for v in res.verified_per_round)
+        committed = 1  # the prefill's token
+        for verified, accepted in zip(res.verified_per_round, res.accepted_per_round):
+            assert verified <= 9 - committed - 1  # never a draft past max_tokens
+            committed += accepted + 1
+    assert sum(r.num_accepted for r in records) > 0
+
+
+def test_cancel_frees_the_slot_and_tells_the_drafter_fail_over_stops_speculation():
+    engine = mock_engine()
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True)
+    loop.admit([NewRequest(rid, [4], SamplingParams(max_tokens=20)) for rid in ("a", "b", "c")])
+    assert [s.request_id for s in loop.take_call().starts] == ["a", "b", "c"]
+    assert loop.cancel("a").request_id == "a" and not engine.has_request("a")
+    assert loop.fail_over(["b", "b", "zzz"], "timeout") == ["b"]
+    assert loop.speculating() == ["c"] and loop.active["b"].fallback_cause == "timeout"
+    assert loop.has_pending_finishes
+    call = loop.take_call(["c"])
+    assert call.finished == ["a"] and call.propose == ["c"] and not loop.has_pending_finishes
+    out = loop.step(None)  # no drafter answer: nobody drafts, everybody commits a token
+    assert [o.num_draft for o in out.outputs] == [0, 0] and out.committed == 2
+    assert [o.request_id for o in loop.take_call().updates] == ["c"]  # b no longer speculates
+
+
+def test_lookup_draft_is_chosen_where_it_expects_more():
+    """A request whose own context repeats drafts by prompt lookup when the drafter's block is weaker."""
+    from app.drafters.lookup import PromptLookup
+
+    class Rates:
+        max_ngram = 3
+
+        def confidences(self, n, length, mode, gamma):
+            return torch.full((gamma,), 0.99)[:gamma] * (torch.arange(gamma) < length)
+
+    engine = mock_engine()
+    lookup = PromptLookup(Rates(), GAMMA)
+    proposer = MockProposer(vocab_size=engine.vocab_size, gamma=GAMMA, miss_at=0)  # every block wrong at once
+    host = ProposerHost(proposer, gamma=GAMMA)
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, lookup=lookup)
+    cycle = expected_tokens(1, 6, engine.vocab_size)  # the prompt holds the continuation the rule produces
+    (res,) = run(loop, host, [[1] + cycle + [1]], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert res.token_ids == cycle
+    assert res.lookup_rounds > 0 and res.num_accepted > 0 and lookup.num_states == 0

@@ -18,7 +18,7 @@ from ray.serve.schema import ServeDeploySchema
 from app.serving.config import REPO_ROOT, AppConfig
 from app.serving.local_ray import init_local_ray
 from autoscale.policy import SLOAutoscalingPolicy
-from tests.serving.helpers import free_port
+from tests.serving.helpers import end_shared_serve, free_port
 
 APP = "scale"
 MODEL = "mock-model"
@@ -51,6 +51,7 @@ def running(status, deployment: str) -> int:
 
 @pytest.mark.slow
 def test_load_above_slo_adds_target_and_drafter_replicas():
+    end_shared_serve()  # this test needs a Ray of its own
     init_local_ray(num_cpus=2)
     port = free_port()
     stop = threading.Event()

@@ -21,16 +21,48 @@ def free_port() -> int:
 @contextlib.contextmanager
 def local_serve(**ray_init):
     """Start a local Ray (CPU only, no dashboard) the way ``make serve`` does (``SERVE_ENV``) and Serve on a free
-    loopback port; yield the base URL."""
+    loopback port; yield the base URL. Ends the shared session first (``end_shared_serve``)."""
     import ray
     from ray import serve
 
+    end_shared_serve()
     init_local_ray(**ray_init)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+_shared_url: str | None = None
+
+
+def shared_serve() -> str:
+    """The base URL of a local Ray (2 CPUs) and Serve as ``local_serve`` starts them, shared by the test modules that
+    deploy an application and delete it when done: started on first use, ended by ``end_shared_serve`` (at the end
+    of the session, or before a test that needs a Ray of its own). A test that reads Ray's own metrics export starts
+    its own: the export may still carry an earlier module's replicas."""
+    global _shared_url
+    if _shared_url is None:
+        from ray import serve
+
+        init_local_ray(num_cpus=2)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        _shared_url = f"http://127.0.0.1:{port}"
+    return _shared_url
+
+
+def end_shared_serve() -> None:
+    """Shut the shared Ray + Serve down, if it runs."""
+    global _shared_url
+    if _shared_url is not None:
+        import ray
+        from ray import serve
+
+        _shared_url = None
         serve.shutdown()
         ray.shutdown()
 

@@ -16,7 +16,7 @@ from ray import serve
 
 from app.serving.builder import build_app
 from app.engine.testing import next_token, token_text
-from tests.serving.helpers import local_serve, sse_events, stream_text, wait_until
+from tests.serving.helpers import shared_serve, sse_events, stream_text, wait_until
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -35,9 +35,10 @@ APP = "mock"
 
 @pytest.fixture(scope="module")
 def url():
-    with local_serve(num_cpus=2) as base:
-        serve.run(build_app(ARGS), name=APP, route_prefix="/")
-        yield base
+    base = shared_serve()
+    serve.run(build_app(ARGS), name=APP, route_prefix="/")
+    yield base
+    serve.delete(APP)
 
 
 def expected_text(content: str, n: int) -> str:

@@ -21,7 +21,7 @@ from app.engine.types import SamplingParams
 from app.serving.builder import build_app
 from app.serving.config import AppConfig
 from tests.engine.near_tie import check_same_or_near_tie
-from tests.serving.helpers import local_serve, sse_events, stream_text
+from tests.serving.helpers import shared_serve, sse_events, stream_text
 
 MAX_TOKENS = 32
 CHECKPOINT = Path(AppConfig().drafter_checkpoint)
@@ -40,17 +40,18 @@ def plain_decode(engine, key: str, prompt_ids: list[list[int]], params: Sampling
 
 @pytest.fixture(scope="module", params=["separate", "colocated"])
 def url(request):
-    with local_serve(num_cpus=2) as base:
-        serve.run(build_app({
-            "drafter": DRAFTER, "drafter_placement": request.param, "policy": "dspark",
-            "gamma": 7 if DRAFTER == "dspark" else 5, "device": "cpu",
-            "max_model_len": 1024, "max_num_seqs": 16, "torch_threads": 2,
-            # the drafter runs in every round: at 16 requests on 2 cores the gate would skip it, and the sampled test
-            # must see the drafter's answers for a full batch cross the transport
-            "draft_gate": False,
-            "target": {"num_cpus": 0.5}, "drafter_replicas": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.1},
-        }), name="real", route_prefix="/")
-        yield base
+    base = shared_serve()
+    serve.run(build_app({
+        "drafter": DRAFTER, "drafter_placement": request.param, "policy": "dspark",
+        "gamma": 7 if DRAFTER == "dspark" else 5, "device": "cpu",
+        "max_model_len": 1024, "max_num_seqs": 16, "torch_threads": 2,
+        # the drafter runs in every round: at 16 requests on 2 cores the gate would skip it, and the sampled test
+        # must see the drafter's answers for a full batch cross the transport
+        "draft_gate": False,
+        "target": {"num_cpus": 0.5}, "drafter_replicas": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.1},
+    }), name="real", route_prefix="/")
+    yield base
+    serve.delete("real")
 
 
 def chat_body(prompt: str, **extra) -> dict:

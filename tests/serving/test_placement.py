@@ -9,10 +9,11 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 from app.serving.builder import build_app
-from tests.serving.helpers import free_port
+from tests.serving.helpers import end_shared_serve, free_port
 
 
 def test_replicas_land_on_their_resource_groups():
+    end_shared_serve()  # this test needs a Ray of its own
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     target_node = cluster.add_node(num_cpus=1, resources={"target_group": 2})
     drafter_node = cluster.add_node(num_cpus=1, resources={"drafter_group": 2})

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from app.engine.coupling import accept_coupled, coupled_tokens, gumbel_noise, noise_key
-from app.engine.sampling import accept_sampled, target_probs
+from app.engine.sampling import target_probs
 from tests.engine import test_sampling as toy
 
 CHI2_999_63 = 103.4  # 0.999 quantile of chi-square with 63 degrees of freedom (the 64 cells of V**SEQ, minus one)

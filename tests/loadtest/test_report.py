@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import matplotlib.image
 import pytest
@@ -23,7 +24,7 @@ LEVELS = [level("none", c, 15 * c ** 0.8, 15 / c ** 0.2) for c in (1, 2, 4, 8)] 
 SLO = {"ttft_ms": None, "tpot_ms": 100.0, "e2el_ms": None}
 
 
-def write_run(tmp_path, name: str, levels: list[dict], label: str = "") -> Path:  # noqa: F821
+def write_run(tmp_path, name: str, levels: list[dict], label: str = "") -> Path:
     json_path, _ = report.write_results(tmp_path / name, config={"label": label}, slo=SLO, levels=levels)
     return json_path
 

@@ -412,9 +412,7 @@ class TargetReplica:
             if drafted is not None:
                 self.stats.drafted(draft_ms, drafted.drafter_ms, steady=steady)
         self._drafted_last_round = drafter_called
-        t_verify = time.perf_counter()
         result, verify_cpu = await self._run(self._step, drafted)
-        verify_ms = (time.perf_counter() - t_verify) * 1000
         for out in result.outputs:
             stream = self._active[out.request_id]
             self._emit(stream, out)
@@ -424,7 +422,7 @@ class TargetReplica:
         self.stats.round(round_ms, committed=result.committed, verified=result.verified, accepted=result.accepted)
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
             self._observe_verify_scale(round_ms - draft_ms, tokens=batch + result.verified, batch=batch)
-        self.telemetry.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called,
+        self.telemetry.round(round_ms=round_ms, verify_ms=result.verify_ms, drafter_called=drafter_called,
                              drafted=result.drafted, lookup=result.lookup, outputs=result.outputs,
                              verify_cpu=verify_cpu)
 

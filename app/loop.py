@@ -495,7 +495,8 @@ def generate(
         Per-prompt results in input order, and timing stats.
 
     Raises:
-        ValueError: not one params per prompt. The engine's errors for bad prompts or params.
+        ValueError: not one params per prompt. The engine's errors for bad prompts or params (then no request of
+            the call is left in the engine).
     """
     params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(params_list) != len(prompts):
@@ -512,11 +513,13 @@ def generate(
             n = prefill_batch_size([len(prompts[i]) for i in waiting], max_tokens=max_prefill_tokens,
                                    max_requests=limit - len(loop.active))
             admitted, waiting = waiting[:n], waiting[n:]
-            for admission in loop.admit([NewRequest(f"{id_prefix}-{i}", prompts[i], params_list[i])
-                                         for i in admitted]):
-                if isinstance(admission, Exception):
-                    raise admission
-                results.append(admission[0])
+            admissions = loop.admit([NewRequest(f"{id_prefix}-{i}", prompts[i], params_list[i]) for i in admitted])
+            refused = [a for a in admissions if isinstance(a, Exception)]
+            if refused:  # the engine keeps no request of this call: the caller may reuse it
+                for rid in list(loop.active):
+                    loop.cancel(rid)
+                raise refused[0]
+            results.extend(record for record, _ in admissions)
         if not loop.active:
             continue
         t0 = time.perf_counter()

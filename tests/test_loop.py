@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.engine.errors import ContextLengthError
 from app.engine.testing import MockEngine, MockEngineConfig, next_token
 from app.engine.types import NewRequest, SamplingParams
 from app.loop import DraftCall, DraftStart, ProposerHost, SpecLoop, generate
@@ -74,6 +75,13 @@ def test_generate_drives_the_hooks_as_a_drafter_replica_sees_them():
         assert mine[-2] == "update" and "propose" in mine
         assert res.rounds == len(res.accepted_per_round) and res.num_accepted == sum(res.accepted_per_round)
     assert stats.rounds > 0 and engine.num_active == 0 and not log._anchor
+
+
+def test_a_refused_prompt_raises_and_leaves_no_request_in_the_engine():
+    engine = mock_engine()
+    with pytest.raises(ContextLengthError):
+        generate(engine, [[1], [2] * 10_000, [3]], SamplingParams(max_tokens=4), proposer=HookLog(engine.vocab_size))
+    assert engine.num_active == 0
 
 
 def test_a_request_that_starts_and_finishes_within_one_call_is_never_started():

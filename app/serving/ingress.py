@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve import context as serve_context
 from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.serving.config import AppConfig
@@ -382,6 +382,8 @@ class Ingress:
                     if isinstance(chunk, ErrorItem) or chunk.finish_reason is not None:
                         return
                     chunk = await choice.stream.__anext__()
+            except RequestCancelledError:  # the client went away: the response is being closed, nothing to send
+                return
             except (RayActorError, RayTaskError) as err:
                 log.error("target replica failed mid-stream: %s", err)
                 queue.put_nowait((choice, ErrorItem(503, "target replica failed mid-stream", type="server_error",

@@ -15,7 +15,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from app.engine.types import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from app.serving.protocol import ErrorItem, SpecStats, TokenLogprobText
@@ -195,13 +195,19 @@ class _Common(BaseModel):
                 raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
         return value
 
-    @model_validator(mode="after")
-    def _stream_only(self) -> "_Common":
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _streamed_only(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed with stream: true")
-        if self.return_token_ids and self.stream:
+        return value
+
+    @field_validator("return_token_ids")
+    @classmethod
+    def _not_streamed(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("stream"):
             raise ValueError("return_token_ids is for non-streamed responses (stream: false) only")
-        return self
+        return value
 
     @property
     def num_choices(self) -> int:

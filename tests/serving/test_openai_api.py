@@ -101,8 +101,8 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages.0.content"),
     ({"prompt": ["ok", "\ud800"]}, "prompt"),
     # streaming-only and non-streaming-only options
-    ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, None),
-    ({"messages": MESSAGES, "stream": True, "return_token_ids": True}, None),
+    ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": MESSAGES, "stream": True, "return_token_ids": True}, "return_token_ids"),
 ]
 
 

@@ -248,9 +248,12 @@ class SpecLoop:
 
     # ------------------------------------------------------------------ admission
 
-    def admission_size(self, prompt_lens: Sequence[int]) -> int:
-        """How many of the waiting prompts (lengths in queue order) the next ``admit`` takes (0: no free slot)."""
+    def admission_size(self, prompt_lens: Sequence[int], *, max_active: int | None = None) -> int:
+        """How many of the waiting prompts (lengths in queue order) the next ``admit`` takes: as many as fit the free
+        KV slots (and ``max_active`` active requests, when given) and ``max_prefill_tokens`` (0: none fits)."""
         free = self.engine.num_free_slots
+        if max_active is not None:
+            free = min(free, max_active - len(self.active))
         if free <= 0 or not prompt_lens:
             return 0
         return prefill_batch_size(list(prompt_lens), max_tokens=self.max_prefill_tokens, max_requests=free)
@@ -341,6 +344,7 @@ class SpecLoop:
                 self.scheduler.observe([o.request_id for o in observed], [o.num_draft for o in observed],
                                        [o.num_accepted for o in observed])
         committed = verified = accepted = lookup = 0
+        speculated = []
         for out in outputs:
             res = self.active[out.request_id]
             by_lookup = int(out.num_draft > 0 and out.request_id in from_lookup)
@@ -357,11 +361,13 @@ class SpecLoop:
             lookup += by_lookup
             if res.speculates:
                 self._updates.append(self.strip(out))
-                if self.lookup is not None:
-                    self.lookup.update([out])
+                if not out.finished:  # a finished request's lookup history is dropped below
+                    speculated.append(out)
             if out.finished:
                 del self.active[out.request_id]
                 self._forget(res)
+        if self.lookup is not None and speculated:
+            self.lookup.update(speculated)
         return Round(outputs=outputs, committed=committed, verified=verified, accepted=accepted,
                      drafted=sum(int(b.tokens.shape[0]) for b in drafts), lookup=lookup, verify_ms=verify_ms)
 
@@ -509,9 +515,7 @@ def generate(
     stats = GenerateStats()
     start = time.perf_counter()
     while waiting or loop.active:
-        while waiting and len(loop.active) < limit:
-            n = prefill_batch_size([len(prompts[i]) for i in waiting], max_tokens=max_prefill_tokens,
-                                   max_requests=limit - len(loop.active))
+        while n := loop.admission_size([len(prompts[i]) for i in waiting], max_active=limit):
             admitted, waiting = waiting[:n], waiting[n:]
             admissions = loop.admit([NewRequest(f"{id_prefix}-{i}", prompts[i], params_list[i]) for i in admitted])
             refused = [a for a in admissions if isinstance(a, Exception)]

@@ -18,22 +18,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def local_serve(**ray_init):
-    """Start a local Ray (CPU only, no dashboard) the way ``make serve`` does (``SERVE_ENV``) and Serve on a free
-    loopback port; yield the base URL. Ends the shared session first (``end_shared_serve``)."""
-    import ray
+def _start_serve(**ray_init) -> str:
+    """A fresh local Ray (CPU only, no dashboard) the way ``make serve`` starts it (``SERVE_ENV``) and Serve on a free
+    loopback port; returns the base URL."""
     from ray import serve
 
-    end_shared_serve()
     init_local_ray(**ray_init)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
+def _stop_serve() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+@contextlib.contextmanager
+def local_serve(**ray_init):
+    """``_start_serve`` for one test (the shared session ends first: ``end_shared_serve``); yields the base URL."""
+    end_shared_serve()
+    url = _start_serve(**ray_init)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        _stop_serve()
 
 
 _shared_url: str | None = None
@@ -46,12 +58,7 @@ def shared_serve() -> str:
     its own: the export may still carry an earlier module's replicas."""
     global _shared_url
     if _shared_url is None:
-        from ray import serve
-
-        init_local_ray(num_cpus=2)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        _shared_url = f"http://127.0.0.1:{port}"
+        _shared_url = _start_serve(num_cpus=2)
     return _shared_url
 
 
@@ -59,12 +66,8 @@ def end_shared_serve() -> None:
     """Shut the shared Ray + Serve down, if it runs."""
     global _shared_url
     if _shared_url is not None:
-        import ray
-        from ray import serve
-
         _shared_url = None
-        serve.shutdown()
-        ray.shutdown()
+        _stop_serve()
 
 
 def sse_events(response: httpx.Response) -> list[dict]:

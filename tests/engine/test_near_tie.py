@@ -8,7 +8,7 @@ import pytest
 from app.loop import generate
 from app.engine.near_tie import first_divergence
 from app.engine.types import SamplingParams
-from tests.engine.near_tie import check_same_or_near_tie
+from tests.engine.near_tie import check_greedy_path, check_same_or_near_tie
 
 
 def test_divergences_are_judged_by_the_targets_logits(engine):
@@ -23,3 +23,6 @@ def test_divergences_are_judged_by_the_targets_logits(engine):
         check_same_or_near_tie(engine, prompt, ids, flipped)
     shorter = first_divergence(engine, prompt, ids, ids[:-2])
     assert shorter.index == len(ids) - 2 and not shorter.near_tie and "stop bug" in shorter.describe()
+    check_greedy_path(engine, prompt, ids)
+    with pytest.raises(AssertionError, match=r"would not pick: \[\(5, 0, "):
+        check_greedy_path(engine, prompt, flipped)

@@ -20,7 +20,7 @@ from app.loop import generate
 from app.engine.types import SamplingParams
 from app.serving.builder import build_app
 from app.serving.config import AppConfig
-from tests.engine.near_tie import check_same_or_near_tie
+from tests.engine.near_tie import check_greedy_path, check_same_or_near_tie
 from tests.serving.helpers import shared_serve, sse_events, stream_text
 
 MAX_TOKENS = 32
@@ -84,11 +84,10 @@ def test_served_greedy_equals_plain_greedy_under_batching(url, engine, eval_prom
             assert body["choices"][0]["message"]["content"] == ref.text
         else:
             ties.append(note)
-    # Each divergence above was checked to start at a near-tie; this bound only catches a path that diverges on
-    # most prompts. bf16 logits depend on the verify step's shape, so a drafter whose drafts are accepted more
-    # often (longer verify runs) meets more near-ties: 2-3 of 10 with the first checkpoint, 4 with the GPU-trained,
-    # 6 once prompt lookup drafted in every round.
-    assert len(ties) <= 7, ties
+            check_greedy_path(engine, ids, body["token_ids"])
+    # Each divergence above starts at a near-tie (bf16 logits depend on the step's shape; how many prompts meet one
+    # depends on the drafter and the batch mix, up to 8 of 10 seen), and past it the served output is checked token by
+    # token as a greedy path of its own: a path that leaves the target's choices fails however many ties it met.
     print(f"drafter {DRAFTER}: {len(ties)} near-ties of 10: {ties}")
     assert sum(b["spec_stats"]["accepted_tokens"] for b in served) > 0, "the drafter never contributed"
     assert not any(b["spec_stats"]["fallback"] for b in served), "drafter calls failed"

@@ -18,7 +18,7 @@ from app.drafters.ngram import NgramProposer
 from app.drafters.registry import make_proposer
 from app.loop import generate
 from app.engine.types import DraftBlock, SamplingParams
-from tests.engine.near_tie import check_same_or_near_tie
+from tests.engine.near_tie import check_greedy_output
 
 PROMPTS = [
     "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
@@ -50,8 +50,8 @@ def _drafter(engine, kind: str):
 
 
 def _check(engine, prompt_ids, reference, results) -> None:
-    ties = [check_same_or_near_tie(engine, p, ref, r.token_ids) for p, ref, r in zip(prompt_ids, reference, results)]
-    assert sum(t is not None for t in ties) <= 1, ties
+    for p, ref, r in zip(prompt_ids, reference, results):
+        check_greedy_output(engine, p, ref, r.token_ids)
 
 
 @pytest.mark.parametrize(("kind", "gamma"), [("dflash", 7), ("eagle", 7), ("mtp", 1)])

@@ -35,3 +35,12 @@ def check_greedy_path(engine, prompt: list[int], got: list[int]) -> None:
     gaps = logits.max(dim=-1).values - logits[range(len(got)), got]
     bad = [(i, got[i], round(float(g), 3)) for i, g in enumerate(gaps) if g >= NEAR_TIE_EPS]
     assert not bad, f"tokens (index, id, gap to the best logit) that greedy decoding would not pick: {bad}"
+
+
+def check_greedy_output(engine, prompt: list[int], expected: list[int], got: list[int]) -> str | None:
+    """``check_same_or_near_tie`` for a greedy output without controls, and past a near-tie divergence
+    ``check_greedy_path`` over the whole of ``got``: None if identical, the divergence's description otherwise."""
+    note = check_same_or_near_tie(engine, prompt, expected, got)
+    if note is not None:
+        check_greedy_path(engine, prompt, got)
+    return note

@@ -20,7 +20,7 @@ from app.loop import generate
 from app.engine.types import SamplingParams
 from app.serving.builder import build_app
 from app.serving.config import AppConfig
-from tests.engine.near_tie import check_greedy_path, check_same_or_near_tie
+from tests.engine.near_tie import check_greedy_output, check_same_or_near_tie
 from tests.serving.helpers import shared_serve, sse_events, stream_text
 
 MAX_TOKENS = 32
@@ -79,12 +79,11 @@ def test_served_greedy_equals_plain_greedy_under_batching(url, engine, eval_prom
     for ids, ref, body in zip(prompt_ids, plain, served):
         assert body["usage"]["prompt_tokens"] == len(ids)
         assert body["usage"]["completion_tokens"] == len(body["token_ids"])
-        note = check_same_or_near_tie(engine, ids, ref.token_ids, body["token_ids"])
+        note = check_greedy_output(engine, ids, ref.token_ids, body["token_ids"])
         if note is None:
             assert body["choices"][0]["message"]["content"] == ref.text
         else:
             ties.append(note)
-            check_greedy_path(engine, ids, body["token_ids"])
     # Each divergence above starts at a near-tie (bf16 logits depend on the step's shape; how many prompts meet one
     # depends on the drafter and the batch mix, up to 8 of 10 seen), and past it the served output is checked token by
     # token as a greedy path of its own: a path that leaves the target's choices fails however many ties it met.

@@ -1,5 +1,5 @@
 """The short sweep end to end: the real default server (one policy, started by the sweep in a child process on
-a free port), 2 levels x 12 s of Locust, report and plot written with sane numbers.
+a free port), 2 levels x 8 s of Locust, report and plot written with sane numbers.
 
 Uses the DSpark checkpoint when it is present, else the n-gram drafter (the serving path is the same).
 """
@@ -20,7 +20,7 @@ DRAFTER = [] if CHECKPOINT.is_file() else ["--set", "drafter=ngram", "--set", "g
 @pytest.mark.slow
 def test_short_sweep_on_the_real_server(tmp_path: Path, capsys):
     out = tmp_path / "sweep"
-    code = sweep.main(["--policies", "dspark", "--concurrency", "1,4", "--duration", "12", "--warmup", "1",
+    code = sweep.main(["--policies", "dspark", "--concurrency", "1,4", "--duration", "8", "--warmup", "1",
                        "--max-tokens", "32", "--num-cpus", "2", "--server-warmup", "1", "--drain-timeout", "60",
                        "--out", str(out), *DRAFTER])
     printed = capsys.readouterr().out.strip().splitlines()

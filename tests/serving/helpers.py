@@ -70,6 +70,14 @@ def end_shared_serve() -> None:
         _stop_serve()
 
 
+def delete_in_background(app: str) -> None:
+    """``serve.delete`` without waiting for the replicas' graceful shutdown (seconds per application); for an
+    application whose name and route prefix are not deployed again."""
+    from ray import serve
+
+    serve.delete(app, _blocking=False)
+
+
 def sse_events(response: httpx.Response) -> list[dict]:
     """Parsed ``data:`` events of a streamed response (``[DONE]`` excluded; asserts it came last)."""
     events, done = [], False

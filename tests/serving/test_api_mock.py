@@ -16,7 +16,7 @@ from ray import serve
 
 from app.serving.builder import build_app
 from app.engine.testing import next_token, token_text
-from tests.serving.helpers import shared_serve, sse_events, stream_text, wait_until
+from tests.serving.helpers import delete_in_background, shared_serve, sse_events, stream_text, wait_until
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -265,7 +265,7 @@ def test_a_failing_step_ends_its_requests_with_an_error_and_the_server_goes_on(u
     for _ in range(2):
         r = httpx.post(base, headers=AUTH, timeout=30, json=chat(max_tokens=5))
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected_text("hi", 5)
-    serve.delete("failing-step")
+    delete_in_background("failing-step")
 
 
 class _Lines:
@@ -301,7 +301,7 @@ def test_colocated_drafter_speculates_exactly_and_frees_state(url):
             next(line for line in s.iter_lines() if '"content"' in line)
     wait_until(lambda: (s := _app_target_state("colocated"))["active"] == 0 and s["engine_active"] == 0
                and s["colocated_drafter_states"] == 0)
-    serve.delete("colocated")
+    delete_in_background("colocated")
 
 
 @pytest.mark.parametrize("placement", ["separate", "colocated"])
@@ -323,7 +323,7 @@ def test_drafter_that_raises_falls_back_and_its_state_is_dropped(url, placement)
         assert state["colocated_drafter_states"] == 0
     else:
         wait_until(lambda: serve.get_deployment_handle("Drafter", app).debug_state.remote().result()["states"] == 0)
-    serve.delete(app)
+    delete_in_background(app)
 
 
 def test_colocated_drafter_that_cannot_drop_state_stops_drafting_on_its_replica(url):
@@ -338,7 +338,7 @@ def test_colocated_drafter_that_cannot_drop_state_stops_drafting_on_its_replica(
         assert r.json()["spec_stats"]["accepted_tokens"] == 0
     state = _app_target_state("broken")
     assert state["drafter_failures"] == 1 and state["colocated_drafter_states"] == 1
-    serve.delete("broken")
+    delete_in_background("broken")
 
 
 # ---------------------------------------------------------------------- the official openai client

@@ -1,5 +1,5 @@
 """Shared fixtures: the real default target (loaded once per session), a tiny weightless Llama checkpoint directory
-(for dummy weights) and evaluation prompts."""
+(for dummy weights) and evaluation prompts; the served autoscaling test runs with the serving tests."""
 
 from __future__ import annotations
 
@@ -9,6 +9,19 @@ import shutil
 from pathlib import Path
 
 import pytest
+
+SHARED_SERVE_MODULES = ("tests/autoscale/test_autoscale_serve.py",)  # run just before tests/serving/
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Move the tests of ``SHARED_SERVE_MODULES`` to just before the first test of tests/serving/, so that every test
+    deploying on the shared local Ray (``tests/serving/helpers.shared_serve``) runs in one stretch: Ray starts once
+    and idles through no other tests."""
+    moved = [item for item in items if item.nodeid.split("::")[0] in SHARED_SERVE_MODULES]
+    rest = [item for item in items if item not in moved]
+    at = next((i for i, item in enumerate(rest) if item.nodeid.startswith("tests/serving/")), len(rest))
+    items[:] = rest[:at] + moved + rest[at:]
+
 
 # The project's shared folder lies beside the repository (CI lays a copy there); DSPARK_SHARED_DIR overrides.
 SHARED = Path(os.environ.get("DSPARK_SHARED_DIR", Path(__file__).resolve().parents[2] / "shared"))

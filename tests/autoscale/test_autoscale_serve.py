@@ -9,16 +9,14 @@ import time
 
 import httpx
 import pytest
-import ray
 import yaml
 from ray import serve
 from ray.serve._private import api as serve_api
 from ray.serve.schema import ServeDeploySchema
 
 from app.serving.config import REPO_ROOT, AppConfig
-from app.serving.local_ray import init_local_ray
 from autoscale.policy import SLOAutoscalingPolicy
-from tests.serving.helpers import end_shared_serve, free_port
+from tests.serving.helpers import shared_serve
 
 APP = "scale"
 MODEL = "mock-model"
@@ -51,12 +49,10 @@ def running(status, deployment: str) -> int:
 
 @pytest.mark.slow
 def test_load_above_slo_adds_target_and_drafter_replicas():
-    end_shared_serve()  # this test needs a Ray of its own
-    init_local_ray(num_cpus=2)
-    port = free_port()
+    url = shared_serve()
     stop = threading.Event()
     try:
-        client = serve_api.serve_start(http_options={"host": "127.0.0.1", "port": port})
+        client = serve_api.serve_start()
         client.deploy_apps(ServeDeploySchema.model_validate({"applications": [{
             "name": APP, "route_prefix": "/", "import_path": "app.serving.builder:build_app", "args": ARGS,
             "autoscaling_policy": {"policy_function": "autoscale.policy:SLOAutoscalingPolicy", "policy_kwargs": SLO},
@@ -67,7 +63,7 @@ def test_load_above_slo_adds_target_and_drafter_replicas():
         def user() -> None:
             with httpx.Client(timeout=60) as http:
                 while not stop.is_set():
-                    r = http.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
+                    r = http.post(f"{url}/v1/chat/completions", json={
                         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40})
                     assert r.status_code in (200, 503), r.text
 
@@ -83,5 +79,4 @@ def test_load_above_slo_adds_target_and_drafter_replicas():
             u.join(timeout=60)
     finally:
         stop.set()
-        serve.shutdown()
-        ray.shutdown()
+        serve.delete(APP)

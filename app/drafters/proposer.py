@@ -30,7 +30,7 @@ import torch
 
 from app.drafters.calibration import Calibration, prefix_survival
 from app.drafters.dspark import ContextKV, DSparkDrafter
-from app.engine.coupling import gumbel_noise
+from app.engine.coupling import NoiseRows
 from app.engine.types import DRAFT_TOP_K, DraftBlock, SamplingParams, StepOutput
 
 
@@ -148,22 +148,19 @@ def make_proposal(
 
 
 def coupled_draws(
-    logits: torch.Tensor, tokens: torch.Tensor, states: Sequence[SamplingState], positions: Sequence[int],
-    *, vocab: torch.Tensor | None, vocab_size: int,
+    logits: torch.Tensor, tokens: torch.Tensor, states: Sequence[SamplingState], noise: Sequence[torch.Tensor | None]
 ) -> torch.Tensor:
     """Replace the draws of seeded sampled requests by their coupled drafts: argmax of logits [B, V'] / T plus the
-    request's Gumbel noise at ``positions[b]`` (``app/engine/coupling.py``), restricted to the draft vocabulary
-    ``vocab`` [V'] when there is one. The target accepts such a draft exactly when it equals its own coupled token.
+    request's Gumbel noise ``noise[b]`` [V'] at the position drafted (``app/engine/coupling.py``; the draft
+    vocabulary's columns when there is one; None for a request that is not seeded). The target accepts such a draft
+    exactly when it equals its own coupled token.
 
     Returns:
         tokens [B] int64 (column indices of ``logits``), changed in place for the seeded rows.
     """
-    for b, s in enumerate(states):
-        if s.seed is not None and s.temperature > 0:
-            noise = gumbel_noise(s.seed, [positions[b]], vocab_size)[0].to(logits.device)
-            if vocab is not None:
-                noise = noise[vocab]
-            tokens[b] = (logits[b].float() / s.temperature + noise).argmax()
+    for b, (s, row) in enumerate(zip(states, noise)):
+        if row is not None and s.temperature > 0:
+            tokens[b] = (logits[b].float() / s.temperature + row.to(logits.device)).argmax()
     return tokens
 
 
@@ -172,6 +169,7 @@ class _RequestState:
     temperature: float
     generator: torch.Generator
     seed: int | None = None  # set for a seeded sampled request (``SamplingState``)
+    noise: NoiseRows | None = None  # its coupling noise over the drafting vocabulary, set with ``seed``
     # [2 * layers, Hkv, capacity, Dh] injected keys (even rows) and values (odd rows); rows [0, length) are valid
     kv: torch.Tensor | None = None
     length: int = 0  # T: tokens whose features are in the context
@@ -245,6 +243,9 @@ class DSparkProposer(RequestProposerBase):
     def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
         temperature, seed = self._take_params(request_id)
         state = _RequestState(temperature=temperature, generator=request_generator(self.seed, request_id), seed=seed)
+        if seed is not None:
+            vocab = self.drafter.draft_vocab
+            state.noise = NoiseRows(seed, self.drafter.config.vocab_size, columns=None if vocab is None else vocab.cpu())
         self._state[request_id] = state
         self._extend([state], [first.features])
         state.anchor = first.new_token_ids[-1]
@@ -281,15 +282,16 @@ class DSparkProposer(RequestProposerBase):
         hidden = d.backbone(d.block_inputs(anchors), positions=positions, ctx=ctx, mask=mask)
         base = d.base_logits(hidden[:, : self.gamma], draft=True)  # [B, gamma, V'] (V' = V without a draft vocab)
         temps, rows, uniform = round_sampling(states, self.gamma, device)
+        # draft i is the token at position T + 1 + i (the anchor is token T)
+        noise = [s.noise.rows([s.length + 1 + i for i in range(self.gamma)]) if s.noise is not None else None
+                 for s in states]  # [gamma, V'] per seeded request
         prev, state = anchors[:, 0], None
         tokens, probs, conf = [], [], []
         for i in range(self.gamma):
             step = d.head_step(base[:, i], hidden[:, i], prev, state, draft=True)
             state = step.state
             index, q = draw(step.logits, temps, rows, uniform[:, i])  # index into V', q sparse | None
-            # draft i is the token at position T + 1 + i (the anchor is token T)
-            index = coupled_draws(step.logits, index, states, [s.length + 1 + i for s in states],
-                                  vocab=d.draft_vocab, vocab_size=d.config.vocab_size)
+            index = coupled_draws(step.logits, index, states, [n[i] if n is not None else None for n in noise])
             prev = d.draft_token_ids(index)
             tokens.append(prev)
             probs.append(q)

@@ -44,11 +44,41 @@ def gumbel_noise(seed: int, positions: list[int], vocab_size: int) -> torch.Tens
 
     Row i depends on (seed, positions[i]) only. u = 0 gives -inf (that token is never chosen), u < 1 always.
     """
-    rows = []
-    for t in positions:
-        u = torch.rand(vocab_size, generator=torch.Generator().manual_seed(noise_key(seed, t)))
-        rows.append(-torch.log(-torch.log(u)))
-    return torch.stack(rows) if rows else torch.zeros(0, vocab_size)
+    noise = torch.empty(len(positions), vocab_size)
+    for row, t in zip(noise, positions):
+        torch.rand(vocab_size, generator=torch.Generator().manual_seed(noise_key(seed, t)), out=row)
+    return noise.log_().neg_().log_().neg_()  # -log(-log(u)), in place
+
+
+class NoiseRows:
+    """The ``gumbel_noise`` rows of one seeded request, each position's row drawn once while it may be asked again.
+
+    A round asks for the rows of the positions it samples (a verify step: the pending token's and one per draft); the
+    next round starts right after the tokens committed, so the rows of rejected positions are asked for again. Each
+    call keeps the rows at or after its first position and drops the earlier ones, so at most one round's rows are
+    held ([max_draft_len + 1, V'] float32). A pure cache: the rows are ``gumbel_noise``'s whatever was asked before.
+
+    Args:
+        seed: the request's seed.
+        vocab_size: V, the width ``gumbel_noise`` draws (the noise of a token id does not depend on any other).
+        columns: [V'] int64 token ids to keep of each row (a drafter's draft vocabulary), or None for all V.
+    """
+
+    def __init__(self, seed: int, vocab_size: int, *, columns: torch.Tensor | None = None) -> None:
+        self.seed, self.vocab_size, self.columns = seed, vocab_size, columns
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def rows(self, positions: list[int]) -> torch.Tensor:
+        """[n, V'] float32: row i is ``gumbel_noise(seed, [positions[i]], V)`` (its ``columns``)."""
+        if not positions:
+            return torch.zeros(0, self.vocab_size if self.columns is None else len(self.columns))
+        first = min(positions)
+        self._rows = {t: row for t, row in self._rows.items() if t >= first}
+        missing = sorted({t for t in positions if t not in self._rows})
+        if missing:
+            fresh = gumbel_noise(self.seed, missing, self.vocab_size)
+            self._rows.update(zip(missing, fresh if self.columns is None else fresh[:, self.columns]))
+        return torch.stack([self._rows[t] for t in positions])
 
 
 def coupled_tokens(logits: torch.Tensor, noise: torch.Tensor, *, temperature: float, top_p: float) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 
 from app.engine.config import EngineConfig
 from app.engine.contract import Engine
-from app.engine.coupling import accept_coupled, gumbel_noise
+from app.engine.coupling import NoiseRows, accept_coupled
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
 from app.engine.grammar import GrammarCompiler, RequestGrammar
@@ -49,6 +49,7 @@ class _Request:
     generator: torch.Generator
     controls: RequestControls | None = None  # set when the request has any sampling control
     grammar: RequestGrammar | None = None  # set for structured output
+    noise: NoiseRows | None = None  # a seeded sampled request's coupling noise (``coupling.py``), made at first use
     num_cached: int = 0
     pending: int = -1
     output_ids: list[int] = field(default_factory=list)
@@ -449,7 +450,9 @@ class TargetEngine(Engine):
             return accept_greedy(draft, logits.argmax(-1))
         if p.seed is not None:
             positions = list(range(first_position, first_position + len(draft) + 1))
-            noise = gumbel_noise(p.seed, positions, self.vocab_size)
+            if req.noise is None:
+                req.noise = NoiseRows(p.seed, self.vocab_size)
+            noise = req.noise.rows(positions)
             if req.controls is None:
                 return accept_coupled(draft, logits, noise, temperature=p.temperature, top_p=p.top_p)
             return accept_greedy(draft, (sampling_probs(logits, p).log() + noise).argmax(-1))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.coupling import accept_coupled, coupled_tokens, gumbel_noise, noise_key
+from app.engine.coupling import NoiseRows, accept_coupled, coupled_tokens, gumbel_noise, noise_key
 from app.engine.sampling import target_probs
 from tests.engine import test_sampling as toy
 
@@ -86,3 +86,18 @@ def test_noise_is_keyed_to_seed_and_position_only():
     assert torch.equal(a[0], gumbel_noise(7, [3], 50)[0])
     assert not torch.equal(a[0], gumbel_noise(8, [3], 50)[0]) and not torch.equal(a[0], a[1])
     assert noise_key(7, 3) != noise_key(3, 7) and 0 <= noise_key(-(2**63), 0) < 2**63
+
+
+def test_noise_rows_are_gumbel_noise_whatever_was_asked_before():
+    """The cache of a request's rows returns ``gumbel_noise``'s rows for rounds that overlap, move on, go back or repeat
+    a position, restricted to a column set when given, and holds no row before the last call's first position."""
+    columns = torch.tensor([5, 0, 17, 3])
+    rows, narrow = NoiseRows(7, 32), NoiseRows(7, 32, columns=columns)
+    for positions in ([10, 11, 12, 13], [12, 13, 14, 15], [15, 16], [9, 10], [20, 20, 21], []):
+        expected = gumbel_noise(7, positions, 32)
+        assert torch.equal(rows.rows(positions), expected)
+        assert torch.equal(narrow.rows(positions), expected[:, columns])
+        if positions:
+            assert min(rows._rows) == min(positions)  # nothing before this call's first position is held
+    assert rows.rows([]).shape == (0, 32) and narrow.rows([]).shape == (0, 4)
+    assert not torch.equal(NoiseRows(8, 32).rows([10]), gumbel_noise(7, [10], 32))

@@ -33,7 +33,7 @@ from app.engine.grammar import GrammarCompiler, RequestGrammar
 from app.engine.greedy_head import ScreenedArgmax
 from app.engine.loader import LoadedTarget, load_target
 from app.engine.model import KVCache, StepLayout
-from app.engine.prepack import prepack_linears, prepack_supported
+from app.engine.prepack import PrepackedLinear, prepack_linears, prepack_supported
 from app.engine.logits_process import RequestControls, sampling_probs, token_logprobs
 from app.engine.sampling import Acceptance, accept_greedy, accept_sampled, target_probs
 from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput
@@ -95,6 +95,9 @@ class TargetEngine(Engine):
         if self.prepacked:
             prepack_linears(self.model.layers)
         self._screen = self._greedy_screen()
+        head = self.model.lm_head.weight
+        if c.prepack and head.dtype == torch.float32 and prepack_supported(self.device, head.dtype):
+            self.model.lm_head = PrepackedLinear(head, keep_weight=True)  # the screen rescores rows of the plain one
         self._free_slots = list(range(c.max_num_seqs))
         self._requests: dict[str, _Request] = {}
         self._grammars: GrammarCompiler | None = None  # built on the first structured-output request

@@ -1,4 +1,4 @@
-"""Linear layers on weights prepacked once into oneDNN's blocked layout (CPU, bfloat16).
+"""Linear layers on weights prepacked once into oneDNN's blocked layout (CPU, bfloat16 and float32).
 
 Why: ``F.linear`` on a bfloat16 CPU tensor hands oneDNN a plain row-major weight, which it reorders into its
 blocked layout inside every call. At decode sizes that reorder is most of the call: on an avx512_bf16 CPU,
@@ -7,6 +7,12 @@ screen's [49152, 576] head about 2x faster at one row; prefill sizes (160 rows) 
 to ``F.linear``'s on every shape tried (1-160 rows, each layer shape of the model), including where ``F.linear``
 itself rounds a row differently at another row count; ``tests/engine/test_prepack.py`` checks layers and the real
 target's decoding.
+
+The float32 LM head (``TargetEngine``: the logits of sampled requests and of greedy ones with a control or logprobs)
+is prepacked too: for a [49152, 576] head, about 1.9x faster at 8 rows and 1.2-1.3x at 16-128 rows than ``F.linear``,
+whose float32 kernel is not memory-bound at these sizes. Its outputs are not ``F.linear``'s bit for bit (another
+summation order: differences of ~1e-4 on logits of ~20) but a row's logits are the same whatever the number of rows
+in the call, where ``F.linear``'s change with it (``tests/engine/test_prepack.py``).
 
 The ops are PyTorch's own (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what inductor's
 CPU backend emits for frozen linear layers); they exist on x86 builds with oneDNN, and bfloat16 needs a CPU with
@@ -26,22 +32,25 @@ PACK_ROWS_HINT = 16
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch build can prepack ``dtype`` linear weights on ``device`` (CPU bfloat16 with oneDNN's
-    bfloat16 kernels only)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    """Whether this torch build can prepack ``dtype`` linear weights on ``device``: on the CPU with oneDNN, float32,
+    and bfloat16 where oneDNN has bfloat16 kernels."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PrepackedLinear(nn.Module):
     """``nn.Linear`` (no bias or a bias) on a weight prepacked for oneDNN; inference only.
 
     Args:
-        weight: [Dout, Din] bfloat16 CPU weight; bias: [Dout] or None.
+        weight: [Dout, Din] bfloat16 or float32 CPU weight; bias: [Dout] or None.
+        keep_weight: keep ``weight`` itself as ``.weight`` too, for code that reads the plain weight (the LM head's:
+            the greedy screen rescores rows of it); otherwise only the packed copy is held.
     Raises:
         ValueError: a weight this torch build cannot prepack (``prepack_supported``) or not 2-D.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, keep_weight: bool = False) -> None:
         super().__init__()
         if weight.dim() != 2 or not prepack_supported(weight.device, weight.dtype):
             raise ValueError(f"cannot prepack a {tuple(weight.shape)} {weight.dtype} weight on {weight.device}")
@@ -49,9 +58,10 @@ class PrepackedLinear(nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+        self.register_buffer("weight", weight.detach() if keep_weight else None, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., Din] -> [..., Dout] in ``x``'s dtype (bfloat16)."""
+        """[..., Din] -> [..., Dout] in ``x``'s dtype (the weight's)."""
         rows = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)

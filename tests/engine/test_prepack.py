@@ -1,5 +1,6 @@
-"""Prepacked linear layers (app/engine/prepack.py): the same numbers as ``F.linear`` at every row count, and an engine
-that decodes the same tokens and features with and without them."""
+"""Prepacked linear layers (app/engine/prepack.py): bfloat16 ones give the same numbers as ``F.linear`` at every row
+count, the float32 LM head the same row whatever the row count, and an engine decodes the same tokens and features
+with and without them."""
 
 from __future__ import annotations
 
@@ -41,9 +42,28 @@ def test_prepack_linears_replaces_bfloat16_layers_only():
     assert prepack_linears(model) == 0  # already packed
 
 
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN")
+def test_prepacked_float32_head_rows_do_not_depend_on_the_row_count():
+    """The LM head's shape: F.linear's float32 rows change in the last bits with the number of rows in the call; the
+    packed head's do not, and stay within float32 rounding of F.linear's."""
+    gen = torch.Generator().manual_seed(0)
+    weight = 0.05 * torch.randn(49152, 576, generator=gen)
+    head = PrepackedLinear(weight, keep_weight=True)
+    assert head.weight.data_ptr() == weight.data_ptr()  # the same storage, not a copy
+    x = torch.randn(64, 576, generator=gen)
+    alone = head(x[:1])[0]
+    for rows in (2, 3, 8, 9, 16, 64):
+        out = head(x[:rows])
+        assert torch.equal(out[0], alone)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x[:rows], weight), rtol=0, atol=1e-4)
+    assert head(x[:0]).shape == (0, 49152)
+
+
 def test_weights_that_cannot_be_prepacked_are_rejected():
     with pytest.raises(ValueError, match="cannot prepack"):
-        PrepackedLinear(torch.zeros(4, 2))  # float32
+        PrepackedLinear(torch.zeros(4, 2, dtype=torch.float16))
+    with pytest.raises(ValueError, match="cannot prepack"):
+        PrepackedLinear(torch.zeros(4))
 
 
 @needs_prepack
@@ -52,6 +72,7 @@ def test_engine_decodes_the_same_tokens_and_features_prepacked(eval_prompts):
     packed = TargetEngine(EngineConfig(max_num_seqs=4, max_model_len=1024, prepack=True))
     assert not plain.prepacked and packed.prepacked
     assert isinstance(packed.model.layers[0].gate_up, PrepackedLinear)
+    assert isinstance(packed.model.lm_head, PrepackedLinear) and not isinstance(plain.model.lm_head, PrepackedLinear)
     prompts = [plain.encode_chat([{"role": "user", "content": p}]) for p in eval_prompts[:3]]
     params = SamplingParams(max_tokens=24)
     a, _ = generate(plain, prompts, params)

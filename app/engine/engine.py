@@ -214,12 +214,9 @@ class TargetEngine(Engine):
         if len(request.prompt_ids) == 0:
             raise InvalidRequestError("prompt is empty")
         p = request.params
-        bad = [t for t, _ in p.logit_bias if t >= self.vocab_size] + [t for t in p.stop_token_ids
-                                                                        if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"token ids {bad} in logit_bias / stop_token_ids are outside [0, {self.vocab_size})"
-            )
+        for param, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("stop_token_ids", p.stop_token_ids)):
+            if bad := [t for t in ids if t >= self.vocab_size]:
+                raise InvalidRequestError(f"{param}: token ids {bad} are outside [0, {self.vocab_size})", param=param)
         ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")

@@ -6,7 +6,12 @@ class EngineError(Exception):
 
 
 class InvalidRequestError(EngineError, ValueError):
-    """The request or its draft block is malformed (HTTP 400)."""
+    """The request or its draft block is malformed (HTTP 400); ``param`` names the request field at fault, when one
+    is (an OpenAI error's ``param``)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthError(InvalidRequestError):

@@ -287,11 +287,12 @@ class ChatCompletionRequest(_Common):
             raise _unsupported(info.field_name, "this model has no such option")
         return value
 
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return value
 
     def params(self, choice: int = 0) -> SamplingParams:
         """Raises: ValueError (``SamplingParams``)."""

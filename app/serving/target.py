@@ -374,7 +374,7 @@ class TargetReplica:
         if isinstance(result, InvalidRequestError):
             stream.done = True
             code = "context_length_exceeded" if isinstance(result, ContextLengthError) else None
-            stream.queue.put_nowait(ErrorItem(400, str(result), code=code))
+            stream.queue.put_nowait(ErrorItem(400, str(result), param=result.param, code=code))
             return
         if isinstance(result, Exception):  # a bug in prefill or sampling: this request fails, its slot is free
             log.error("admission of %s failed", req.request_id, exc_info=result)

@@ -136,3 +136,15 @@ def test_bad_draft_leaves_batch_untouched(engine):
     engine.release("bad")
     (ref,), _ = generate(engine, [prompt], SamplingParams(max_tokens=6))
     assert tokens == ref.token_ids
+
+
+@pytest.mark.parametrize("param", ["logit_bias", "stop_token_ids"])
+def test_token_ids_outside_the_vocabulary_name_their_field(engine, param):
+    """A token id past the vocabulary in ``logit_bias`` or ``stop_token_ids`` is refused at admission with the field
+    named (the serving layer answers it as the OpenAI error's ``param``), and nothing is left in the engine."""
+    bad = engine.vocab_size + 5
+    params = SamplingParams(**({"logit_bias": ((bad, 1.0),)} if param == "logit_bias" else {"stop_token_ids": (bad,)}))
+    free = engine.num_free_slots
+    with pytest.raises(InvalidRequestError, match=rf"{param}: token ids \[{bad}\] are outside") as err:
+        engine.add_request("out-of-vocab", [1, 2, 3], params)
+    assert err.value.param == param and engine.num_free_slots == free and not engine.has_request("out-of-vocab")

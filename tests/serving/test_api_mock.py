@@ -159,7 +159,9 @@ def test_oversized_chunked_body_and_unknown_routes_are_openai_errors(url):
 
 def test_validator_errors_have_no_pydantic_prefix(url):
     r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=chat(top_logprobs=2), timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["message"] == "top_logprobs needs logprobs: true"
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["message"] == "top_logprobs: needs logprobs: true"
+    assert error["param"] == "top_logprobs"
 
 
 def test_overload_answers_json_503_with_retry_after_at_once(url):

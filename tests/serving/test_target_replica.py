@@ -221,6 +221,14 @@ def test_requests_admitted_together_share_one_prefill_and_a_bad_one_fails_alone(
     assert {"a", "b", "c", "d"} == {rid for rid in "abcd" if replica.engine.has_request(rid)}
 
 
+def test_an_admission_error_answers_400_naming_the_engines_field(replica):
+    stream = _stream("bad-bias", 8)
+    replica._admitted(stream, target_module.InvalidRequestError("logit_bias: token ids [99999] are outside [0, 512)",
+                                                                param="logit_bias"))
+    item = stream.queue.get_nowait()
+    assert stream.done and (item.status, item.param) == (400, "logit_bias") and "99999" in item.message
+
+
 def test_requests_the_engine_has_no_slot_for_go_back_to_the_front_of_the_queue_in_order(replica, monkeypatch):
     monkeypatch.setattr(replica.loop, "admit",
                         lambda requests: [target_module.CapacityError("no slot")] * len(requests))

@@ -69,7 +69,7 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice"),
     ({"messages": MESSAGES, "reasoning_effort": "low"}, "reasoning_effort"),
-    ({"messages": MESSAGES, "top_logprobs": 2}, None),  # a cross-field check: the message says why
+    ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # a cross-field check, still named
     ({"messages": MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"messages": MESSAGES, "unknown_thing": 1}, "unknown_thing"),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),

@@ -245,7 +245,8 @@ class DSparkProposer(RequestProposerBase):
         state = _RequestState(temperature=temperature, generator=request_generator(self.seed, request_id), seed=seed)
         if seed is not None:
             vocab = self.drafter.draft_vocab
-            state.noise = NoiseRows(seed, self.drafter.config.vocab_size, columns=None if vocab is None else vocab.cpu())
+            columns = None if vocab is None else vocab.cpu()
+            state.noise = NoiseRows(seed, self.drafter.config.vocab_size, columns=columns)
         self._state[request_id] = state
         self._extend([state], [first.features])
         state.anchor = first.new_token_ids[-1]

@@ -51,14 +51,14 @@ GATE_PRIOR = (0.5, 1.0)  # pseudo-counts (accepted, tried) per position before a
 # A new request of a temperature class starts from the class's pooled, decayed acceptance, weighted as GATE_PRIOR[1]
 # tried drafts per position (as weak as the prior: its own rounds take over at once).
 GATE_CLASS_DECAY = 0.98  # decay of a class's pooled counts per drafted round (~50 rounds of memory)
+GATE_MIN_GAIN = 1.02  # expected speed-up over plain decoding the gate asks for before drafting
+PROBE_EVERY = 8  # a closed gate drafts again after this many rounds ...
+PROBE_MAX = 64  # ... doubling the wait after each probe that leaves it closed, up to this many rounds
 
 
 def temperature_class(temperature: float) -> str:
     """The draft gate's class of a request: ``greedy``, or its temperature to one decimal (``T0.7``)."""
     return "greedy" if temperature == 0 else f"T{temperature:.1f}"
-GATE_MIN_GAIN = 1.02  # expected speed-up over plain decoding the gate asks for before drafting
-PROBE_EVERY = 8  # a closed gate drafts again after this many rounds ...
-PROBE_MAX = 64  # ... doubling the wait after each probe that leaves it closed, up to this many rounds
 
 
 def update_capacity(

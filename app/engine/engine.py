@@ -90,10 +90,8 @@ class TargetEngine(Engine):
             device=self.device,
         )
         self._groups = args.num_heads // args.num_kv_heads
-        # the decoder only: a tied bfloat16 LM head stays the embedding's tensor
-        self.prepacked = c.prepack and prepack_supported(self.device, self.model.embed_tokens.weight.dtype)
-        if self.prepacked:
-            prepack_linears(self.model.layers)
+        # the decoder only (its bfloat16 layers): a tied bfloat16 LM head stays the embedding's tensor
+        self.prepacked = c.prepack and prepack_linears(self.model.layers) > 0
         self._screen = self._greedy_screen()
         head = self.model.lm_head.weight
         if c.prepack and head.dtype == torch.float32 and prepack_supported(self.device, head.dtype):

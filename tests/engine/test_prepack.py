@@ -89,3 +89,14 @@ def test_engine_decodes_the_same_tokens_and_features_prepacked(eval_prompts):
             eng.release(f.request_id)
     for x, y in zip(outs["plain"], outs["packed"]):
         assert x.new_token_ids == y.new_token_ids and torch.equal(x.features, y.features)
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.float32), reason="this torch build has no oneDNN")
+def test_a_float32_model_packs_its_head_only_and_is_not_reported_prepacked(tiny_llama_dir):
+    """``prepacked`` says whether the decoder's layers were packed: a float32 model's stay ``nn.Linear`` (only
+    bfloat16 layers are packed), while its float32 LM head is packed."""
+    engine = TargetEngine(EngineConfig(model=str(tiny_llama_dir), load_format="dummy", device="cpu", dtype="float32",
+                                       max_num_seqs=2, max_model_len=128))
+    assert not engine.prepacked
+    assert isinstance(engine.model.layers[0].gate_up, torch.nn.Linear)
+    assert isinstance(engine.model.lm_head, PrepackedLinear)

@@ -210,8 +210,7 @@ def serve_until_signalled(
         serve.run(build_app(args), name=name, route_prefix=route_prefix)
         print(f"READY http://{host}:{port} policy={args.get('policy')}", flush=True)
         stop.wait()
-    finally:
-        serve.shutdown()
+    finally:  # this Ray is the server's own: shutting it down ends Serve too, without a graceful wait per replica
         ray.shutdown()
 
 

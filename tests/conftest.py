@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
-SHARED_SERVE_MODULES = ("tests/autoscale/test_autoscale_serve.py",)  # run just before tests/serving/
+SHARED_SERVE_MODULES = (  # run just before the rest of tests/serving/
+    "tests/autoscale/test_autoscale_serve.py", "tests/serving/test_startup_profile.py",
+)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Move the tests of ``SHARED_SERVE_MODULES`` to just before the first test of tests/serving/, so that every test
-    deploying on the shared local Ray (``tests/serving/helpers.shared_serve``) runs in one stretch: Ray starts once
-    and idles through no other tests."""
+    """Move the tests of ``SHARED_SERVE_MODULES`` to just before the first other test of tests/serving/, so that
+    every test deploying on the shared local Ray (``tests/serving/helpers.shared_serve``) runs in one stretch, before
+    the modules that start a Ray of their own: Ray starts once and idles through no other tests."""
     moved = [item for item in items if item.nodeid.split("::")[0] in SHARED_SERVE_MODULES]
     rest = [item for item in items if item not in moved]
     at = next((i for i, item in enumerate(rest) if item.nodeid.startswith("tests/serving/")), len(rest))

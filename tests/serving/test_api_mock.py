@@ -38,7 +38,7 @@ def url():
     base = shared_serve()
     serve.run(build_app(ARGS), name=APP, route_prefix="/")
     yield base
-    serve.delete(APP)
+    delete_in_background(APP)
 
 
 def expected_text(content: str, n: int) -> str:

@@ -1,7 +1,8 @@
 """End to end through HTTP with the real default target: greedy output of the served speculative path equals
-plain greedy decoding for 10 concurrent prompts (near-ties allowed), streaming equals non-streaming, and 16 concurrent
-sampled requests speculate without a single fallback to plain decoding; with the drafter in its own replica (over
-Serve's gRPC data plane, ``SERVE_ENV``) and colocated in the target replica.
+plain greedy decoding for 10 concurrent prompts (near-ties allowed) and 16 concurrent sampled requests speculate
+without a single fallback to plain decoding, with the drafter in its own replica (over Serve's gRPC data plane,
+``SERVE_ENV``) and colocated in the target replica; streaming equals non-streaming and each sampling control equals
+plain decoding, on the default placement.
 
 Uses the DSpark checkpoint when it is present, else the n-gram drafter (the serving path is the same).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -21,7 +23,7 @@ from app.engine.types import SamplingParams
 from app.serving.builder import build_app
 from app.serving.config import AppConfig
 from tests.engine.near_tie import check_greedy_output, check_same_or_near_tie
-from tests.serving.helpers import shared_serve, sse_events, stream_text
+from tests.serving.helpers import delete_in_background, shared_serve, sse_events, stream_text
 
 MAX_TOKENS = 32
 CHECKPOINT = Path(AppConfig().drafter_checkpoint)
@@ -49,9 +51,19 @@ def url(request):
         # must see the drafter's answers for a full batch cross the transport
         "draft_gate": False,
         "target": {"num_cpus": 0.5}, "drafter_replicas": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.1},
-    }), name="real", route_prefix="/")
-    yield base
-    serve.delete("real")
+    }), name=f"real-{request.param}", route_prefix=f"/{request.param}")
+    yield f"{base}/{request.param}"
+    delete_in_background(f"real-{request.param}")
+
+
+# Streaming and the sampling controls act in the ingress and the target's verification, the same code whichever
+# placement the drafter has: checked on the default one only.
+DEFAULT_PLACEMENT_ONLY = pytest.mark.parametrize("url", ["separate"], indirect=True)
+
+
+def target_state(url: str) -> dict:
+    """The Target replica's ``debug_state`` of the application that ``url`` (the ``url`` fixture) serves."""
+    return serve.get_deployment_handle("Target", f"real-{url.rsplit('/', 1)[-1]}").debug_state.remote().result()
 
 
 def chat_body(prompt: str, **extra) -> dict:
@@ -108,9 +120,9 @@ def test_sixteen_concurrent_sampled_requests_never_fall_back(url, eval_prompts):
         assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
         return [r.json() for r in responses]
 
-    before = serve.get_deployment_handle("Target", "real").debug_state.remote().result()
+    before = target_state(url)
     served = asyncio.run(send_all())
-    state = serve.get_deployment_handle("Target", "real").debug_state.remote().result()
+    state = target_state(url)
     assert state["fallbacks"] == {} and state["drafter_failures"] == 0, state
     assert state["drafted_rounds"] > before["drafted_rounds"], "the drafter was never called"
     assert not any(b["spec_stats"]["fallback"] for b in served)
@@ -118,6 +130,7 @@ def test_sixteen_concurrent_sampled_requests_never_fall_back(url, eval_prompts):
 
 
 @pytest.mark.slow
+@DEFAULT_PLACEMENT_ONLY
 def test_streaming_concatenation_equals_non_streamed(url, eval_prompts):
     for prompt in eval_prompts[10:12]:
         plain = httpx.post(f"{url}/v1/chat/completions", json=chat_body(prompt), timeout=300).json()
@@ -163,6 +176,7 @@ CONTROLS = {
 
 
 @pytest.mark.slow
+@DEFAULT_PLACEMENT_ONLY
 def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
     """Each sampling control and logprobs through the official client on the speculating server equal plain decoding
     of the same params in this process (speculation off), up to near-ties of the processed logits; a json_schema
@@ -180,10 +194,11 @@ def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
         return client.chat.completions.create(model="smollm2-135m", temperature=0, max_tokens=24, extra_body=extra,
                                               messages=[{"role": "user", "content": prompt}], **kwargs)
 
-    for name, (client_args, param_args) in CONTROLS.items():
-        params = SamplingParams(max_tokens=24, **param_args)
-        (plain,) = plain_decode(engine, name, [ids], params)
-        response = served(**client_args)
+    controls = {name: SamplingParams(max_tokens=24, **param_args) for name, (_, param_args) in CONTROLS.items()}
+    plain_results, _ = generate(engine, [ids] * len(controls), list(controls.values()))  # one batch, no speculation
+    with ThreadPoolExecutor(len(CONTROLS)) as pool:  # the served requests at once: the server batches them too
+        responses = list(pool.map(lambda args: served(**args), [dict(a) for a, _ in CONTROLS.values()]))
+    for (name, params), plain, response in zip(controls.items(), plain_results, responses):
         got = response.model_extra["token_ids"]
         check_same_or_near_tie(engine, ids, plain.token_ids, got, params)
         if name == "logit_bias":
@@ -197,7 +212,7 @@ def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
                 assert abs(c.logprob - ref.logprob) <= 0.25 + 0.03 * abs(ref.logprob)
     schema_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
     params = SamplingParams(max_tokens=24, guided=GuidedDecoding("json_schema", json.dumps(SCHEMA)))
-    (plain,) = plain_decode(engine, "json_schema", [ids], params)
+    (plain,), _ = generate(engine, [ids], params)
     response = served(response_format=schema_format)
     assert response.model_extra["token_ids"] == plain.token_ids
     assert json.loads(response.choices[0].message.content).keys() == {"answer"}

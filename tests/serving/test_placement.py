@@ -1,5 +1,5 @@
-"""Placement: on a local multi-node Ray with fake resource groups, target and drafter replicas land on the nodes
-of their own group."""
+"""Placement: on a local two-node Ray with fake resource groups (the head node holds the target group, the other
+node the drafter group), target and drafter replicas land on the node of their own group."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from tests.serving.helpers import end_shared_serve, free_port
 
 def test_replicas_land_on_their_resource_groups():
     end_shared_serve()  # this test needs a Ray of its own
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    target_node = cluster.add_node(num_cpus=1, resources={"target_group": 2})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                            "resources": {"target_group": 2}})
+    target_node = cluster.head_node
     drafter_node = cluster.add_node(num_cpus=1, resources={"drafter_group": 2})
     ray.init(address=cluster.address, log_to_driver=False)
     port = free_port()
@@ -39,7 +40,6 @@ def test_replicas_land_on_their_resource_groups():
                              "spec_stats": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
         assert r.json()["spec_stats"]["accepted_tokens"] > 0
-    finally:
-        serve.shutdown()
+    finally:  # no serve.shutdown: its graceful wait for every replica costs seconds; the cluster goes anyway
         ray.shutdown()
         cluster.shutdown()

@@ -1,5 +1,8 @@
 """Served: a tiny random Llama-3-style model saved to a directory, ``profile: auto`` with nothing measured for it.
-The first start measures its profile on the target replica and caches it; the second start reuses the cache."""
+The first start measures its profile on the target replica and caches it; the second start reuses the cache.
+
+The model's directory is new in every run, so this host's profile cache (keyed by the model reference) holds nothing
+for it; the test removes the profile it caches."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from ray import serve
 from app.serving.builder import build_app
 from app.serving.config import AppConfig
 from tests.conftest import save_tiny_model
-from tests.serving.helpers import local_serve
+from tests.serving.helpers import shared_serve
 
 LLAMA3 = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
@@ -21,10 +24,9 @@ LLAMA3 = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidde
                                                          "original_max_position_embeddings": 64})
 
 
-def test_auto_profile_is_measured_at_start_and_reused(tmp_path, monkeypatch):
+def test_auto_profile_is_measured_at_start_and_reused(tmp_path):
     model_dir = tmp_path / "tiny-llama3"
     save_tiny_model(model_dir, "LlamaConfig", LLAMA3)
-    monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path / "cache"))  # before Ray starts: its workers inherit it
     args = {
         "engine": {"model": str(model_dir), "device": "cpu", "dtype": "float32", "max_model_len": 256,
                    "max_num_seqs": 4},
@@ -34,7 +36,8 @@ def test_auto_profile_is_measured_at_start_and_reused(tmp_path, monkeypatch):
     }
     assert AppConfig.model_validate(args).profile_path() is None  # nothing committed or cached for this model
     starts = []
-    with local_serve(num_cpus=2) as url:
+    url = shared_serve()
+    try:
         for start in range(2):
             t0 = time.perf_counter()
             serve.run(build_app(args), name="tiny", route_prefix="/")
@@ -49,6 +52,9 @@ def test_auto_profile_is_measured_at_start_and_reused(tmp_path, monkeypatch):
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 12
             serve.delete("tiny")
-    # the second start read the cache instead of measuring again (same file, unchanged)
-    assert (Path(cached).stat().st_mtime_ns, Path(cached).read_text()) == measured_at
+        # the second start read the cache instead of measuring again (same file, unchanged)
+        assert (Path(cached).stat().st_mtime_ns, Path(cached).read_text()) == measured_at
+    finally:
+        if (left := AppConfig.model_validate(args).profile_path()) is not None:
+            Path(left).unlink()
     print(f"start-up: {starts[0]:.1f} s measuring the profile, {starts[1]:.1f} s reusing it")

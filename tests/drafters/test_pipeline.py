@@ -148,3 +148,56 @@ def test_datagen_first_shard_continues_a_stopped_run(tmp_path, capsys):
             datagen.main(["--out", str(tmp_path / "bad"), *bad, *common])
         assert exc.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "bad" / "meta.json").exists()
+
+
+def test_datagen_resume_keeps_the_shards_written_and_writes_the_rest(tmp_path, capsys):
+    """A run stopped after its first shard, resumed in its folder: the same three shards as a run never stopped,
+    the first one not generated again; a resume with other flags is refused."""
+    from safetensors.torch import load_file
+
+    from app.drafters.train import datagen
+
+    tiny_target(tmp_path / "target")
+    prompt_files(tmp_path / "datasets")
+    common = ["--model", str(tmp_path / "target"), "--datasets-dir", str(tmp_path / "datasets"),
+              "--per-set", "gsm8k-train=6", "--max-tokens", "6", "--shard-size", "2", "--max-batch", "2"]
+    datagen.main(["--out", str(tmp_path / "full"), *common])
+    datagen.main(["--out", str(tmp_path / "part"), "--max-shards", "1", *common])
+    first = (tmp_path / "part" / "shard-0000.safetensors").stat().st_mtime_ns
+    with pytest.raises(SystemExit) as exc:
+        datagen.main(["--out", str(tmp_path / "part"), "--resume", "--seed", "1", *common])
+    assert exc.value.code == 2 and "no run with these flags" in capsys.readouterr().err
+    datagen.main(["--out", str(tmp_path / "part"), "--resume", *common])
+    assert (tmp_path / "part" / "shard-0000.safetensors").stat().st_mtime_ns == first
+    for i in range(3):
+        full, part = (load_file(str(tmp_path / d / f"shard-{i:04d}.safetensors")) for d in ("full", "part"))
+        assert all(torch.equal(full[k], part[k]) for k in full), i
+    meta, ref = (json.loads((tmp_path / d / "meta.json").read_text()) for d in ("part", "full"))
+    assert meta["sequences"] == ref["sequences"] == 6 and meta["new_tokens"] == ref["new_tokens"]
+
+
+def test_trainer_resume_continues_only_the_same_run(tmp_path, capsys):
+    """``--resume`` needs the run's state and its flags; a finished run resumed writes the same checkpoint, with its
+    held-out evaluations in the metadata."""
+    from app.drafters.train import datagen, trainer
+
+    tiny_target(tmp_path / "target")
+    prompt_files(tmp_path / "datasets")
+    datagen.main(["--out", str(tmp_path / "data"), "--model", str(tmp_path / "target"), "--datasets-dir",
+                  str(tmp_path / "datasets"), "--per-set", "gsm8k-train=24", "--max-tokens", "8", "--max-batch", "8"])
+    out = tmp_path / "ckpt"
+    run = ["--data", str(tmp_path / "data"), "--out", str(out), "--model", str(tmp_path / "target"), "--steps", "4",
+           "--batch-seqs", "2", "--anchors", "4", "--save-every", "2", "--eval-every", "2", "--heldout", "0.25",
+           "--config", json.dumps({"num_layers": 1, "intermediate_size": 64, "rank": 8, "block_size": 4})]
+    with pytest.raises(SystemExit) as exc:
+        trainer.main([*run, "--resume"])
+    assert exc.value.code == 2 and "no training state" in capsys.readouterr().err
+    trainer.main(run)
+    first = (out / "model.safetensors").read_bytes()
+    evals = json.loads((out / "config.json").read_text())["metadata"]["train"]["heldout_evals"]
+    assert [e["step"] for e in evals] == [2, 4] and all(1.0 <= e["tau"] <= 5.0 for e in evals)
+    with pytest.raises(SystemExit) as exc:
+        trainer.main([*run, "--lr", "0.01", "--resume"])
+    assert exc.value.code == 2 and "'lr': (0.001, 0.01)" in capsys.readouterr().err
+    trainer.main([*run, "--resume"])
+    assert (out / "model.safetensors").read_bytes() == first

@@ -18,7 +18,8 @@ from app.drafters.eagle import EagleDrafter
 from app.drafters.train.calibrate import collect_outcomes
 from app.drafters.train.data import Sequence_, load_shards, make_batch, with_target_topk
 from app.drafters.train.datagen import generate_shard
-from app.drafters.train.trainer import BlockOutputs, dspark_loss, forward_batch, split_heldout, train, vocab_columns
+from app.drafters.train.trainer import (BlockOutputs, HeldOutEval, dspark_loss, forward_batch, heldout_batches,
+                                        plateaued, split_heldout, train, vocab_columns)
 from app.engine.engine import TargetEngine
 from app.engine.types import SamplingParams
 
@@ -69,10 +70,10 @@ def assert_loss_falls(drafter, seqs, *, block_size: int, draft_vocab: bool = Fal
             return float(dspark_loss(out, fixed, gamma_decay=4.0, device=CPU, columns=columns)[0])
 
     before = loss()
-    history = train(drafter, seqs, steps=12, batch_seqs=2, anchors_per_seq=8, lr=3e-3, gamma_decay=4.0, seed=0,
-                    device=CPU, progress=False, draft_vocab=draft_vocab)
+    result = train(drafter, seqs, steps=12, batch_seqs=2, anchors_per_seq=8, lr=3e-3, gamma_decay=4.0, seed=0,
+                   device=CPU, progress=False, draft_vocab=draft_vocab)
     after = loss()
-    assert after < 0.8 * before, (before, after, history[-1])
+    assert after < 0.8 * before, (before, after, result.history[-1])
 
 
 def test_tiny_drafter_loss_falls(engine, seqs):
@@ -114,7 +115,7 @@ def test_dspark_loss_over_a_draft_vocab_is_the_full_loss_with_zero_probability_o
     w = torch.exp(-torch.arange(k) / 4.0).expand(n, k)[keep]
     ce = (torch.logsumexp(full, -1) - full.gather(-1, labels[..., None]).squeeze(-1))[keep]
     assert parts["ce"] == pytest.approx(float((w * ce).sum() / w.sum()))
-    assert parts["acc1"] == pytest.approx(ref["acc1"]) and parts["tau"] == pytest.approx(ref["tau"])
+    assert parts["a1"] == pytest.approx(ref["a1"]) and parts["tau"] == pytest.approx(ref["tau"])
     assert math.isfinite(float(loss))
 
 
@@ -173,12 +174,76 @@ def test_time_budget_fits_the_schedule_after_the_warm_up_steps(engine, seqs):
     """A clock that ticks 1 s per reading: steps 5..25 time at 1.05 s/step, so a 50 s budget (28 s spent by then)
     fits 25 + int(22 / 1.05) = 45 steps in all, far below the 1000-step cap; without a budget the cap holds."""
     ticks = iter(range(10_000))
-    history = train(tiny_drafter(engine), seqs, steps=1000, batch_seqs=1, anchors_per_seq=2, lr=1e-3,
-                    gamma_decay=4.0, seed=0, device=CPU, progress=False, max_seconds=50.0,
-                    clock=lambda: float(next(ticks)))
-    assert len(history) == 45
+    result = train(tiny_drafter(engine), seqs, steps=1000, batch_seqs=1, anchors_per_seq=2, lr=1e-3,
+                   gamma_decay=4.0, seed=0, device=CPU, progress=False, max_seconds=50.0,
+                   clock=lambda: float(next(ticks)))
+    assert len(result.history) == 45 and result.stopped is None
     assert len(train(tiny_drafter(engine), seqs, steps=7, batch_seqs=1, anchors_per_seq=2, lr=1e-3, gamma_decay=4.0,
-                     seed=0, device=CPU, progress=False)) == 7
+                     seed=0, device=CPU, progress=False).history) == 7
+
+
+RUN = dict(steps=8, batch_seqs=2, anchors_per_seq=4, lr=3e-3, gamma_decay=4.0, seed=0, device=CPU, progress=False,
+           save_every=3)
+
+
+def test_a_run_killed_and_resumed_ends_with_the_weights_of_a_run_never_stopped(engine, seqs, tmp_path):
+    whole = tiny_drafter(engine)
+    train(whole, seqs, state_path=tmp_path / "whole.pt", **RUN)
+    killed, steps = tiny_drafter(engine), []
+
+    def kill_in_step_5(module, inputs):  # the context projection runs once per training step
+        steps.append(1)
+        if len(steps) == 5:
+            raise KeyboardInterrupt
+
+    hook = killed.fc.register_forward_pre_hook(kill_in_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(killed, seqs, state_path=tmp_path / "run.pt", **RUN)
+    hook.remove()
+    resumed = tiny_drafter(engine)  # a new process: fresh weights, the rest from the state saved after step 3
+    resumed.fc.register_forward_pre_hook(lambda module, inputs: steps.append(1))
+    result = train(resumed, seqs, state_path=tmp_path / "run.pt", **RUN)
+    assert len(steps) == 5 + 5 and len(result.history) == 8  # steps 4..8 run again
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    again = train(tiny_drafter(engine), seqs, state_path=tmp_path / "run.pt", **RUN)  # a finished run stays finished
+    assert len(again.history) == 8
+
+
+def test_heldout_evaluations_stop_training_on_a_plateau(engine, seqs):
+    """lr 0: the held-out loss never falls, so with patience 2 the third evaluation (step 6) ends the run."""
+    drafter = tiny_drafter(engine)
+    batches = heldout_batches(seqs, count=2, block_size=4, batch_seqs=2, anchors_per_seq=4, seed=0)
+    result = train(drafter, seqs, **{**RUN, "steps": 50, "lr": 0.0},
+                   heldout=HeldOutEval(batches=batches, every=2, patience=2))
+    assert result.stopped == "plateau" and len(result.history) == 6
+    assert [e["step"] for e in result.evals] == [2, 4, 6]
+    first = result.evals[0]
+    assert all(e["loss"] == first["loss"] for e in result.evals)
+    assert 1.0 <= first["tau"] <= 5.0 and all(0.0 <= first[f"a{k}"] <= 1.0 for k in range(1, 5))
+    result = train(tiny_drafter(engine), seqs, **RUN, heldout=HeldOutEval(batches=batches, every=3))
+    assert result.stopped is None and [e["step"] for e in result.evals] == [3, 6, 8]  # and after the last step
+
+
+def test_plateau_needs_patience_evaluations_without_a_new_best():
+    assert not plateaued([3.0, 2.0, 2.5], patience=2, min_delta=0.0)  # only one evaluation since the best
+    assert plateaued([3.0, 2.0, 2.5, 2.1], patience=2, min_delta=0.0)
+    assert not plateaued([3.0, 2.0, 2.5, 1.9], patience=2, min_delta=0.0)
+    assert plateaued([3.0, 2.0, 2.5, 1.999], patience=2, min_delta=0.01)  # not better by 1%
+    assert not plateaued([3.0, 2.0, 2.5, 2.1], patience=None, min_delta=0.0)
+
+
+def test_teacher_forced_acceptance_per_position_is_conditional_on_the_drafts_before():
+    """Greedy hits [[1, 1, 0], [1, 0, 1], [0, 1, 1]]: a1 = 2/3, a2 = 1/2, a3 = 0/1; tau = 1 + (2 + 1 + 0) / 3."""
+    hits = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 1, 1]], dtype=torch.bool)
+    labels = torch.zeros(3, 3, dtype=torch.long)
+    logits = torch.where(hits[..., None], torch.tensor([5.0, 0.0]), torch.tensor([0.0, 5.0]))  # [N, K, 2]
+    batch = SimpleNamespace(labels=labels, valid=torch.ones(3, 3, dtype=torch.bool), topk_ids=labels[..., None],
+                            topk_probs=torch.ones(3, 3, 1))
+    _, stats = dspark_loss(BlockOutputs(logits=logits, conf_logits=torch.zeros(3, 3)), batch, gamma_decay=4.0,
+                           device=CPU)
+    assert (stats["a1"], stats["a2"], stats["a3"]) == pytest.approx((2 / 3, 1 / 2, 0.0))
+    assert stats["tau"] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("text", ['{"head": rnn}', '["head"]'])

@@ -19,6 +19,7 @@ features are those of whatever sequence was decoded, so sampled sequences are as
 Usage:
     python -m app.drafters.train.datagen --out runs/dspark-data --per-set gsm8k-train=160 math500=80 ...
     python -m app.drafters.train.datagen --out runs/dspark-data-t08 --samples 2 --temperature 0.8 --max-minutes 5
+    python -m app.drafters.train.datagen --out runs/dspark-data-t08 --samples 2 --temperature 0.8 --resume
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -115,12 +117,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--shard-size", type=int, default=64, help="answers per shard")
     ap.add_argument("--max-shards", type=int, default=None, help="stop after this many shards (a time budget)")
     ap.add_argument("--first-shard", type=int, default=0,
-                    help="skip the shards before this one: continues a run that stopped at its budget, on the "
-                         "prompts it did not reach; needs that run's --per-set, --seed, --max-tokens, --samples, "
-                         "--shard-size and --model, and N = its first_shard + ceil(sequences / shard_size) from its "
-                         "meta.json (a shard holds --shard-size answers)")
+                    help="skip the shards before this one: continues a run that stopped at its budget in another "
+                         "folder (--resume continues in the same one), on the prompts it did not reach; needs that "
+                         "run's --per-set, --seed, --max-tokens, --samples, --shard-size and --model, and N = its "
+                         "first_shard + ceil(sequences / shard_size) from its meta.json (a shard holds --shard-size "
+                         "answers)")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="start no new shard after this wall-clock budget (shards already written are kept)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in --out (same flags but the budgets): shards already there are kept "
+                         "and not generated again")
     ap.add_argument("--samples", type=int, default=1, help="answers per prompt (> 1 needs --temperature > 0)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; > 0: sampled answers")
     ap.add_argument("--max-batch", type=int, default=32, help="concurrent requests while decoding")
@@ -137,6 +143,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         if value is not None and value <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
     per_set = {k: int(v) for k, v in (item.split("=", 1) for item in args.per_set)}
+    plan = {"model": args.model, "per_set": per_set, "max_tokens": args.max_tokens, "shard_size": args.shard_size,
+            "first_shard": args.first_shard, "samples": args.samples, "temperature": args.temperature,
+            "seed": args.seed, "datasets_dir": str(args.datasets_dir)}
+    meta_path = args.out / "meta.json"  # the plan at the start, with the counts at the end
+    if args.resume:
+        saved = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        if {k: saved.get(k) for k in plan} != plan:
+            ap.error(f"--resume: {args.out} holds no run with these flags (its meta.json: {saved or 'none'})")
     picked = pick_prompts(per_set, seed=args.seed, datasets_dir=args.datasets_dir)
     engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch, max_model_len=1536))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -152,26 +166,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     if first >= len(ids):
         ap.error(f"--first-shard {args.first_shard}: these flags give only "
                  f"{math.ceil(len(ids) / args.shard_size)} shards of {args.shard_size} answers")
+    meta_path.write_text(json.dumps({**plan, "sequences": None}, indent=2))  # None: still running
     bar = tqdm(total=len(ids) - first, desc="datagen", unit="answer")
     new_tokens, done, start = 0, 0, time.perf_counter()
     for i in range(first, len(ids), args.shard_size):
+        path = args.out / f"shard-{i // args.shard_size:04d}.safetensors"
+        if args.resume and path.is_file():  # written before the run stopped
+            with safe_open(str(path), framework="pt") as f:
+                offsets, prompt_lens = f.get_tensor("offsets"), f.get_tensor("prompt_lens")
+            done += len(prompt_lens)
+            new_tokens += int(offsets[-1]) - int(prompt_lens.sum())
+            bar.update(len(prompt_lens))
+            continue
         if args.max_minutes is not None and time.perf_counter() - start > 60 * args.max_minutes:
             break
         chunk = ids[i : i + args.shard_size]
         shard = generate_shard(engine, chunk, params[i : i + args.shard_size], max_batch=args.max_batch,
                                id_prefix=f"s{i}")
         done += len(chunk)
-        save_file(shard, str(args.out / f"shard-{i // args.shard_size:04d}.safetensors"))
+        save_file(shard, str(path))
         new_tokens += int(shard["offsets"][-1]) - int(shard["prompt_lens"].sum())
         bar.update(len(chunk))
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
     bar.close()
-    meta = {"model": args.model, "per_set": per_set, "max_tokens": args.max_tokens, "seed": args.seed,
-            "shard_size": args.shard_size, "first_shard": args.first_shard,
-            "samples": args.samples, "temperature": args.temperature, "sequences": done, "new_tokens": new_tokens,
-            "feature_layers": list(engine.model.feature_layers),
+    meta = {**plan, "sequences": done, "new_tokens": new_tokens, "feature_layers": list(engine.model.feature_layers),
             "seconds": round(time.perf_counter() - start, 1)}
-    (args.out / "meta.json").write_text(json.dumps(meta, indent=2))
+    meta_path.write_text(json.dumps(meta, indent=2))
     print(json.dumps(meta))
 
 

@@ -21,7 +21,7 @@ import argparse
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -40,6 +40,8 @@ LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
 TIMING_SKIP = 5  # warm-up steps left out of the timing
 TIMING_STEPS = 20  # steps timed before a wall-clock budget fixes the schedule's length
 HARD_STOP = 1.1  # training ends at this multiple of its wall-clock budget whatever the schedule says
+STATE_FILE = "train-state.pt"  # in the output folder: what --resume continues from (``train``'s state_path)
+RUN_FILE = "train-run.json"  # beside it: the flags of the run it belongs to
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,19 @@ class BlockOutputs:
     logits: torch.Tensor
     # [N, K] float32 confidence logits
     conf_logits: torch.Tensor
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` did."""
+
+    # per-step stats (``dspark_loss``'s, and ``loss``)
+    history: list[dict[str, float]]
+    # held-out evaluations: ``step`` and ``evaluate_heldout``'s figures
+    evals: list[dict[str, float]]
+    # why training ended before its schedule's last step: None (it did not), "time" (the budget's hard stop) or
+    # "plateau" (the held-out loss stopped falling)
+    stopped: str | None = None
 
 
 def forward_batch(drafter: Drafter, batch: Batch, device: torch.device, *, draft_vocab: bool = False) -> BlockOutputs:
@@ -84,7 +99,9 @@ def vocab_columns(draft_vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def dspark_loss(
     out: BlockOutputs, batch: Batch, *, gamma_decay: float, device: torch.device, columns: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The DSpark loss (module docstring) and its parts (weighted means over valid positions).
+    """The DSpark loss (module docstring) and its stats: the parts ``ce``, ``tv``, ``bce`` (weighted means over valid
+    positions) and the teacher-forced greedy figures of the batch, ``tau`` (1 + mean accepted drafts per block) and
+    ``a1`` .. ``aK`` (P(draft k accepted | drafts < k accepted)).
 
     TV uses the target's top-Kt tokens (``data.with_target_topk``) plus one lumped tail bucket:
     0.5 * (sum_{i in top} |p_i - q_i| + |p_tail - q_tail|), a lower bound of the full TV that is exact when the
@@ -121,8 +138,11 @@ def dspark_loss(
     with torch.no_grad():
         hit = (out.logits.gather(-1, labels[..., None]).squeeze(-1) >= out.logits.max(-1).values) & valid & in_vocab
         stats = {name: float(v) for name, v in parts.items()}
-        stats["acc1"] = float(hit[:, 0].float().sum() / valid[:, 0].sum().clamp(min=1))
-        stats["tau"] = float(1 + torch.cumprod(hit.float(), dim=1).sum(1).mean())
+        survived = torch.cumprod(hit.float(), dim=1)  # [N, K] drafts 1..k all accepted
+        reached = torch.cat([torch.ones_like(survived[:, :1]), survived[:, :-1]], dim=1) * valid  # [N, K]
+        for j in range(k):  # a_k = P(draft k accepted | drafts < k accepted), over the batch's valid positions
+            stats[f"a{j + 1}"] = float(survived[:, j].sum() / reached[:, j].sum().clamp(min=1))
+        stats["tau"] = float(1 + survived.sum(1).mean())
     return loss, stats
 
 
@@ -141,6 +161,58 @@ def split_heldout(seqs: list[Sequence_], fraction: float) -> tuple[list[Sequence
     return [s for s, h in zip(seqs, held) if not h], [s for s, h in zip(seqs, held) if h]
 
 
+@dataclass(frozen=True)
+class HeldOutEval:
+    """Held-out evaluation during training: the same teacher-forced ``batches`` (drawn once from the held-out
+    sequences) every ``every`` steps; training stops once the held-out loss has not fallen below its best by more than
+    ``min_delta`` (relative) for ``patience`` evaluations in a row (None: never)."""
+
+    batches: list[Batch]
+    every: int
+    patience: int | None = None
+    min_delta: float = 0.002
+
+
+def heldout_batches(seqs: list[Sequence_], *, count: int, block_size: int, batch_seqs: int, anchors_per_seq: int,
+                    seed: int) -> list[Batch]:
+    """``count`` fixed batches from held-out ``seqs`` (the same anchors at every evaluation).
+
+    Raises:
+        ValueError: no held-out sequences, or ``count`` < 1.
+    """
+    if not seqs or count < 1:
+        raise ValueError(f"held-out evaluation needs sequences and count >= 1, got {len(seqs)} and {count}")
+    gen = torch.Generator().manual_seed(seed)
+    return [make_batch([seqs[i] for i in torch.randint(len(seqs), (batch_seqs,), generator=gen).tolist()],
+                       block_size=block_size, anchors_per_seq=anchors_per_seq, generator=gen) for _ in range(count)]
+
+
+@torch.no_grad()
+def evaluate_heldout(drafter: Drafter, batches: list[Batch], *, gamma_decay: float, device: torch.device,
+                     columns: torch.Tensor | None = None) -> dict[str, float]:
+    """``dspark_loss``'s stats (loss, parts, teacher-forced tau and a_k) averaged over ``batches``, in eval mode."""
+    training = drafter.training
+    drafter.eval()
+    totals: dict[str, float] = {}
+    for batch in batches:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = forward_batch(drafter, batch, device, draft_vocab=columns is not None)
+        loss, stats = dspark_loss(out, batch, gamma_decay=gamma_decay, device=device, columns=columns)
+        for name, value in {"loss": float(loss), **stats}.items():
+            totals[name] = totals.get(name, 0.0) + value / len(batches)
+    drafter.train(training)
+    return totals
+
+
+def plateaued(losses: list[float], *, patience: int | None, min_delta: float) -> bool:
+    """Whether the last ``patience`` held-out losses all failed to fall below (1 - ``min_delta``) x the best one
+    before them."""
+    if patience is None or len(losses) <= patience:
+        return False
+    best = min(losses[:-patience])
+    return min(losses[-patience:]) > best * (1 - min_delta)
+
+
 def train(
     drafter: Drafter,
     seqs: list[Sequence_],
@@ -156,18 +228,26 @@ def train(
     max_seconds: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
     draft_vocab: bool = False,
-) -> list[dict[str, float]]:
+    heldout: HeldOutEval | None = None,
+    state_path: Path | None = None,
+    save_every: int = 200,
+) -> TrainResult:
     """AdamW with linear warm-up and cosine decay over ``steps``. With ``max_seconds`` (a wall-clock budget) the
     schedule is fitted into the budget: steps ``TIMING_SKIP`` .. ``TIMING_SKIP + TIMING_STEPS`` are timed (the first
     ones pay for warm-up: allocator, kernel selection) and the total becomes min(steps, steps done + time left /
     measured step time), so the learning rate still decays to zero when time runs out instead of training stopping
-    mid-schedule; steps that grow slower than timed stop at ``HARD_STOP`` x the budget. Returns per-step stats.
-    ``seqs`` carry the target top-k; ``clock`` (seconds) is replaceable for tests. ``draft_vocab``: train the
-    softmax over the drafter's draft vocabulary V' (the one it drafts with; on a CPU the LM head over the full
-    vocabulary is most of a step's cost; see ``dspark_loss``).
+    mid-schedule; steps that grow slower than timed stop at ``HARD_STOP`` x the budget. ``seqs`` carry the target
+    top-k; ``clock`` (seconds) is replaceable for tests. ``draft_vocab``: train the softmax over the drafter's draft
+    vocabulary V' (the one it drafts with; on a CPU the LM head over the full vocabulary is most of a step's cost; see
+    ``dspark_loss``). ``heldout``: evaluate every ``heldout.every`` steps (and after the last) and stop on a plateau.
+
+    Resumable: with ``state_path``, everything a run needs to go on (weights, optimiser, schedule, sampling
+    generator, schedule length, time spent, stats) is written there every ``save_every`` steps and at the end, and a
+    run that finds the file continues from it: a run stopped and resumed ends with the same weights as one that never
+    stopped (on the same device). The caller checks that the file belongs to the same run (``main`` does).
 
     Raises:
-        ValueError: ``draft_vocab`` without a DSpark drafter that has a draft vocabulary.
+        ValueError: ``draft_vocab`` without a DSpark drafter that has a draft vocabulary; ``save_every`` < 1.
     """
     columns = None
     if draft_vocab:
@@ -175,27 +255,60 @@ def train(
             raise ValueError("draft-vocabulary training needs a DSpark drafter with a draft vocabulary "
                              "(--init a checkpoint that has one, or run draft_vocab first)")
         columns = vocab_columns(drafter.draft_vocab, drafter.config.vocab_size).to(device)
+    if save_every < 1:
+        raise ValueError(f"save_every must be >= 1, got {save_every}")
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    total = steps
+    run = {"total": steps, "seconds": 0.0, "fitted": max_seconds is None}  # the schedule's length, time spent
     warmup = max(1, min(50, steps // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
-    history: list[dict[str, float]] = []
-    bar = tqdm(total=steps, desc="train", disable=not progress)
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / run["total"]))))
+    result = TrainResult(history=[], evals=[])
+    if state_path is not None and Path(state_path).is_file():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        gen.set_state(state["generator"])
+        run, result = state["run"], TrainResult(**state["result"])
+
+    def save_state() -> None:
+        if state_path is None:
+            return
+        run["seconds"] = clock() - start
+        tmp = Path(state_path).with_suffix(".tmp")
+        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "generator": gen.get_state(), "run": run, "result": asdict(result)}, tmp)
+        tmp.replace(state_path)  # a run killed while saving keeps the previous state
+
+    def evaluate() -> bool:
+        """One held-out evaluation; True on a plateau."""
+        figures = evaluate_heldout(drafter, heldout.batches, gamma_decay=gamma_decay, device=device, columns=columns)
+        result.evals.append({"step": len(history), **figures})
+        bar.write(f"held-out @ {len(history)}: loss {figures['loss']:.4f} tau {figures['tau']:.3f} "
+                  + " ".join(f"{figures[f'a{j + 1}']:.2f}" for j in range(drafter.config.block_size)))
+        return plateaued([e["loss"] for e in result.evals], patience=heldout.patience, min_delta=heldout.min_delta)
+
+    history = result.history
+    bar = tqdm(total=run["total"], initial=len(history), desc="train", disable=not progress)
     drafter.train()
-    start = clock()
-    while len(history) < total:
+    start = clock() - run["seconds"]
+    stopped = result.stopped
+    timing_from = max(TIMING_SKIP, len(history))  # a run resumed before its schedule was fitted times afresh
+    while len(history) < run["total"] and stopped is None:
         if max_seconds is not None and clock() - start > HARD_STOP * max_seconds:
-            break  # steps grew slower than timed (a shared machine): keep the budget
-        if len(history) == TIMING_SKIP:
+            stopped = "time"  # steps grew slower than timed (a shared machine): keep the budget
+            break
+        if len(history) == timing_from and not run["fitted"]:
             timed_from = clock()
-        if len(history) == TIMING_SKIP + TIMING_STEPS and max_seconds is not None:
+        if len(history) == timing_from + TIMING_STEPS and not run["fitted"]:
             now = clock()
             per_step = (now - timed_from) / TIMING_STEPS
-            total = max(len(history) + 1, min(steps, len(history) + int((max_seconds - (now - start)) / per_step)))
-            bar.total = total
+            run["total"] = max(len(history) + 1,
+                               min(steps, len(history) + int((max_seconds - (now - start)) / per_step)))
+            run["fitted"] = True
+            bar.total = run["total"]
             bar.refresh()
         pick = torch.randint(len(seqs), (batch_seqs,), generator=gen).tolist()
         batch = make_batch([seqs[i] for i in pick], block_size=drafter.config.block_size,
@@ -211,13 +324,21 @@ def train(
         stats["loss"] = float(loss.detach())
         history.append(stats)
         bar.update(1)
-        bar.set_postfix(loss=f"{stats['loss']:.3f}", tv=f"{stats['tv']:.3f}", acc1=f"{stats['acc1']:.2f}",
+        bar.set_postfix(loss=f"{stats['loss']:.3f}", tv=f"{stats['tv']:.3f}", a1=f"{stats['a1']:.2f}",
                         tau=f"{stats['tau']:.2f}")
+        if heldout is not None and len(history) % heldout.every == 0 and evaluate():
+            stopped = "plateau"
+        if len(history) % save_every == 0:
+            save_state()
+    if heldout is not None and (not result.evals or result.evals[-1]["step"] != len(history)):
+        evaluate()
+    result.stopped = stopped
+    save_state()
     bar.close()
     drafter.eval()
     if isinstance(drafter, DSparkDrafter) and drafter.draft_vocab is not None:
         drafter.set_draft_vocab(drafter.draft_vocab)  # re-slice W2's draft rows from the trained weights
-    return history
+    return result
 
 
 def json_object(text: str) -> dict:
@@ -256,10 +377,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--train-vocab", choices=("full", "draft"), default="full",
                     help="softmax over the full vocabulary, or over the --init checkpoint's draft vocabulary (the "
                          "one it drafts with; dspark only; on a CPU about 2x faster steps)")
+    ap.add_argument("--eval-every", type=int, default=200,
+                    help="steps between held-out evaluations (loss, teacher-forced tau and a_k; printed and kept in "
+                         "the checkpoint's metadata)")
+    ap.add_argument("--eval-batches", type=int, default=4, help="fixed held-out batches per evaluation")
+    ap.add_argument("--patience", type=int, default=None,
+                    help="stop when this many evaluations in a row did not improve the held-out loss (default: "
+                         "never)")
+    ap.add_argument("--save-every", type=int, default=200,
+                    help="steps between saves of the training state (OUT/train-state.pt)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run whose training state is in OUT/train-state.pt (same flags; the weights "
+                         "come from the state, not from --init)")
     ap.add_argument("--kind", choices=sorted(KINDS), default="dspark", help="drafter kind (module docstring)")
     ap.add_argument("--config", type=json_object, default={},
                     help="JSON overrides of the kind's config fields, e.g. '{\"head\": \"rnn\"}'")
     args = ap.parse_args(argv)
+    for name in ("eval_every", "eval_batches", "save_every", "patience"):
+        if (value := getattr(args, name)) is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    state_path, run_path = args.out / STATE_FILE, args.out / RUN_FILE
+    run_flags = json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "resume"}, default=str))
+    if args.resume:
+        if not state_path.is_file():
+            ap.error(f"--resume: no training state at {state_path}")
+        if (saved := json.loads(run_path.read_text())) != run_flags:
+            diff = {k: (saved.get(k), run_flags.get(k)) for k in saved.keys() | run_flags.keys()
+                    if saved.get(k) != run_flags.get(k)}
+            ap.error(f"--resume: flags differ from the run in {args.out} (saved, given): {diff}")
+    else:
+        state_path.unlink(missing_ok=True)  # a new run
     init_doc: dict = {}
     if args.init is not None:  # the architecture comes from the checkpoint; --kind/--config may only agree with it
         try:
@@ -290,21 +437,30 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.train_vocab == "draft" and getattr(drafter, "draft_vocab", None) is None:
         ap.error("--train-vocab draft needs --init with a dspark checkpoint that has a draft vocabulary")
     seqs, heldout = split_heldout(load_shards(args.data), args.heldout)
-    seqs = with_target_topk(seqs, target.logits_from_final_hidden, k=args.target_topk, hidden_size=a.hidden_size,
-                            device=device)
+    seqs, heldout = (with_target_topk(part, target.logits_from_final_hidden, k=args.target_topk,
+                                      hidden_size=a.hidden_size, device=device) for part in (seqs, heldout))
     print(f"drafter {drafter.num_trainable_params() / 1e6:.1f}M params; {len(seqs)} train / {len(heldout)} held-out "
           f"sequences; device {device}")
+    evaluation = None
+    if heldout:
+        evaluation = HeldOutEval(
+            batches=heldout_batches(heldout, count=args.eval_batches, block_size=drafter.config.block_size,
+                                    batch_seqs=args.batch_seqs, anchors_per_seq=args.anchors, seed=args.seed),
+            every=args.eval_every, patience=args.patience)
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_path.write_text(json.dumps(run_flags, indent=1))
     start = time.perf_counter()
-    history = train(drafter, seqs, steps=args.steps, batch_seqs=args.batch_seqs, anchors_per_seq=args.anchors,
-                    lr=args.lr, gamma_decay=args.gamma_decay, seed=args.seed, device=device,
-                    max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
-                    draft_vocab=args.train_vocab == "draft")
+    result = train(drafter, seqs, steps=args.steps, batch_seqs=args.batch_seqs, anchors_per_seq=args.anchors,
+                   lr=args.lr, gamma_decay=args.gamma_decay, seed=args.seed, device=device,
+                   max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+                   draft_vocab=args.train_vocab == "draft", heldout=evaluation, state_path=state_path,
+                   save_every=args.save_every)
+    history = result.history
     tail = history[-max(1, len(history) // 10):]
     summary = {k: round(sum(h[k] for h in tail) / len(tail), 4) for k in tail[0]}
-    meta = {"train": {**vars(args), "data": [str(d) for d in args.data], "out": str(args.out),
-                      "init": None if args.init is None else str(args.init), "train_seqs": len(seqs),
-                      "heldout_seqs": len(heldout), "steps_done": len(history), "seconds": round(time.perf_counter() - start, 1),
-                      "final": summary}}
+    meta = {"train": {**run_flags, "train_seqs": len(seqs), "heldout_seqs": len(heldout), "steps_done": len(history),
+                      "stopped": result.stopped, "seconds": round(time.perf_counter() - start, 1), "final": summary,
+                      "heldout_evals": [{k: round(v, 4) for k, v in e.items()} for e in result.evals]}}
     if getattr(drafter, "draft_vocab", None) is not None and "draft_vocab" in init_doc.get("metadata", {}):
         meta["draft_vocab"] = init_doc["metadata"]["draft_vocab"]  # the V' carried from --init, and its record
     if init_doc:

@@ -21,6 +21,9 @@ CHAT_PROMPTS = _TRAIN_DIR / "chat_prompts.jsonl"
 # 241-280 stem, 281-320 humanities.
 CHAT_MT_PROMPTS = _TRAIN_DIR / "chat_prompts_mt.jsonl"
 CODE_FN_PROMPTS = _TRAIN_DIR / "code_prompts.jsonl"
+# HumanEval's prompts (and code-fn's) all open with this frame; it is not part of any one problem.
+CODE_FRAME = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+OPENING_CHARS = 60  # an evaluation prompt's opening: its first 60 characters, ``normalized``
 
 
 @dataclass(frozen=True)
@@ -60,3 +63,24 @@ def load_prompts(prompt_set: PromptSet, datasets_dir: Path = DEFAULT_DATASETS_DI
     lines = path.read_text().splitlines()
     last = len(lines) if prompt_set.last is None else prompt_set.last
     return [json.loads(line)["turns"][0] for line in lines[prompt_set.first - 1 : last] if line.strip()]
+
+
+def normalized(text: str) -> str:
+    """``text`` as prompts are compared for overlap: ``CODE_FRAME`` removed, whitespace collapsed, lowercased."""
+    return " ".join(text.removeprefix(CODE_FRAME).split()).lower()
+
+
+def eval_openings(datasets_dir: Path = DEFAULT_DATASETS_DIR) -> set[str]:
+    """The opening (first ``OPENING_CHARS`` characters, ``normalized``) of every evaluation prompt: a training prompt
+    whose normalized text contains one overlaps the evaluation sets.
+
+    Raises:
+        FileNotFoundError: an evaluation prompt file is missing.
+    """
+    return {normalized(p)[:OPENING_CHARS] for s in EVAL_SETS.values() for p in load_prompts(s, datasets_dir)}
+
+
+def overlaps(prompt: str, openings: set[str]) -> bool:
+    """Whether ``prompt`` contains any of ``openings`` (``eval_openings``)."""
+    text = normalized(prompt)
+    return any(head in text for head in openings)

@@ -201,3 +201,40 @@ def test_trainer_resume_continues_only_the_same_run(tmp_path, capsys):
     assert exc.value.code == 2 and "'lr': (0.001, 0.01)" in capsys.readouterr().err
     trainer.main([*run, "--resume"])
     assert (out / "model.safetensors").read_bytes() == first
+
+
+def test_self_written_prompts_feed_datagen(tmp_path, capsys):
+    """The tiny target writes prompts (what it writes is noise; the cleaning and the file format are what count),
+    and datagen answers a sample of that file like any training set."""
+    from app.drafters.train import datagen, self_prompts
+
+    tiny_target(tmp_path / "target")
+    prompt_files(tmp_path / "datasets")
+    out = tmp_path / "self.jsonl"
+    self_prompts.main(["--out", str(out), "--limit", "12", "--max-tokens", "10", "--min-chars", "1",
+                       "--max-batch", "12", "--model", str(tmp_path / "target"),
+                       "--datasets-dir", str(tmp_path / "datasets")])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["asked"] == 12 and report["kept"] + sum(report["dropped"].values()) == 12
+    prompts = [json.loads(line)["turns"][0] for line in out.read_text().splitlines()]
+    assert len(prompts) == report["kept"] >= 2 and len(set(prompts)) == len(prompts)
+    datagen.main(["--out", str(tmp_path / "data"), "--per-set", f"{out}=2", "--max-tokens", "4", "--max-batch", "2",
+                  "--model", str(tmp_path / "target"), "--datasets-dir", str(tmp_path / "datasets")])
+    assert json.loads((tmp_path / "data" / "meta.json").read_text())["sequences"] == 2
+    with pytest.raises(SystemExit) as exc:
+        datagen.main(["--out", str(tmp_path / "bad"), "--per-set", f"{tmp_path / 'none.jsonl'}=2",
+                      "--model", str(tmp_path / "target"), "--datasets-dir", str(tmp_path / "datasets")])
+    assert exc.value.code == 2 and "none.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, expected", [
+    (' Question: "How do volcanoes form?"\n2. Why...', "How do volcanoes form?"),
+    (" **Write a poem about trains,  in four lines.**", "Write a poem about trains, in four lines."),
+    (" 3. User input: Summarise this text: the sea is blue.", "Summarise this text: the sea is blue."),
+    (" See https://example.com for the rules of chess", None),
+    (" Hi", None),
+])
+def test_clean_prompt_keeps_the_first_paragraph_without_labels(text, expected):
+    from app.drafters.train.self_prompts import clean_prompt
+
+    assert clean_prompt(text, min_chars=5) == expected

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from app.datasets import CHAT_MT_PROMPTS, CODE_FN_PROMPTS, EVAL_SETS, TRAIN_SETS, load_prompts
-
-# HumanEval's prompts (and code-fn's) all open with this frame; it is not part of any one problem.
-CODE_FRAME = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+from app.datasets import (CHAT_MT_PROMPTS, CODE_FN_PROMPTS, CODE_FRAME, EVAL_SETS, TRAIN_SETS, eval_openings,
+                          load_prompts, overlaps)
 DEF_NAME = re.compile(r"^def (\w+)\(", re.MULTILINE)
 
 NEW_FILES = {"chat-mt": (CHAT_MT_PROMPTS, 320), "code-fn": (CODE_FN_PROMPTS, 240)}
@@ -22,12 +20,6 @@ def eval_dir(shared_datasets: Path) -> Path:
     if not all((shared_datasets / s.file).exists() for s in EVAL_SETS.values()):
         pytest.skip(f"evaluation prompts not in {shared_datasets}")
     return shared_datasets
-
-
-def _norm(text: str) -> str:
-    """Frame removed, whitespace collapsed, lowercased."""
-    text = text.removeprefix(CODE_FRAME)
-    return " ".join(text.split()).lower()
 
 
 @pytest.mark.parametrize("name", sorted(NEW_FILES))
@@ -44,12 +36,10 @@ def test_new_training_file_loads_with_one_non_empty_turn_a_line(name):
 
 @pytest.mark.parametrize("name", sorted(NEW_FILES))
 def test_no_training_prompt_contains_an_evaluation_prompts_opening(name, eval_dir):
-    heads = {_norm(p)[:60] for s in EVAL_SETS.values() for p in load_prompts(s, eval_dir)}
+    heads = eval_openings(eval_dir)
     assert len(heads) > 500  # mt-bench 80 + humaneval 164 + gsm8k 619, less any shared openings
     for prompt in load_prompts(TRAIN_SETS[name]):
-        text = _norm(prompt)
-        hits = [h for h in heads if h in text]
-        assert not hits, f"{name} prompt {prompt[:80]!r} contains evaluation opening {hits[0]!r}"
+        assert not overlaps(prompt, heads), f"{name} prompt {prompt[:80]!r} contains an evaluation opening"
 
 
 def test_code_fn_problems_use_humanevals_frame():

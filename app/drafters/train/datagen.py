@@ -41,7 +41,7 @@ from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
-from app.datasets import DEFAULT_DATASETS_DIR, TRAIN_SETS, load_prompts
+from app.datasets import DEFAULT_DATASETS_DIR, TRAIN_SETS, PromptSet, load_prompts
 
 
 class FeatureRecorder:
@@ -65,17 +65,23 @@ class FeatureRecorder:
 
 
 def pick_prompts(per_set: dict[str, int], *, seed: int, datasets_dir: Path) -> list[tuple[str, str]]:
-    """``(set name, prompt)`` pairs: a seeded random sample of ``per_set[name]`` prompts from each training set.
+    """``(set name, prompt)`` pairs: a seeded random sample of ``per_set[name]`` prompts from each training set; a
+    name ending in ``.jsonl`` is a prompt file of its own (``{"turns": [...]}`` one a line, e.g. ``self_prompts.py``'s).
 
     Raises:
         ValueError: an unknown set name or a count above the set's size.
+        FileNotFoundError: a prompt file is missing.
     """
     rng = random.Random(seed)
     picked = []
     for name, count in per_set.items():
-        if name not in TRAIN_SETS:
-            raise ValueError(f"unknown training set {name!r}; choose from {sorted(TRAIN_SETS)}")
-        prompts = load_prompts(TRAIN_SETS[name], datasets_dir)
+        if name.endswith(".jsonl"):
+            prompt_set = PromptSet(name, str(Path(name).resolve()))
+        elif name in TRAIN_SETS:
+            prompt_set = TRAIN_SETS[name]
+        else:
+            raise ValueError(f"unknown training set {name!r}; choose from {sorted(TRAIN_SETS)} or a .jsonl file")
+        prompts = load_prompts(prompt_set, datasets_dir)
         if count > len(prompts):
             raise ValueError(f"{name} has {len(prompts)} prompts, {count} requested")
         picked += [(name, p) for p in rng.sample(prompts, count)]
@@ -112,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="output folder for shards and meta.json")
     ap.add_argument("--per-set", nargs="+", default=["gsm8k-train=160", "math500=80", "mbpp=100", "chat=200"],
-                    help="NAME=COUNT prompts drawn from each training set")
+                    help="NAME=COUNT prompts drawn from each training set (NAME: a set, or a .jsonl prompt file)")
     ap.add_argument("--max-tokens", type=int, default=256, help="response length limit")
     ap.add_argument("--shard-size", type=int, default=64, help="answers per shard")
     ap.add_argument("--max-shards", type=int, default=None, help="stop after this many shards (a time budget)")
@@ -151,7 +157,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         saved = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
         if {k: saved.get(k) for k in plan} != plan:
             ap.error(f"--resume: {args.out} holds no run with these flags (its meta.json: {saved or 'none'})")
-    picked = pick_prompts(per_set, seed=args.seed, datasets_dir=args.datasets_dir)
+    try:
+        picked = pick_prompts(per_set, seed=args.seed, datasets_dir=args.datasets_dir)
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(f"--per-set: {e}")
     engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch, max_model_len=1536))
     args.out.mkdir(parents=True, exist_ok=True)
     ids = [engine.encode_chat([{"role": "user", "content": p}]) for _, p in picked]

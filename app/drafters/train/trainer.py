@@ -401,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.resume:
         if not state_path.is_file():
             ap.error(f"--resume: no training state at {state_path}")
-        if (saved := json.loads(run_path.read_text())) != run_flags:
+        if (saved := json.loads(run_path.read_text()) if run_path.is_file() else {}) != run_flags:
             diff = {k: (saved.get(k), run_flags.get(k)) for k in saved.keys() | run_flags.keys()
                     if saved.get(k) != run_flags.get(k)}
             ap.error(f"--resume: flags differ from the run in {args.out} (saved, given): {diff}")

@@ -91,10 +91,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ids = [engine.encode(a) for a in asks]
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=0.95, stop=("\n",),
                              seed=args.seed * 1_000_003 + i) for i in range(len(ids))]
-    kept: dict[str, str] = {}  # normalized text -> prompt
+    kept: set[str] = set()  # normalized texts written
     dropped = {"length": 0, "duplicate": 0, "evaluation": 0}
-    with tqdm(total=len(ids), desc="self-prompts", unit="prompt") as bar:
-        for lo in range(0, len(ids), args.max_batch):
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w") as out, tqdm(total=len(ids), desc="self-prompts", unit="prompt") as bar:
+        for lo in range(0, len(ids), args.max_batch):  # written batch by batch: a stopped run keeps what it wrote
             results, _ = generate(engine, ids[lo : lo + args.max_batch], params[lo : lo + args.max_batch],
                                   max_batch=args.max_batch, id_prefix=f"p{lo}")
             for res in results:
@@ -103,13 +104,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                 cause = ("length" if prompt is None else "evaluation" if overlaps(prompt, banned)
                          else "duplicate" if normalized(prompt) in kept else None)
                 if cause is None:
-                    kept[normalized(prompt)] = prompt
+                    kept.add(normalized(prompt))
+                    out.write(json.dumps({"turns": [prompt]}) + "\n")
                 else:
                     dropped[cause] += 1
+            out.flush()
             bar.update(len(results))
             bar.set_postfix(kept=len(kept))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in kept.values()))
     print(json.dumps({"out": str(args.out), "asked": len(ids), "kept": len(kept), "dropped": dropped}))
 
 

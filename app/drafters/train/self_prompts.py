@@ -101,10 +101,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             for res in results:
                 prompt = clean_prompt(engine.tokenizer.decode(res.token_ids, skip_special_tokens=True),
                                       min_chars=args.min_chars)
+                key = None if prompt is None else normalized(prompt)
                 cause = ("length" if prompt is None else "evaluation" if overlaps(prompt, banned)
-                         else "duplicate" if normalized(prompt) in kept else None)
+                         else "duplicate" if key in kept else None)
                 if cause is None:
-                    kept.add(normalized(prompt))
+                    kept.add(key)
                     out.write(json.dumps({"turns": [prompt]}) + "\n")
                 else:
                     dropped[cause] += 1

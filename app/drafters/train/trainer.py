@@ -146,6 +146,15 @@ def dspark_loss(
     return loss, stats
 
 
+def batch_loss(drafter: Drafter, batch: Batch, *, gamma_decay: float, device: torch.device,
+               columns: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """``dspark_loss`` of the drafter's teacher-forced outputs on ``batch`` (matmuls in bf16 autocast, the loss in
+    float32), over the draft vocabulary when ``columns`` (``vocab_columns``) is given."""
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        out = forward_batch(drafter, batch, device, draft_vocab=columns is not None)
+    return dspark_loss(out, batch, gamma_decay=gamma_decay, device=device, columns=columns)
+
+
 def split_heldout(seqs: list[Sequence_], fraction: float) -> tuple[list[Sequence_], list[Sequence_]]:
     """Deterministic split for calibration: every ``round(1 / fraction)``-th sequence is held out, and so is every
     other answer to the same prompt (several sampled answers per prompt never straddle the split; with one answer
@@ -195,9 +204,7 @@ def evaluate_heldout(drafter: Drafter, batches: list[Batch], *, gamma_decay: flo
     drafter.eval()
     totals: dict[str, float] = {}
     for batch in batches:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            out = forward_batch(drafter, batch, device, draft_vocab=columns is not None)
-        loss, stats = dspark_loss(out, batch, gamma_decay=gamma_decay, device=device, columns=columns)
+        loss, stats = batch_loss(drafter, batch, gamma_decay=gamma_decay, device=device, columns=columns)
         for name, value in {"loss": float(loss), **stats}.items():
             totals[name] = totals.get(name, 0.0) + value / len(batches)
     drafter.train(training)
@@ -294,11 +301,10 @@ def train(
     bar = tqdm(total=run["total"], initial=len(history), desc="train", disable=not progress)
     drafter.train()
     start = clock() - run["seconds"]
-    stopped = result.stopped
     timing_from = max(TIMING_SKIP, len(history))  # a run resumed before its schedule was fitted times afresh
-    while len(history) < run["total"] and stopped is None:
+    while len(history) < run["total"] and result.stopped is None:
         if max_seconds is not None and clock() - start > HARD_STOP * max_seconds:
-            stopped = "time"  # steps grew slower than timed (a shared machine): keep the budget
+            result.stopped = "time"  # steps grew slower than timed (a shared machine): keep the budget
             break
         if len(history) == timing_from and not run["fitted"]:
             timed_from = clock()
@@ -313,9 +319,7 @@ def train(
         pick = torch.randint(len(seqs), (batch_seqs,), generator=gen).tolist()
         batch = make_batch([seqs[i] for i in pick], block_size=drafter.config.block_size,
                            anchors_per_seq=anchors_per_seq, generator=gen)
-        with torch.autocast(device.type, dtype=torch.bfloat16):  # matmuls in bf16, the loss in float32
-            out = forward_batch(drafter, batch, device, draft_vocab=draft_vocab)
-        loss, stats = dspark_loss(out, batch, gamma_decay=gamma_decay, device=device, columns=columns)
+        loss, stats = batch_loss(drafter, batch, gamma_decay=gamma_decay, device=device, columns=columns)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -327,12 +331,11 @@ def train(
         bar.set_postfix(loss=f"{stats['loss']:.3f}", tv=f"{stats['tv']:.3f}", a1=f"{stats['a1']:.2f}",
                         tau=f"{stats['tau']:.2f}")
         if heldout is not None and len(history) % heldout.every == 0 and evaluate():
-            stopped = "plateau"
+            result.stopped = "plateau"
         if len(history) % save_every == 0:
             save_state()
     if heldout is not None and (not result.evals or result.evals[-1]["step"] != len(history)):
         evaluate()
-    result.stopped = stopped
     save_state()
     bar.close()
     drafter.eval()

@@ -46,3 +46,12 @@ def test_http_ingress_runs_without_torch_or_transformers():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.decode().strip().splitlines()[-1] == "m []", out.stdout[-2000:]
+
+
+def test_router_runs_without_torch():
+    """The Router deployment and its request router (which runs in the ingress's process) load no torch: the
+    capacity they compute comes from ``app.scheduling.gain``, numpy only."""
+    probe = "import sys, app.serving.router; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

@@ -32,7 +32,6 @@ stop and the stale capacity both respect this; taking the argmax of Theta over a
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Protocol
@@ -164,7 +163,7 @@ def theta_greedy_lengths(
     n0 = batch + int(min_len.sum())
     tau = torch.cat([torch.tensor([tau0], dtype=torch.float64), tau0 + torch.cumsum(values, dim=0)])
     tokens = torch.arange(n0, n0 + values.numel() + 1, dtype=torch.float64)
-    theta = tau * profile.steps_per_second(tokens, batch=batch, with_draft=True)
+    theta = tau * torch.from_numpy(profile.steps_per_second(tokens, batch=batch, with_draft=True))
     admitted = int(torch.cumprod((theta[1:] > theta[:-1]).long(), dim=0).sum())
     return _lengths_from_slots(order[:admitted], min_len=min_len, gamma=gamma)
 
@@ -179,59 +178,6 @@ def top_capacity_lengths(
     """
     _, order, _ = _sorted_slots(survival, min_len, max_len)
     return _lengths_from_slots(order[:capacity], min_len=min_len, gamma=survival.shape[1])
-
-
-def best_uniform_length(
-    acceptance: torch.Tensor,
-    *,
-    batch: int,
-    profile: ThroughputProfile,
-    draft_ms: float | None = None,
-    verify_scale: float = 1.0,
-) -> tuple[int, float]:
-    """The verify length l* that maximises expected tokens/s when each of B requests verifies l drafts.
-
-    Used *before* drafting (whether a round should draft at all, and the Router's capacity): the drafter's
-    step is paid whatever lengths are verified, so speculation must beat plain decoding including it.
-    With a_j = prod_{i <= j} acceptance_i, Theta(l) = B (1 + sum_{j <= l} a_j) / (verify_ms(B (1 + l)) +
-    draft_ms) and Theta(0) = B / verify_ms(B) (no draft step); DSpark Sec. 3 (Theta = tau * SPS) restricted
-    to equal lengths, which the per-slot Theta-greedy can only improve on when confidences differ. Given one
-    acceptance row per request, a_j is their mean (the expected accepted tokens of an average request).
-
-    Args:
-        acceptance: [K] or [R, K] float, per-position conditional acceptance P(draft j accepted | drafts < j
-            accepted), for every request alike or per request.
-        batch: B >= 1 requests (clamped to the profile's largest batch).
-        draft_ms: drafter time per round (ms); None takes the profile's ``draft_time_ms(B)``.
-        verify_scale: measured / profiled verify time on this replica (> 0): a served step also pays the
-            serving loop, so measured drafter times are only comparable with verify times scaled alike.
-    Returns:
-        (l*, Theta(l*) / Theta(0)): l* in [0, K] (0: do not draft), the expected speed-up over plain decoding.
-    Raises:
-        ValueError: ``batch`` < 1, ``verify_scale`` not finite and > 0, ``draft_ms`` not finite and >= 0, or
-            acceptance not a [K] or [R >= 1, K] tensor (K >= 1) in [0, 1].
-    """
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
-    if not 0 < verify_scale < math.inf:
-        raise ValueError(f"verify_scale must be finite and > 0, got {verify_scale}")
-    if draft_ms is not None and not 0 <= draft_ms < math.inf:
-        raise ValueError(f"draft_ms must be finite and >= 0, got {draft_ms}")
-    if (acceptance.dim() not in (1, 2) or acceptance.numel() == 0
-            or not bool(((acceptance >= 0) & (acceptance <= 1)).all())):
-        raise ValueError(f"acceptance must be a [K] or [R, K] tensor in [0, 1], got {acceptance.tolist()}")
-    b = min(batch, profile.max_batch_size)
-    gamma = min(acceptance.shape[-1], profile.max_verify_len)
-    survival = prefix_survival(acceptance[..., :gamma].double())
-    if survival.dim() == 2:
-        survival = survival.mean(0)
-    tau = torch.cat([torch.ones(1, dtype=torch.float64), 1.0 + torch.cumsum(survival, dim=0)])  # [K + 1]
-    tokens = b * torch.arange(1, gamma + 2, dtype=torch.float64)
-    ms = verify_scale * profile.verify_time_ms(tokens, batch=b)
-    ms[1:] += profile.draft_time_ms(b) if draft_ms is None else draft_ms
-    theta = tau / ms
-    best = int(torch.argmax(theta))
-    return best, float(theta[best] / theta[0])
 
 
 class VerifyPolicy(Protocol):

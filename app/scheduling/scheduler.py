@@ -19,7 +19,7 @@ decoding is faster). :class:`DraftGate` estimates each request's per-position ac
 rounds (acceptance depends on the request: one chat answer the drafter cannot predict must not close the gate
 for the arithmetic answers that follow; a new request starts from what requests of its temperature class got
 (``temperature_class``: sampled acceptance is lower than greedy), or the prior before any) and drafts only when
-:func:`~app.scheduling.policies.best_uniform_length` expects a speed-up for the batch. The counts decay every
+:func:`~app.scheduling.gain.best_uniform_length` expects a speed-up for the batch. The counts decay every
 round, slowly while the gate is closed. A closed gate reopens when a request joins (decided on the
 estimate at once) or on the outcome of a probe round: it drafts one after ``PROBE_EVERY`` closed rounds,
 then after twice as many each time the probe leaves it closed (up to ``PROBE_MAX``); the counts faded
@@ -35,12 +35,8 @@ from dataclasses import replace
 import torch
 
 from app.drafters.calibration import prefix_survival
-from app.scheduling.policies import (
-    ScheduleInput,
-    VerifyPolicy,
-    best_uniform_length,
-    theta_greedy_lengths,
-)
+from app.scheduling.gain import best_uniform_length
+from app.scheduling.policies import ScheduleInput, VerifyPolicy, theta_greedy_lengths
 from app.scheduling.profile import ThroughputProfile
 
 EMA_SMOOTHING = 0.5  # weight of the newest observation in the capacity EMA (1.0: no smoothing)

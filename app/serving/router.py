@@ -9,7 +9,7 @@ Load-aware capacity (DSpark Sec. 3.3, the asynchronous variant, evaluated per re
 and recent per-draft acceptance rate alpha, the expected committed tokens for verify length l are
 ``tau(l) = B (1 + alpha + ... + alpha^l)`` and the step rate ``SPS(B (1 + l))`` (drafter step included when
 l > 0) comes from the profile; the capacity is ``B * l*`` slots with ``l* = argmax_l tau(l) SPS``
-(``app.scheduling.policies.best_uniform_length``; 0 when drafting does not pay). It shrinks as the batch grows
+(``app.scheduling.gain.best_uniform_length``; 0 when drafting does not pay). It shrinks as the batch grows
 (verification waste costs more when the target is busy) and grows with acceptance.
 
 ``PinnedReplicaRouter`` is a Ray Serve request router: a call with ``replica_key=<replica unique id>`` goes to
@@ -26,10 +26,9 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional
 
-import torch
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from app.scheduling.policies import best_uniform_length
+from app.scheduling.gain import best_uniform_length
 from app.scheduling.profile import ThroughputProfile, load_profile
 from app.serving.config import AppConfig
 from app.serving.metrics import RouterMetrics
@@ -83,8 +82,7 @@ def verification_capacity(profile: ThroughputProfile, *, batch: int, acceptance:
     """
     if batch == 0:
         return 0
-    per_position = torch.full((gamma,), min(max(acceptance, 0.0), 1.0))
-    length, _ = best_uniform_length(per_position, batch=batch, profile=profile)
+    length, _ = best_uniform_length([min(max(acceptance, 0.0), 1.0)] * gamma, batch=batch, profile=profile)
     return batch * length
 
 

@@ -7,7 +7,8 @@ from itertools import pairwise
 import pytest
 import torch
 
-from app.scheduling.policies import best_uniform_length, make_policy
+from app.scheduling.gain import best_uniform_length
+from app.scheduling.policies import make_policy
 from app.scheduling.scheduler import (
     GATE_MIN_GAIN,
     GATE_PRIOR,

@@ -65,7 +65,7 @@ def argmax_lengths(profile: ThroughputProfile) -> torch.Tensor:
     for x in (0, 1):
         survival = prefix_survival(confidences(x))[0]
         tau = 1.0 + torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(survival, 0)])
-        out.append(int(torch.argmax(tau * profile.steps_per_second(torch.arange(1.0, 4.0), batch=1))))
+        out.append(int(torch.argmax(tau * torch.from_numpy(profile.steps_per_second(torch.arange(1.0, 4.0), batch=1)))))
     return torch.tensor(out)
 
 

@@ -6,6 +6,8 @@ Uses the session-scoped ``engine`` fixture of ``tests/conftest.py``.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,7 +18,7 @@ from app.drafters.config import DrafterConfig, EagleConfig
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.eagle import EagleDrafter
 from app.drafters.train.calibrate import collect_outcomes
-from app.drafters.train.data import Sequence_, load_shards, make_batch, with_target_topk
+from app.drafters.train.data import Sequence_, TargetTopK, load_shards, make_batch
 from app.drafters.train.datagen import generate_shard
 from app.drafters.train.trainer import (BlockOutputs, HeldOutEval, dspark_loss, forward_batch, heldout_batches,
                                         plateaued, split_heldout, train, vocab_columns)
@@ -28,13 +30,27 @@ PROMPTS = ["What is 12 times 7?", "Write a haiku about the sea."]
 
 
 @pytest.fixture(scope="module")
-def seqs(engine, tmp_path_factory):
+def data_folder(engine, tmp_path_factory) -> Path:
+    """A datagen folder of one shard: the target's answers to PROMPTS."""
     ids = [engine.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     shard = generate_shard(engine, ids, [SamplingParams(max_tokens=24)] * len(ids), max_batch=2, id_prefix="t")
     folder = tmp_path_factory.mktemp("data")
     save_file(shard, str(folder / "shard-0000.safetensors"))
-    return with_target_topk(load_shards(folder), engine.model.logits_from_final_hidden, k=8,
-                            hidden_size=engine.model.args.hidden_size, device=CPU, progress=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def seqs(engine, data_folder):
+    return load_shards(data_folder, topk=target_topk(engine, k=8), progress=False)
+
+
+def target_topk(engine, *, k: int, calls: list | None = None) -> TargetTopK:
+    """The real target's top-k source; ``calls`` (when given) records the rows of each LM-head call."""
+    def logits_fn(hidden):
+        if calls is not None:
+            calls.append(hidden.shape[0])
+        return engine.model.logits_from_final_hidden(hidden)
+    return TargetTopK(logits_fn, k=k, hidden_size=engine.model.args.hidden_size, device=CPU, model="smollm2-135m")
 
 
 def tiny_drafter(engine: TargetEngine) -> DSparkDrafter:
@@ -56,6 +72,34 @@ def test_shard_features_match_the_target_and_labels_align(engine, seqs):
     valid = batch.valid[0, 0]
     assert torch.equal(logits.argmax(-1)[valid], batch.labels[0, 0][valid])
     assert torch.equal(batch.topk_ids[0, 0, :, 0][valid], batch.labels[0, 0][valid])  # top-1 of the target
+
+
+def test_target_topk_is_the_softmax_top_k_computed_once_per_shard(engine, data_folder, tmp_path):
+    """The cached top-k equals the exact softmax's top-k; a second load reads the cache (no LM-head call); another
+    k or another model computes afresh."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "shard-0000.safetensors").write_bytes((data_folder / "shard-0000.safetensors").read_bytes())
+    calls: list[int] = []
+    first = load_shards(folder, topk=target_topk(engine, k=8, calls=calls), progress=False)
+    assert calls and (folder / "topk8-shard-0000.safetensors").is_file()
+    s = first[0]
+    probs = torch.softmax(engine.model.logits_from_final_hidden(s.features[:, -engine.model.args.hidden_size :]), -1)
+    top = probs.topk(8, dim=-1)
+    assert torch.equal(s.topk_ids, top.indices)
+    torch.testing.assert_close(s.topk_probs, top.values, rtol=1e-4, atol=1e-7)  # float32 rounding of two formulas
+    made = len(calls)
+    again = load_shards(folder, topk=target_topk(engine, k=8, calls=calls), progress=False)
+    assert len(calls) == made  # read from the cache
+    assert all(torch.equal(a.topk_ids, b.topk_ids) and torch.equal(a.topk_probs, b.topk_probs)
+               for a, b in zip(first, again))
+    assert load_shards(folder, topk=target_topk(engine, k=4, calls=calls), progress=False)[0].topk_ids.shape[1] == 4
+    assert len(calls) > made  # another k
+    made = len(calls)
+    load_shards(folder, topk=replace(target_topk(engine, k=4, calls=calls), model="another-model"), progress=False)
+    assert len(calls) > made  # another target
+    assert sorted(p.name for p in folder.iterdir()) == ["shard-0000.safetensors", "topk4-shard-0000.safetensors",
+                                                        "topk8-shard-0000.safetensors"]
 
 
 def assert_loss_falls(drafter, seqs, *, block_size: int, draft_vocab: bool = False) -> None:

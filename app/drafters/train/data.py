@@ -10,13 +10,14 @@ Shape symbols: B sequences, M anchors per sequence, K block size, T longest sequ
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 
@@ -29,7 +30,7 @@ class Sequence_:
     # [L, F] target features (row L-1 unused)
     features: torch.Tensor
     prompt_len: int
-    # [L, Kt] int64 the target's top-Kt tokens at each row (distribution of the next token), see ``with_target_topk``
+    # [L, Kt] int64 the target's top-Kt tokens at each row (distribution of the next token), see ``TargetTopK``
     topk_ids: torch.Tensor | None = None
     # [L, Kt] float32 their target probabilities
     topk_probs: torch.Tensor | None = None
@@ -59,7 +60,7 @@ class Batch:
     target_rows: torch.Tensor
     # [B, M, K] bool, label exists (a + k <= L - 1)
     valid: torch.Tensor
-    # [B, M, K, Kt] target top-Kt token ids of label k's distribution (None without ``with_target_topk``)
+    # [B, M, K, Kt] target top-Kt token ids of label k's distribution (None without ``TargetTopK``)
     topk_ids: torch.Tensor | None = None
     # [B, M, K, Kt] their target probabilities
     topk_probs: torch.Tensor | None = None
@@ -88,21 +89,73 @@ def shard_paths(folders: Path | str | list[Path] | list[str]) -> list[Path]:
     return paths
 
 
-def load_shards(folders: Path | str | list[Path] | list[str]) -> list[Sequence_]:
-    """All sequences of ``folder/shard-*.safetensors`` for each folder, in folder then shard order.
+@dataclass(frozen=True)
+class TargetTopK:
+    """The target's top-``k`` next-token distribution of every stored row, for the TV loss (``load_shards``).
+
+    Computed once per shard from the stored final-layer slice of the features and kept beside the shard
+    (``topk_path``), so a resumed or repeated training run does not run the target's LM head over the vocabulary
+    again; a cache made for another ``model`` or ``k``, or for other rows, is recomputed.
+    """
+
+    logits_fn: Callable[[torch.Tensor], torch.Tensor]  # [N, Dm] final hidden -> [N, V] float32 logits
+    k: int
+    hidden_size: int  # Dm: the features' last Dm columns are the final layer's hidden state
+    device: torch.device
+    model: str  # names the target in the cache
+    chunk_rows: int = 2048
+
+    def topk_path(self, shard: Path) -> Path:
+        """``topk<k>-<shard name>`` beside ``shard`` (outside the ``shard-*`` pattern datagen and training read)."""
+        return shard.with_name(f"topk{self.k}-{shard.name}")
+
+    @torch.no_grad()
+    def of_shard(self, shard: Path, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([R, k] int64 ids, [R, k] float32 probabilities) of the shard's R rows, from the cache when it matches.
+
+        p_j = exp(l_j - logsumexp(l)) of the k largest logits l_j: the softmax's top-k without materialising it.
+        """
+        path = self.topk_path(shard)
+        meta = {"model": self.model, "k": str(self.k), "rows": str(features.shape[0])}
+        if path.is_file():
+            with safe_open(str(path), framework="pt") as f:
+                if f.metadata() == meta:
+                    return f.get_tensor("ids").long(), f.get_tensor("probs")
+        ids, probs = [], []
+        for lo in range(0, features.shape[0], self.chunk_rows):
+            logits = self.logits_fn(features[lo : lo + self.chunk_rows, -self.hidden_size :].to(self.device))
+            top = logits.topk(self.k, dim=-1)
+            ids.append(top.indices.int().cpu())
+            probs.append(torch.exp(top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).float().cpu())
+        tensors = {"ids": torch.cat(ids), "probs": torch.cat(probs)}
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+        return tensors["ids"].long(), tensors["probs"]
+
+
+def load_shards(folders: Path | str | list[Path] | list[str], *, topk: TargetTopK | None = None,
+                progress: bool = True) -> list[Sequence_]:
+    """All sequences of ``folder/shard-*.safetensors`` for each folder, in folder then shard order, with the
+    target's top-k distribution of every row when ``topk`` is given (cached beside each shard; a progress bar
+    over the shards).
 
     Raises:
         FileNotFoundError / ValueError: from :func:`shard_paths`.
     """
     paths = shard_paths(folders)
     seqs = []
-    for path in paths:
+    for path in tqdm(paths, desc="shards", disable=not progress or topk is None):
         shard = load_file(str(path))
         off = shard["offsets"].tolist()
+        ids = probs = None
+        if topk is not None:
+            ids, probs = topk.of_shard(path, shard["features"])
         for i, p in enumerate(shard["prompt_lens"].tolist()):
             lo, hi = off[i], off[i + 1]
             if hi - lo - p >= 2:  # at least one anchor with a label
-                seqs.append(Sequence_(shard["tokens"][lo:hi].long(), shard["features"][lo:hi], p))
+                seqs.append(Sequence_(shard["tokens"][lo:hi].long(), shard["features"][lo:hi], p,
+                                      None if ids is None else ids[lo:hi], None if probs is None else probs[lo:hi]))
     return seqs
 
 
@@ -118,26 +171,6 @@ def token_sequences(folders: Path | str | list[Path] | list[str]) -> list[tuple[
         with safe_open(str(path), framework="pt") as f:
             tokens, off, plens = (f.get_tensor(n).tolist() for n in ("tokens", "offsets", "prompt_lens"))
         out += [(tokens[off[i] : off[i + 1]], p) for i, p in enumerate(plens)]
-    return out
-
-
-@torch.no_grad()
-def with_target_topk(
-    seqs: list[Sequence_], logits_fn: Callable[[torch.Tensor], torch.Tensor], *, k: int, hidden_size: int,
-    device: torch.device, chunk_rows: int = 2048, progress: bool = True,
-) -> list[Sequence_]:
-    """Attach each row's target top-``k`` next-token ids and probabilities, computed once from the stored final
-    layer slice (``logits_fn`` = the target's ``logits_from_final_hidden``, on ``device``), so that training steps
-    never run the target's LM head over the vocabulary. The results stay on the CPU beside the features."""
-    out = []
-    for s in tqdm(seqs, desc="target top-k", disable=not progress):
-        ids, probs = [], []
-        for lo in range(0, len(s.tokens), chunk_rows):
-            p = torch.softmax(logits_fn(s.features[lo : lo + chunk_rows, -hidden_size:].to(device)), dim=-1)
-            top = p.topk(k, dim=-1)
-            ids.append(top.indices.cpu())
-            probs.append(top.values.float().cpu())
-        out.append(Sequence_(s.tokens, s.features, s.prompt_len, torch.cat(ids), torch.cat(probs)))
     return out
 
 

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from app.drafters.checkpoint import KINDS, Drafter, load_checkpoint, read_checkpoint_config, save_checkpoint
 from app.drafters.config import target_shape
 from app.drafters.dspark import DSparkDrafter
-from app.drafters.train.data import Batch, Sequence_, load_shards, make_batch, with_target_topk
+from app.drafters.train.data import Batch, Sequence_, TargetTopK, load_shards, make_batch
 from app.engine.loader import load_target, resolve_device
 
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
@@ -103,7 +103,7 @@ def dspark_loss(
     positions) and the teacher-forced greedy figures of the batch, ``tau`` (1 + mean accepted drafts per block) and
     ``a1`` .. ``aK`` (P(draft k accepted | drafts < k accepted)).
 
-    TV uses the target's top-Kt tokens (``data.with_target_topk``) plus one lumped tail bucket:
+    TV uses the target's top-Kt tokens (``data.TargetTopK``) plus one lumped tail bucket:
     0.5 * (sum_{i in top} |p_i - q_i| + |p_tail - q_tail|), a lower bound of the full TV that is exact when the
     target's tail is small; it keeps each step to a few passes over the vocabulary.
 
@@ -439,9 +439,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         drafter = drafter_cls(config, target.embed_tokens.weight).to(device)
     if args.train_vocab == "draft" and getattr(drafter, "draft_vocab", None) is None:
         ap.error("--train-vocab draft needs --init with a dspark checkpoint that has a draft vocabulary")
-    seqs, heldout = split_heldout(load_shards(args.data), args.heldout)
-    seqs, heldout = (with_target_topk(part, target.logits_from_final_hidden, k=args.target_topk,
-                                      hidden_size=a.hidden_size, device=device) for part in (seqs, heldout))
+    topk = TargetTopK(target.logits_from_final_hidden, k=args.target_topk, hidden_size=a.hidden_size, device=device,
+                      model=args.model)
+    seqs, heldout = split_heldout(load_shards(args.data, topk=topk), args.heldout)
     print(f"drafter {drafter.num_trainable_params() / 1e6:.1f}M params; {len(seqs)} train / {len(heldout)} held-out "
           f"sequences; device {device}")
     evaluation = None

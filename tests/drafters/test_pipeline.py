@@ -7,6 +7,7 @@ so the test runs in seconds on a CPU and, on a machine with a GPU, exercises eve
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,6 +175,31 @@ def test_datagen_resume_keeps_the_shards_written_and_writes_the_rest(tmp_path, c
         assert all(torch.equal(full[k], part[k]) for k in full), i
     meta, ref = (json.loads((tmp_path / d / "meta.json").read_text()) for d in ("part", "full"))
     assert meta["sequences"] == ref["sequences"] == 6 and meta["new_tokens"] == ref["new_tokens"]
+
+
+def test_datagen_stopped_while_writing_leaves_no_shard(tmp_path, monkeypatch):
+    """A shard is written whole or not at all: a run stopped inside the write leaves no ``shard-*`` file that a
+    resume would take as done."""
+    from app.drafters.train import datagen
+
+    tiny_target(tmp_path / "target")
+    prompt_files(tmp_path / "datasets")
+    run = ["--out", str(tmp_path / "data"), "--model", str(tmp_path / "target"), "--datasets-dir",
+           str(tmp_path / "datasets"), "--per-set", "gsm8k-train=2", "--max-tokens", "4", "--shard-size", "2"]
+    write = datagen.save_file
+
+    def stopped_halfway(tensors, filename, **kwargs):
+        write(tensors, filename, **kwargs)
+        Path(filename).write_bytes(Path(filename).read_bytes()[:100])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(datagen, "save_file", stopped_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        datagen.main(run)
+    assert not list((tmp_path / "data").glob("shard-*.safetensors"))
+    monkeypatch.setattr(datagen, "save_file", write)
+    datagen.main([*run, "--resume"])
+    assert [p.name for p in (tmp_path / "data").glob("shard-*.safetensors")] == ["shard-0000.safetensors"]
 
 
 def test_trainer_resume_continues_only_the_same_run(tmp_path, capsys):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -193,7 +194,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         shard = generate_shard(engine, chunk, params[i : i + args.shard_size], max_batch=args.max_batch,
                                id_prefix=f"s{i}")
         done += len(chunk)
-        save_file(shard, str(path))
+        tmp = path.with_name(f"{path.name}.tmp")  # a run stopped while writing leaves no half shard for --resume
+        save_file(shard, str(tmp))
+        os.replace(tmp, path)
         new_tokens += int(shard["offsets"][-1]) - int(shard["prompt_lens"].sum())
         bar.update(len(chunk))
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")

@@ -16,7 +16,7 @@ from app.engine.types import DRAFT_TOP_K
 from app.loop import generate
 from app.engine.types import DraftBlock, SamplingParams
 from app.drafters.checkpoint import DEFAULT_CHECKPOINT
-from tests.engine.near_tie import check_same_or_near_tie
+from tests.engine.near_tie import check_greedy_output, check_same_or_near_tie
 
 DRAFT_VOCAB = 8192  # V' = the ids below it (the special ids 0-2 included); many answer tokens lie above
 PROMPTS = [
@@ -69,8 +69,8 @@ def test_greedy_speculative_output_equals_plain_greedy(engine, drafter):
     params = SamplingParams(max_tokens=48)
     plain, _ = generate(engine, ids, params)
     spec, stats = generate(engine, ids, params, proposer=DSparkProposer(model, calibration, gamma=7))
-    for p, s in zip(plain, spec):
-        assert s.token_ids == p.token_ids
+    for prompt, p, s in zip(ids, plain, spec):  # identical, or apart from a near-tie on, a greedy path of the target
+        check_greedy_output(engine, prompt, p.token_ids, s.token_ids)
     assert sum(r.num_accepted for r in spec) > 0  # the trained drafter is actually accepted
     assert stats.rounds < sum(len(r.token_ids) for r in plain)
 

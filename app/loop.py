@@ -323,16 +323,20 @@ class SpecLoop:
         """Whether the drafter still has state to forget (a call without proposals delivers it)."""
         return bool(self._finished)
 
-    def step(self, drafted: DraftRound | None) -> Round:
+    def step(self, drafted: DraftRound | None, *, speculate: bool = True) -> Round:
         """One round over every active request: choose drafts (``drafted``: the drafter's answer this round, None
-        when it was not called), cut them to verify lengths, verify, commit.
+        when it was not called), cut them to verify lengths, verify, commit. ``speculate`` False: a plain round (no
+        draft verified, prompt lookup's included; ``drafted`` must be None), as the speculation guard asks.
 
         Raises:
+            ValueError: a drafter answer for a plain round.
             The engine's errors (a bug: every request was validated at admission).
         """
+        if not speculate and drafted is not None:
+            raise ValueError("a plain round (speculate=False) takes no drafter answer")
         ids = list(self.active)
         blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
-        drafts, confidences, from_lookup = self._choose(self.speculating(), drafted)
+        drafts, confidences, from_lookup = self._choose(self.speculating() if speculate else [], drafted)
         if drafts:
             blocks.update(self._lengths(drafts, confidences))
         t0 = time.perf_counter()

@@ -9,7 +9,7 @@ import torch
 from app.engine.errors import ContextLengthError
 from app.engine.testing import MockEngine, MockEngineConfig, next_token
 from app.engine.types import NewRequest, SamplingParams
-from app.loop import DraftCall, DraftStart, ProposerHost, SpecLoop, generate
+from app.loop import DraftCall, DraftRound, DraftStart, ProposerHost, SpecLoop, generate
 from app.scheduling.policies import make_policy
 from app.scheduling.profile import load_profile
 from app.scheduling.scheduler import VerifyScheduler
@@ -159,3 +159,28 @@ def test_lookup_draft_is_chosen_where_it_expects_more():
     (res,) = run(loop, host, [[1] + cycle + [1]], SamplingParams(max_tokens=6, ignore_eos=True))
     assert res.token_ids == cycle
     assert res.lookup_rounds > 0 and res.num_accepted > 0 and lookup.num_states == 0
+
+
+def test_a_plain_round_verifies_no_draft_not_even_a_lookup_one():
+    """``step(None, speculate=False)`` (the speculation guard's plain round) commits one token per request, keeps the
+    lookup history and the drafter's updates current, and refuses a drafter answer."""
+    from app.drafters.lookup import PromptLookup
+
+    class Rates:
+        max_ngram = 3
+
+        def confidences(self, n, length, mode, gamma):
+            return torch.full((gamma,), 0.99) * (torch.arange(gamma) < length)
+
+    engine = mock_engine()
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, lookup=PromptLookup(Rates(), GAMMA))
+    cycle = expected_tokens(1, 8, engine.vocab_size)
+    ((record, _),) = loop.admit([NewRequest("r", [1] + cycle + [1], SamplingParams(max_tokens=8, ignore_eos=True))])
+    loop.take_call()
+    rounds = [loop.step(None, speculate=False) for _ in range(3)]
+    assert [(r.committed, r.verified, r.lookup) for r in rounds] == [(1, 0, 0)] * 3
+    assert len(loop.take_call(["r"]).updates) == 3  # the drafter still hears of every round
+    assert loop.step(None).lookup == 1  # a speculative round drafts by lookup again at once
+    with pytest.raises(ValueError, match="takes no drafter answer"):
+        loop.step(DraftRound(blocks=[], confidences=torch.zeros(0, GAMMA)), speculate=False)
+    assert record.token_ids == cycle  # plain and lookup rounds: the mock model's own sequence

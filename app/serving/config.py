@@ -104,6 +104,10 @@ class AppConfig(BaseModel):
         True, description="dspark / dspark-async skip the drafter in rounds where, from recent acceptance and the "
         "measured drafter call time, speculation cannot beat plain decoding (app/scheduling/scheduler.py)."
     )
+    speculation_guard: bool = Field(
+        True, description="dspark / dspark-async run plain rounds in batch sizes where measured speculative rounds "
+        "commit fewer tokens per ms than plain ones, probing both (app/scheduling/guard.py)."
+    )
     drafter: Literal["dspark", "ngram", "mock"] = Field(
         "dspark",
         description="Drafter: a trained checkpoint (any kind: DSpark, DFlash-style, EAGLE-3-style, MTP-1), a "

@@ -58,6 +58,9 @@ class TargetMetrics:
         self.drafted_rounds = counter(
             "dspark_drafted_rounds", "Rounds that called the drafter (the others: draft gate closed, or no request "
             "on the drafter).")
+        self.guard_plain_rounds = counter(
+            "dspark_guard_plain_rounds", "Rounds the speculation guard ran plain although requests speculate: where "
+            "plain rounds measured faster, and its probes (app/scheduling/guard.py).")
         self.lookup_drafts = counter(
             "dspark_lookup_drafts", "Request-rounds that verified a prompt-lookup draft instead of the drafter's "
             "block (or in a round without a drafter call).")
@@ -96,13 +99,15 @@ class TargetMetrics:
 
     def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int, lookup: int,
               num_draft: list[int], num_accepted: list[int], committed: int,
-              verify_cpu: tuple[float, float] | None) -> None:
+              verify_cpu: tuple[float, float] | None, guarded: bool = False) -> None:
         """One round: ``num_draft`` / ``num_accepted`` per request in the batch (verified / accepted), ``lookup``
         requests of them verifying a prompt-lookup draft, ``verify_cpu`` the engine thread's (ms on a CPU, ms waiting
-        for one) during the verify step (None: not measured)."""
+        for one) during the verify step (None: not measured), ``guarded`` whether the speculation guard ran it plain."""
         self.rounds.inc()
         if drafter_called:
             self.drafted_rounds.inc()
+        if guarded:
+            self.guard_plain_rounds.inc()
         if lookup:
             self.lookup_drafts.inc(lookup)
         self.round_ms.observe(round_ms)

@@ -40,6 +40,7 @@ from app.engine.contract import Engine
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from app.engine.types import NewRequest, StepOutput, TokenLogprob
 from app.loop import DraftCall, DraftRound, RequestResult, Round, SpecLoop
+from app.scheduling.guard import SpeculationGuard
 from app.scheduling.policies import make_policy
 from app.scheduling.profile import ThroughputProfile, load_profile
 from app.scheduling.scheduler import VerifyScheduler
@@ -193,6 +194,7 @@ class TargetReplica:
             self.policy, self._torch.call(self._profile, config), max_batch=config.max_num_seqs, gamma=config.gamma,
             draft_gate=config.draft_gate,
         ) if speculates else None
+        self.guard = SpeculationGuard() if speculates and config.speculation_guard and self.policy.adaptive else None
         # speculation stops for good on this replica if a colocated drafter cannot drop its state
         self.loop = SpecLoop(self.engine, gamma=config.gamma, speculates=speculates, scheduler=self.scheduler,
                              lookup=self.lookup, max_prefill_tokens=config.max_prefill_tokens,
@@ -261,6 +263,7 @@ class TargetReplica:
                 "colocated_drafter_states": None if self.colocated is None else self.colocated.num_states,
                 "lookup_states": None if self.lookup is None else self.lookup.num_states,
                 "cancelled_pending": len(self._cancelled), "node_id": ray.get_runtime_context().get_node_id(),
+                "guard": None if self.guard is None else self.guard.state(),
                 **dataclasses.asdict(self.stats)}
 
     def record_autoscaling_stats(self) -> dict:
@@ -386,11 +389,11 @@ class TargetReplica:
         if not stream.done:
             self._active[req.request_id] = stream
 
-    def _step(self, drafted: DraftRound | None) -> tuple[Round, tuple[float, float] | None]:
-        """The loop's round (runs on the torch thread); returns it and the engine thread's (ms on a CPU, ms waiting
-        for one) during it (None where the kernel does not tell)."""
+    def _step(self, drafted: DraftRound | None, speculate: bool) -> tuple[Round, tuple[float, float] | None]:
+        """The loop's round (runs on the torch thread; ``speculate`` False: a plain round); returns it and the engine
+        thread's (ms on a CPU, ms waiting for one) during it (None where the kernel does not tell)."""
         before = thread_cpu_ms()
-        result = self.loop.step(drafted)
+        result = self.loop.step(drafted, speculate=speculate)
         after = thread_cpu_ms()
         return result, None if before is None or after is None else (after[0] - before[0], after[1] - before[1])
 
@@ -399,12 +402,15 @@ class TargetReplica:
         batch = len(self._active)
         speculative = self.loop.speculating()
         draft_ms, drafted, drafter_called = 0.0, None, False
-        if self.loop.should_draft(speculative, draft_ms=self.stats.draft_ms or None,
-                                  verify_scale=self.stats.verify_scale):
+        speculate = bool(speculative) and (self.guard is None or self.guard.speculate(batch))
+        steady = True  # no drafter call, or one that carries a single round of context
+        if speculate and self.loop.should_draft(speculative, draft_ms=self.stats.draft_ms or None,
+                                                verify_scale=self.stats.verify_scale):
             call = self.loop.take_call(speculative)
             # Right after a drafted round and with no new request, a call carries one round of context: what
-            # drafting every round costs, the figure the draft gate weighs. A probe after rounds without drafting
-            # also catches up on their context, and a new request's prompt is projected: both cost more once.
+            # drafting every round costs, the figure the draft gate and the guard weigh. A probe after rounds
+            # without drafting also catches up on their context, and a new request's prompt is projected: both
+            # cost more once.
             steady = self._drafted_last_round and not call.starts
             t_draft, drafter_called = time.perf_counter(), True
             drafted = await self._call_drafter(call)
@@ -412,7 +418,7 @@ class TargetReplica:
             if drafted is not None:
                 self.stats.drafted(draft_ms, drafted.drafter_ms, steady=steady)
         self._drafted_last_round = drafter_called
-        result, verify_cpu = await self._run(self._step, drafted)
+        result, verify_cpu = await self._run(self._step, drafted, speculate)
         for out in result.outputs:
             stream = self._active[out.request_id]
             self._emit(stream, out)
@@ -420,11 +426,14 @@ class TargetReplica:
                 del self._active[out.request_id]
         round_ms = (time.perf_counter() - t0) * 1000
         self.stats.round(round_ms, committed=result.committed, verified=result.verified, accepted=result.accepted)
+        if self.guard is not None and speculative:
+            self.guard.observe(batch, speculative=drafter_called or result.verified > 0, committed=result.committed,
+                               round_ms=round_ms, steady=steady)
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
             self._observe_verify_scale(round_ms - draft_ms, tokens=batch + result.verified, batch=batch)
         self.telemetry.round(round_ms=round_ms, verify_ms=result.verify_ms, drafter_called=drafter_called,
                              drafted=result.drafted, lookup=result.lookup, outputs=result.outputs,
-                             verify_cpu=verify_cpu)
+                             verify_cpu=verify_cpu, guarded=bool(speculative) and not speculate)
 
     async def _call_drafter(self, call: DraftCall) -> DraftRound | None:
         """One drafter call (``SpecLoop.take_call``); on failure the involved requests fall back to plain."""

@@ -107,15 +107,16 @@ class TargetTelemetry:
         self.window.forget(request_id)
 
     def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int, lookup: int,
-              outputs: Sequence[StepOutput], verify_cpu: tuple[float, float] | None) -> None:
+              outputs: Sequence[StepOutput], verify_cpu: tuple[float, float] | None, guarded: bool = False) -> None:
         """A round: ``drafted`` draft tokens offered for verification (drafter or prompt lookup), ``lookup`` requests
         verifying a prompt-lookup draft, ``verify_cpu`` the engine thread's (ms on a CPU, ms waiting for one) during
-        the verify step (None: not measured)."""
+        the verify step (None: not measured), ``guarded`` whether the speculation guard ran it plain."""
         self.counters.add_round([o.num_draft for o in outputs], [o.num_accepted for o in outputs])
         self.metrics.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called, drafted=drafted,
                            lookup=lookup,
                            num_draft=[o.num_draft for o in outputs], num_accepted=[o.num_accepted for o in outputs],
-                           committed=sum(len(o.new_token_ids) for o in outputs), verify_cpu=verify_cpu)
+                           committed=sum(len(o.new_token_ids) for o in outputs), verify_cpu=verify_cpu,
+                           guarded=guarded)
 
     def report(self, *, active: int, queued: int) -> None:
         """Report tick: load gauges and the SLO gauges from the current window."""

@@ -47,9 +47,9 @@ def url(request):
         "drafter": DRAFTER, "drafter_placement": request.param, "policy": "dspark",
         "gamma": 7 if DRAFTER == "dspark" else 5, "device": "cpu",
         "max_model_len": 1024, "max_num_seqs": 16, "torch_threads": 2,
-        # the drafter runs in every round: at 16 requests on 2 cores the gate would skip it, and the sampled test
-        # must see the drafter's answers for a full batch cross the transport
-        "draft_gate": False,
+        # the drafter runs in every round: at 16 requests on 2 cores the gate or the speculation guard would skip
+        # it, and the sampled test must see the drafter's answers for a full batch cross the transport
+        "draft_gate": False, "speculation_guard": False,
         "target": {"num_cpus": 0.5}, "drafter_replicas": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.1},
     }), name=f"real-{request.param}", route_prefix=f"/{request.param}")
     yield f"{base}/{request.param}"

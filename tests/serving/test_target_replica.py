@@ -25,6 +25,7 @@ from ray import serve
 
 from app.drafters.lookup import LookupRates, PromptLookup
 from app.engine.types import DraftBlock, NewRequest, SamplingParams
+from app.scheduling.guard import SpeculationGuard
 from app.serving import drafter_client
 from app.serving import target as target_module
 from app.serving.config import AppConfig
@@ -258,6 +259,43 @@ def test_drafting_runs_with_drafter_threads_and_verify_with_torch_threads(monkey
     monkeypatch.setattr(replica.engine, "verify", recording("verify", verify))
     assert [num_tokens(items) for items in run_requests(replica, [12, 12])] == [12, 12]
     assert seen == {"propose": {1}, "verify": {2}}, seen
+
+
+def test_the_speculation_guard_runs_plain_where_drafting_is_slower_and_output_is_unchanged(monkeypatch):
+    """A drafter call of 20 ms against a 1 ms verify step: speculative rounds commit fewer tokens per ms than plain
+    ones, whatever they accept, so the guard pauses speculation (probing it now and then); the text is plain
+    decoding's either way."""
+    replica = make_replica(monkeypatch, draft_gate=False)
+    assert isinstance(replica.guard, SpeculationGuard)
+    replica.guard = SpeculationGuard(probe_every=8, min_samples=4)  # decides within these short requests
+    plain = make_replica(monkeypatch, policy="none")
+    draft, calls = replica.colocated.draft, []
+
+    def slow_draft(call):
+        calls.append(len(call.propose))
+        time.sleep(0.02)
+        return draft(call)
+
+    monkeypatch.setattr(replica.colocated, "draft", slow_draft)
+    results, expected = run_requests(replica, [240, 240]), run_requests(plain, [240, 240])
+    for items, reference in zip(results, expected):
+        assert [t for item in items for t in item.token_ids] == [t for item in reference for t in item.token_ids]
+    state = replica.guard.state()[2]
+    assert state["paused"] and state["plain_rate"] > state["spec_rate"], state
+    assert replica.guard.plain_rounds > replica.stats.rounds / 2, (replica.guard.plain_rounds, replica.stats.rounds)
+    assert 1 <= len(calls) < replica.stats.rounds / 2
+    assert plain.guard is None and make_replica(monkeypatch, speculation_guard=False).guard is None
+
+
+def test_the_speculation_guard_keeps_drafting_that_pays(monkeypatch):
+    """A verify step of 20 ms and a free drafter whose blocks are all accepted: speculation commits up to 5 tokens
+    a round, and the guard leaves it on but for its rare plain probes."""
+    replica = make_replica(monkeypatch, draft_gate=False, mock_step_ms=20)
+    results = run_requests(replica, [120])
+    assert num_tokens(results[0]) == 120 and results[0][-1].spec.accepted_tokens > 60
+    state = replica.guard.state()[1]
+    assert not state["paused"] and state["spec_rate"] > state["plain_rate"], state
+    assert replica.guard.plain_rounds <= 3 and replica.stats.drafted_rounds >= replica.stats.rounds - 3
 
 
 class _UnwrappedFailingDrafter:

@@ -1,0 +1,97 @@
+"""The speculation guard (app/scheduling/guard.py) on scripted round rates: it follows the faster mode per batch
+bucket on evidence only (noise within the margin keeps speculation), keeps probing the other mode, does not measure
+speculation on rounds with one-off drafter work, and counts the rounds it ran plain."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from app.scheduling.guard import GUARD_PROBE_EVERY, SPEC_PROBE_ROUNDS, SpeculationGuard, batch_bucket
+
+
+def drive(guard: SpeculationGuard, rounds: int, *, batch: int, spec_rate: float, plain_rate: float,
+          noise: float = 0.0, seed: int = 0) -> list[bool]:
+    """Run ``rounds`` rounds of ``batch`` requests where a speculative round commits ``spec_rate`` tokens per ms and
+    a plain one ``plain_rate``, each times a uniform factor in [1 - noise, 1 + noise]; returns the modes."""
+    rng, modes = random.Random(seed), []
+    for _ in range(rounds):
+        spec = guard.speculate(batch)
+        rate = (spec_rate if spec else plain_rate) * rng.uniform(1 - noise, 1 + noise)
+        guard.observe(batch, speculative=spec, committed=batch * 2, round_ms=batch * 2 / rate)
+        modes.append(spec)
+    return modes
+
+
+def test_buckets_are_powers_of_two():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        batch_bucket(0)
+
+
+def test_speculation_that_pays_keeps_running_with_rare_plain_probes():
+    """A plain probe every 17 rounds until each mode has 8 rates, then, speculation being clearly ahead, every 65."""
+    guard = SpeculationGuard()
+    modes = drive(guard, 400, batch=4, spec_rate=2.0, plain_rate=1.0, noise=0.3)
+    plain = [i for i, m in enumerate(modes) if not m]
+    assert plain[:8] == list(range(GUARD_PROBE_EVERY, 8 * (GUARD_PROBE_EVERY + 1), GUARD_PROBE_EVERY + 1))
+    assert [b - a for a, b in zip(plain[8:], plain[9:])] == [4 * GUARD_PROBE_EVERY + 1] * (len(plain) - 9)
+    assert guard.state()[4]["paused"] is False and guard.plain_rounds == len(plain)
+
+
+def test_speculation_slower_than_plain_pauses_and_is_probed_in_pairs():
+    guard = SpeculationGuard()
+    modes = drive(guard, 300, batch=16, spec_rate=0.8, plain_rate=1.0, noise=0.1)
+    assert guard.state()[16]["paused"] is True
+    tail = "".join("s" if m else "p" for m in modes[150:])
+    assert {len(run) for run in tail.split("p") if run} == {SPEC_PROBE_ROUNDS}, tail
+    assert tail.count("s") <= SPEC_PROBE_ROUNDS * (len(tail) // GUARD_PROBE_EVERY + 1)
+
+
+def test_noise_within_the_margin_never_pauses_speculation():
+    """Plain 3% faster on average, each round +-40%: no evidence of more than the 5% margin."""
+    for seed in range(10):
+        guard = SpeculationGuard()
+        modes = drive(guard, 400, batch=8, spec_rate=1.0, plain_rate=1.03, noise=0.4, seed=seed)
+        assert sum(modes) >= 400 - 400 // GUARD_PROBE_EVERY - 1, (seed, guard.state())
+
+
+def test_a_speculative_round_with_one_off_drafter_work_does_not_count():
+    """A drafter call that catches up on rounds drafted without, or projects a new prompt, is not steady: not a
+    measure of speculation (counted, it would keep speculation paused)."""
+    guard = SpeculationGuard(min_samples=2, z=2.0)
+    for rate, speculative in ((0.5, True), (0.5, True), (1.0, False), (1.0, False)):
+        guard.observe(8, speculative=speculative, committed=8, round_ms=8 / rate)
+    assert guard.state()[8]["paused"] is True
+    guard.observe(8, speculative=True, committed=8, round_ms=160.0, steady=False)  # catching up: 0.05 per ms
+    assert guard.state()[8]["spec_samples"] == 2
+    for _ in range(3):
+        guard.observe(8, speculative=True, committed=16, round_ms=8.0)  # steady: 2.0 per ms
+    assert guard.state()[8]["spec_rate"] == pytest.approx(1.4) and guard.state()[8]["paused"] is False
+
+
+def test_the_mode_flips_when_the_load_changes_and_buckets_are_independent():
+    guard = SpeculationGuard()
+    drive(guard, 100, batch=2, spec_rate=2.0, plain_rate=1.0, noise=0.2)
+    drive(guard, 100, batch=16, spec_rate=2.0, plain_rate=1.0, noise=0.2)
+    modes = drive(guard, 200, batch=16, spec_rate=0.7, plain_rate=1.0, noise=0.2)  # speculation stops paying at 16
+    assert guard.state()[16]["paused"] is True and sum(modes[-50:]) <= 4 * SPEC_PROBE_ROUNDS
+    assert guard.state()[2]["paused"] is False and guard.speculate(2)
+    modes = drive(guard, 300, batch=16, spec_rate=2.0, plain_rate=1.0, noise=0.2)  # and pays again
+    assert guard.state()[16]["paused"] is False and sum(modes[-50:]) >= 46
+
+
+@pytest.mark.parametrize("kwargs", [dict(margin=-0.1), dict(z=-1.0), dict(min_samples=1),
+                                    dict(min_samples=8, window=4), dict(probe_every=0)])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ValueError, match="need margin"):
+        SpeculationGuard(**kwargs)
+
+
+def test_bad_observations_are_refused():
+    guard = SpeculationGuard()
+    with pytest.raises(ValueError, match="round_ms > 0"):
+        guard.observe(4, speculative=True, committed=4, round_ms=0.0)
+    with pytest.raises(ValueError, match="committed >= 0"):
+        guard.observe(4, speculative=False, committed=-1, round_ms=5.0)

@@ -1,21 +1,24 @@
 """Seeded requests reproduce (Gumbel-max coupling with position-keyed noise, app/engine/coupling.py): the same token
-ids alone, twice in a row, inside a batch of 8 mixed greedy and sampled requests, without speculation, and with the
-DSpark drafter proposing with the same noise. Exactly in batch-invariant mode (and greedy requests there are identical
-alone and in any batch); in the default mode any difference starts at a near-tie of the coupled scores.
+ids alone, twice in a row, inside a batch of 8 mixed greedy and sampled requests, without speculation, with plain
+rounds between speculative ones (the speculation guard's), and with the DSpark drafter proposing with the same
+noise. Exactly in batch-invariant mode (and greedy requests there are identical alone and in any batch); in the
+default mode any difference starts at a near-tie of the coupled scores.
 
 Uses the session-scoped ``engine`` fixture of ``tests/conftest.py``; the batch-invariant engine shares its weights.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.proposer import DSparkProposer
-from app.loop import generate
+from app.loop import ProposerHost, SpecLoop, generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
-from app.engine.types import SamplingParams
+from app.engine.types import NewRequest, SamplingParams
 from app.drafters.checkpoint import DEFAULT_CHECKPOINT
 from tests.conftest import load_prompts
 from tests.engine.near_tie import check_seeded_same_or_near_tie
@@ -43,6 +46,18 @@ def dspark(engine) -> DSparkProposer:
     return DSparkProposer(model, calibration)
 
 
+def with_plain_rounds(eng, prompt: list[int], proposer) -> list[int]:
+    """The seeded request's token ids when every other round is plain (``SpecLoop.step(speculate=False)``, as the
+    speculation guard runs them)."""
+    host, loop = ProposerHost(proposer, gamma=0), SpecLoop(eng, gamma=None, speculates=True)
+    ((record, _),) = loop.admit([NewRequest("req-0", prompt, SEEDED)])
+    for i in itertools.count():
+        if not loop.active:
+            return record.token_ids
+        speculate = i % 2 == 0
+        loop.step(host.draft(loop.take_call(loop.speculating())) if speculate else None, speculate=speculate)
+
+
 def runs_of_the_seeded_request(eng, prompts) -> dict[str, list[int]]:
     """The seeded request's token ids (prompt 0) under each setting of the module docstring."""
     mixed = [SEEDED] + [GREEDY if i % 2 else SamplingParams(max_tokens=8, temperature=1.0) for i in range(1, 8)]
@@ -52,6 +67,7 @@ def runs_of_the_seeded_request(eng, prompts) -> dict[str, list[int]]:
         runs[name] = res.token_ids
     (res,), _ = generate(eng, prompts[:1], SEEDED, proposer=RandomProposer(eng.vocab_size, [3], seed=1))
     runs["random drafts"] = res.token_ids
+    runs["plain rounds between"] = with_plain_rounds(eng, prompts[0], RandomProposer(eng.vocab_size, [3], seed=4))
     batch, _ = generate(eng, prompts, mixed, proposer=RandomProposer(eng.vocab_size, [0, 5, 2, 7], seed=2))
     runs["batch of 8"] = batch[0].token_ids
     proposer = dspark(eng)  # told each request's params before its start, as the serving layer does

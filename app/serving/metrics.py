@@ -99,7 +99,7 @@ class TargetMetrics:
 
     def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int, lookup: int,
               num_draft: list[int], num_accepted: list[int], committed: int,
-              verify_cpu: tuple[float, float] | None, guarded: bool = False) -> None:
+              verify_cpu: tuple[float, float] | None, guarded: bool) -> None:
         """One round: ``num_draft`` / ``num_accepted`` per request in the batch (verified / accepted), ``lookup``
         requests of them verifying a prompt-lookup draft, ``verify_cpu`` the engine thread's (ms on a CPU, ms waiting
         for one) during the verify step (None: not measured), ``guarded`` whether the speculation guard ran it plain."""

@@ -107,7 +107,7 @@ class TargetTelemetry:
         self.window.forget(request_id)
 
     def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int, lookup: int,
-              outputs: Sequence[StepOutput], verify_cpu: tuple[float, float] | None, guarded: bool = False) -> None:
+              outputs: Sequence[StepOutput], verify_cpu: tuple[float, float] | None, guarded: bool) -> None:
         """A round: ``drafted`` draft tokens offered for verification (drafter or prompt lookup), ``lookup`` requests
         verifying a prompt-lookup draft, ``verify_cpu`` the engine thread's (ms on a CPU, ms waiting for one) during
         the verify step (None: not measured), ``guarded`` whether the speculation guard ran it plain."""

@@ -4,8 +4,9 @@ The draft gate and the verify-length policy decide from a model: calibrated acce
 Where the model is wrong (a ragged verify step costs more than the uniform steps the profile timed, sampled rows pay
 for full-vocabulary logits, a drafter call waits for a core that streaming holds), speculation can fall below plain
 decoding under load, the regime the scheduler exists for. The guard checks the outcome instead of the model: per
-batch-size bucket (the next power of two) it keeps the last ``window`` rates, committed tokens per millisecond of
-round time, of rounds that speculate (called the drafter or verified any draft) and of plain rounds.
+batch-size bucket (the next power of two) it keeps the last ``window`` rates, committed tokens per request per
+millisecond of round time (per request, so batches of 5 and 8 in one bucket compare), of rounds that speculate
+(called the drafter or verified any draft) and of plain rounds.
 
 It pauses speculation in a bucket only on evidence: plain rounds faster than speculative ones by more than
 ``margin``, by ``z`` standard errors of the difference of the two means (each mode with at least ``min_samples``
@@ -51,7 +52,7 @@ def batch_bucket(batch: int) -> int:
 
 @dataclass
 class BucketState:
-    """One bucket's recent rates (committed tokens per ms) of speculative and plain rounds, and its mode."""
+    """One bucket's recent rates (committed tokens per request per ms) of speculative and plain rounds, and its mode."""
 
     spec: deque = field(default_factory=deque)
     plain: deque = field(default_factory=deque)
@@ -124,7 +125,7 @@ class SpeculationGuard:
         b = self._bucket(batch)
         if speculative and not steady:
             return
-        (b.spec if speculative else b.plain).append(committed / round_ms)
+        (b.spec if speculative else b.plain).append(committed / batch / round_ms)
         if min(len(b.spec), len(b.plain)) < self.min_samples:
             return
         spec, plain = statistics.fmean(b.spec), statistics.fmean(b.plain)
@@ -136,7 +137,8 @@ class SpeculationGuard:
         b.clear = not b.paused and spec >= GUARD_CLEAR_GAIN * plain
 
     def state(self) -> dict[int, dict]:
-        """Per bucket: the mean rates (tokens per ms; None before any), how many, whether speculation is paused."""
+        """Per bucket: the mean rates (tokens per request per ms; None before any), how many, whether speculation is
+        paused."""
         return {k: {"spec_rate": statistics.fmean(b.spec) if b.spec else None, "spec_samples": len(b.spec),
                     "plain_rate": statistics.fmean(b.plain) if b.plain else None, "plain_samples": len(b.plain),
                     "paused": b.paused}

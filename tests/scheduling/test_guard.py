@@ -13,8 +13,8 @@ from app.scheduling.guard import GUARD_PROBE_EVERY, SPEC_PROBE_ROUNDS, Speculati
 
 def drive(guard: SpeculationGuard, rounds: int, *, batch: int, spec_rate: float, plain_rate: float,
           noise: float = 0.0, seed: int = 0) -> list[bool]:
-    """Run ``rounds`` rounds of ``batch`` requests where a speculative round commits ``spec_rate`` tokens per ms and
-    a plain one ``plain_rate``, each times a uniform factor in [1 - noise, 1 + noise]; returns the modes."""
+    """Run ``rounds`` rounds of ``batch`` requests where a speculative round commits ``spec_rate`` tokens per ms (the
+    batch's) and a plain one ``plain_rate``, each times a uniform factor in [1 - noise, 1 + noise]; returns the modes."""
     rng, modes = random.Random(seed), []
     for _ in range(rounds):
         spec = guard.speculate(batch)
@@ -68,7 +68,7 @@ def test_a_speculative_round_with_one_off_drafter_work_does_not_count():
     assert guard.state()[8]["spec_samples"] == 2
     for _ in range(3):
         guard.observe(8, speculative=True, committed=16, round_ms=8.0)  # steady: 2.0 per ms
-    assert guard.state()[8]["spec_rate"] == pytest.approx(1.4) and guard.state()[8]["paused"] is False
+    assert guard.state()[8]["spec_rate"] == pytest.approx(1.4 / 8) and guard.state()[8]["paused"] is False
 
 
 def test_the_mode_flips_when_the_load_changes_and_buckets_are_independent():

@@ -25,10 +25,13 @@ Pure Python, no torch: decisions depend on earlier rounds only.
 
 from __future__ import annotations
 
+import logging
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 GUARD_WINDOW = 16  # rates kept per mode and bucket
 GUARD_MARGIN = 0.05  # plain rounds must commit this fraction more tokens per ms ...
@@ -58,6 +61,7 @@ class BucketState:
     plain: deque = field(default_factory=deque)
     paused: bool = False
     clear: bool = False  # speculating and clearly ahead: probe less often
+    logged: bool = False  # its first pause was logged
     rounds_since_probe: int = 0
     probe_left: int = 0  # rounds of the probe in progress (they run the other mode)
 
@@ -129,12 +133,19 @@ class SpeculationGuard:
         if min(len(b.spec), len(b.plain)) < self.min_samples:
             return
         spec, plain = statistics.fmean(b.spec), statistics.fmean(b.plain)
+        was_paused = b.paused
         if b.paused:
             b.paused = plain > spec * (1 + self.margin)
         else:
             se = math.sqrt(statistics.variance(b.spec) / len(b.spec) + statistics.variance(b.plain) / len(b.plain))
             b.paused = plain - spec * (1 + self.margin) > self.z * se
         b.clear = not b.paused and spec >= GUARD_CLEAR_GAIN * plain
+        if b.paused and not was_paused and not b.logged:
+            b.logged = True
+            log.warning("speculation guard: rounds of up to %d requests run plain: %.4f tokens per request per ms "
+                        "plain against %.4f speculative (%d and %d rounds); counted in dspark_guard_plain_rounds, "
+                        "later pauses of this batch size are not logged", batch_bucket(batch), plain, spec,
+                        len(b.plain), len(b.spec))
 
     def state(self) -> dict[int, dict]:
         """Per bucket: the mean rates (tokens per request per ms; None before any), how many, whether speculation is

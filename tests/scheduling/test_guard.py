@@ -40,10 +40,13 @@ def test_speculation_that_pays_keeps_running_with_rare_plain_probes():
     assert guard.state()[4]["paused"] is False and guard.plain_rounds == len(plain)
 
 
-def test_speculation_slower_than_plain_pauses_and_is_probed_in_pairs():
+def test_speculation_slower_than_plain_pauses_and_is_probed_in_pairs(caplog):
     guard = SpeculationGuard()
-    modes = drive(guard, 300, batch=16, spec_rate=0.8, plain_rate=1.0, noise=0.1)
+    with caplog.at_level("WARNING", logger="app.scheduling.guard"):
+        modes = drive(guard, 300, batch=16, spec_rate=0.8, plain_rate=1.0, noise=0.1)
     assert guard.state()[16]["paused"] is True
+    (record,) = caplog.records  # the first pause of the bucket, once
+    assert "rounds of up to 16 requests run plain" in record.getMessage()
     tail = "".join("s" if m else "p" for m in modes[150:])
     assert {len(run) for run in tail.split("p") if run} == {SPEC_PROBE_ROUNDS}, tail
     assert tail.count("s") <= SPEC_PROBE_ROUNDS * (len(tail) // GUARD_PROBE_EVERY + 1)

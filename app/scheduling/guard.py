@@ -29,7 +29,7 @@ import logging
 import math
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ def batch_bucket(batch: int) -> int:
 class BucketState:
     """One bucket's recent rates (committed tokens per request per ms) of speculative and plain rounds, and its mode."""
 
-    spec: deque = field(default_factory=deque)
-    plain: deque = field(default_factory=deque)
+    spec: deque  # maxlen: the guard's window
+    plain: deque
     paused: bool = False
     clear: bool = False  # speculating and clearly ahead: probe less often
     logged: bool = False  # its first pause was logged

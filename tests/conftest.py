@@ -103,6 +103,20 @@ def engine():
 
 
 @pytest.fixture(scope="session")
+def bf16_engine(engine):
+    """The real target in bfloat16 (what the greedy screen needs): ``engine`` itself where dtype 'auto' is bfloat16,
+    else (a CPU without bfloat16 kernels, where 'auto' is float32) a bfloat16 engine of 4 slots."""
+    import torch
+
+    from app.engine.config import EngineConfig
+    from app.engine.engine import TargetEngine
+
+    if engine.cache.k.dtype == torch.bfloat16:
+        return engine
+    return TargetEngine(EngineConfig(dtype="bfloat16", max_num_seqs=4, max_model_len=1024))
+
+
+@pytest.fixture(scope="session")
 def eval_prompts() -> list[str]:
     """20 evaluation prompts across chat, code and math (never used for drafter training)."""
     return load_prompts("mt-bench", count=7) + load_prompts("humaneval", count=6) + load_prompts(

@@ -25,7 +25,10 @@ class EngineConfig(BaseModel):
         "auto", description="auto: the checkpoint's weights; dummy: random weights on the checkpoint's config.json and "
         "tokenizer (no safetensors needed), for profiling step costs (vLLM's --load-format dummy).",
     )
-    dtype: str = Field("auto", description="Weights/activations dtype: auto (bfloat16), bfloat16, float16, float32.")
+    dtype: str = Field(
+        "auto", description="Weights/activations dtype: auto (bfloat16 on a GPU or a CPU with bfloat16 kernels, float32 on "
+        "other CPUs), bfloat16, float16, float32.",
+    )
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     max_model_len: int = Field(2048, ge=16, description="Per-request context limit in tokens (KV slot capacity).")
     max_num_seqs: int = Field(32, ge=1, description="Concurrent requests (KV cache slots).")

@@ -1,4 +1,5 @@
-"""The name of the hardware an engine runs on, as throughput profiles and their cache record it."""
+"""What the engine needs to know of the hardware it runs on: its name, as throughput profiles and their cache
+record it, and whether the CPU has native bfloat16 matmul kernels."""
 
 from __future__ import annotations
 
@@ -6,6 +7,12 @@ import platform
 from pathlib import Path
 
 import torch
+
+
+def cpu_has_bf16_kernels() -> bool:
+    """Whether this torch build runs bfloat16 matmuls natively on this CPU: oneDNN's bfloat16 path (x86 with
+    AVX-512 or AMX, Arm with bf16 instructions). False where bfloat16 is emulated (x86 with AVX2 only)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def hardware_name(device: torch.device, threads: int | None = None) -> str:

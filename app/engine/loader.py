@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from app.engine.config import LOAD_FORMATS, LoadFormat
+from app.engine.hardware import cpu_has_bf16_kernels
 from app.engine.model import ModelArgs, TargetModel, rope_tables
 
 log = logging.getLogger(__name__)
@@ -74,15 +75,22 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str) -> torch.dtype:
-    """``auto`` -> bfloat16 (fast on AMX CPUs and on GPUs); else a torch dtype name.
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> bfloat16 on a GPU and on a CPU with bfloat16 matmul kernels (``cpu_has_bf16_kernels``), else
+    float32; any other value names a torch dtype.
+
+    Why float32 on other CPUs: there (x86 with AVX2 but no AVX-512) torch emulates bfloat16 matmuls, and a verify
+    step of many rows costs several times its float32 cost (``docs/serving.md``, "CPU dtype"): the multi-token
+    steps speculation lives on would pay for the halved weight bytes many times over.
 
     Raises:
-        ValueError: for a name that is not float32, bfloat16 or float16.
+        ValueError: for a name that is not auto, float32, bfloat16 or float16.
     """
-    names = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type != "cpu" or cpu_has_bf16_kernels() else torch.float32
     if dtype not in names:
-        raise ValueError(f"dtype must be one of {sorted(names)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(names) + ['auto']}, got {dtype!r}")
     return names[dtype]
 
 
@@ -114,7 +122,8 @@ def load_target(
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     src = _local_checkpoint(model)
     if not any((src / name).is_file() for name in TOKENIZER_FILES):
         raise FileNotFoundError(f"no tokenizer in {src}: expected one of {TOKENIZER_FILES} beside config.json")
@@ -166,7 +175,8 @@ def load_embedding(
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
     src = _local_checkpoint(model)
     args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(src, local_files_only=True))
     if load_format == "dummy":  # the first tensor _dummy_state draws

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from app.engine.hardware import cpu_has_bf16_kernels
+
 # Row count oneDNN is told to expect when packing (a hint for its blocking; measured: 1, 16 and 64 pack to
 # within noise of each other at every row count from 1 to 64).
 PACK_ROWS_HINT = 16
@@ -36,7 +38,7 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     and bfloat16 where oneDNN has bfloat16 kernels."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_bf16_kernels())
 
 
 class PrepackedLinear(nn.Module):

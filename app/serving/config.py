@@ -296,27 +296,29 @@ class AppConfig(BaseModel):
         from app.engine.hardware import hardware_name
         from app.serving.profiles import profile_cache_path
 
-        dtype = str(resolve_dtype(self.dtype)).removeprefix("torch.")
+        dtype = str(resolve_dtype(self.dtype, self._torch_device())).removeprefix("torch.")
         cached = profile_cache_path(self, hardware=hardware_name(self._torch_device(), self.torch_threads), dtype=dtype)
         return str(cached) if cached.is_file() else None
 
     def committed_profile_path(self) -> str | None:
         """``profile`` when named; for 'auto' the first measured profile of ``model`` in ``PROFILES_DIR`` for this
-        host's hardware (named as the profiler records it; real weights before dummy ones, each newest first), else
-        None. The mock engine cannot be measured: it takes the newest measured profile of ``model`` on any hardware,
-        with a warning.
+        host's hardware (named as the profiler records it) and the target's dtype (real weights before dummy ones,
+        each newest first), else None. The mock engine cannot be measured: it takes the newest measured profile of
+        ``model`` on any hardware, with a warning.
 
         Raises:
             FileNotFoundError: 'auto', the mock engine and no measured profile of ``model`` at all.
         """
         if self.profile != AUTO_PROFILE:
             return self.profile
-        from app.scheduling.profile import measured_profiles
         from app.engine.hardware import hardware_name
+        from app.engine.loader import resolve_dtype
+        from app.scheduling.profile import measured_profiles
 
         hardware = hardware_name(self._torch_device(), self.torch_threads)
+        dtype = str(resolve_dtype(self.dtype, self._torch_device())).removeprefix("torch.")
         profiles = measured_profiles(PROFILES_DIR, model=self.model)
-        here = [path for provenance, path in profiles if provenance.hardware == hardware]
+        here = [path for provenance, path in profiles if (provenance.hardware, provenance.dtype) == (hardware, dtype)]
         if here:
             return str(here[0])
         if not self.mock_engine:
@@ -371,7 +373,7 @@ class AppConfig(BaseModel):
         from app.engine.loader import resolve_dtype
         from app.scheduling.profile import ProfileMismatchError, load_profile
 
-        dtype = str(resolve_dtype(self.dtype)).removeprefix("torch.")
+        dtype = str(resolve_dtype(self.dtype, self._torch_device())).removeprefix("torch.")
         try:
             load_profile(self.profile).ensure_matches(self.model, dtype=dtype)
         except ProfileMismatchError as e:

@@ -20,7 +20,8 @@ def final_hidden(engine, token_ids: list[int]) -> torch.Tensor:
         return engine.model.final_norm(teacher_forced_hidden(engine, token_ids))
 
 
-def test_screened_tokens_are_the_float32_heads_argmax_on_the_real_target(engine, eval_prompts):
+def test_screened_tokens_are_the_float32_heads_argmax_on_the_real_target(bf16_engine, eval_prompts):
+    engine = bf16_engine
     assert engine._screen is not None  # CPU, bfloat16 model, float32 head: the engine screens
     h = torch.cat([final_hidden(engine, engine.encode_chat([{"role": "user", "content": p}]))
                    for p in eval_prompts[::4]])
@@ -53,8 +54,10 @@ def test_bad_arguments_are_rejected():
         ScreenedArgmax(torch.zeros(4, 2), torch.zeros(4, 2).bfloat16(), top=0)
 
 
-def test_greedy_decoding_is_the_same_with_and_without_the_screen(engine, eval_prompts):
-    plain = TargetEngine(EngineConfig(max_num_seqs=4, max_model_len=1024, greedy_screen=False))
+def test_greedy_decoding_is_the_same_with_and_without_the_screen(bf16_engine, eval_prompts):
+    engine = bf16_engine
+    assert engine._screen is not None
+    plain = TargetEngine(EngineConfig(dtype="bfloat16", max_num_seqs=4, max_model_len=1024, greedy_screen=False))
     assert plain._screen is None
     prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in eval_prompts[:3]]
     params = SamplingParams(max_tokens=24)

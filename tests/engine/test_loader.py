@@ -17,7 +17,7 @@ from tests.conftest import TINY_LLAMA, write_model_dir
 @pytest.mark.parametrize("tied", [False, True])
 def test_dummy_weights_follow_the_config(tmp_path, tied):
     src = write_model_dir(tmp_path / "m", {**TINY_LLAMA, "tie_word_embeddings": tied})
-    model = load_target(str(src), load_format="dummy", device="cpu").model
+    model = load_target(str(src), load_format="dummy", device="cpu", dtype="bfloat16").model
     a = model.args
     assert (a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.vocab_size) == (64, 2, 4, 2, 49152)
     embed = model.embed_tokens.weight
@@ -28,7 +28,7 @@ def test_dummy_weights_follow_the_config(tmp_path, tied):
     head = model.lm_head.weight  # the float32 copy of the LM head
     assert head.dtype == torch.float32
     assert torch.equal(head, embed.float()) == tied
-    again = load_target(str(src), load_format="dummy", device="cpu").model
+    again = load_target(str(src), load_format="dummy", device="cpu", dtype="bfloat16").model
     assert torch.equal(again.layers[1].down_proj.weight, model.layers[1].down_proj.weight)  # seeded
 
 
@@ -56,3 +56,16 @@ def test_load_errors_name_the_problem(tmp_path, tiny_llama_dir):
         load_target(str(tiny_llama_dir), load_format="random", device="cpu")
     with pytest.raises(pydantic.ValidationError, match="load_format"):
         EngineConfig(load_format="random")
+
+
+@pytest.mark.parametrize("bf16_kernels, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it_natively(monkeypatch, bf16_kernels, expected):
+    from app.engine import loader
+
+    monkeypatch.setattr(loader, "cpu_has_bf16_kernels", lambda: bf16_kernels)
+    assert loader.resolve_dtype("auto", torch.device("cpu")) == expected
+    assert loader.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert loader.resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16  # named: as named
+    with pytest.raises(ValueError, match="got 'fp8'"):
+        loader.resolve_dtype("fp8", torch.device("cpu"))
+

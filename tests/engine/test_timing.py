@@ -12,9 +12,10 @@ def test_timing_tokens_tile_the_text(engine):
     assert tokens == ids + ids + ids[:3]
 
 
-def test_timed_verify_steps_take_the_screened_path(engine, monkeypatch):
+def test_timed_verify_steps_take_the_screened_path(bf16_engine, monkeypatch):
     """A flat row (the screen cannot rule out the vocabulary) costs a float32 matmul over it: timing on random
     tokens hit those and overstated multi-token verify steps (``app/engine/timing.py``)."""
+    engine = bf16_engine
     rows, flat = [], []
     screen = engine._screen
     call = greedy_head.ScreenedArgmax.__call__

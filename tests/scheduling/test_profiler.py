@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from app.engine.loader import resolve_dtype
 from app.scheduling.profile import ProfileMismatchError, load_profile, measured_profiles
 from app.scheduling.profiler import main
+
+AUTO_DTYPE = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")  # what the profiler ran
 
 
 def test_profiler_writes_valid_measured_profile(tmp_path):
@@ -15,7 +19,7 @@ def test_profiler_writes_valid_measured_profile(tmp_path):
     assert profile.provenance.source == "measured" and profile.provenance.context_tokens == 32
     assert profile.batch_sizes == [1, 2] and profile.tokens_per_request == [1, 2, 4]
     assert all(t > 0 for row in profile.verify_ms for t in row)
-    profile.ensure_matches("smollm2-135m", dtype="bfloat16", engine="dspark-engine")
+    profile.ensure_matches("smollm2-135m", dtype=AUTO_DTYPE, engine="dspark-engine")
     with pytest.raises(ProfileMismatchError, match="model"):
         profile.ensure_matches("Qwen3-8B")
 
@@ -29,7 +33,7 @@ def test_profiler_on_dummy_weights_with_a_dummy_drafter(tmp_path, tiny_llama_dir
     assert prov.model == "tiny-llama-dummy" and prov.source == "measured"
     assert "weights: dummy" in prov.notes and "drafter: dummy DSpark" in prov.notes
     assert profile.draft_gamma == 7 and all(ms > 0 for ms in profile.draft_ms)
-    profile.ensure_matches("tiny-llama", dtype="bfloat16", engine="dspark-engine")
+    profile.ensure_matches("tiny-llama", dtype=AUTO_DTYPE, engine="dspark-engine")
     assert measured_profiles(tmp_path, model="tiny-llama") == [(prov, path)]
 
 

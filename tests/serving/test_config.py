@@ -47,7 +47,7 @@ def test_prompt_lookup_needs_the_checkpoints_table(tmp_path):
 
 
 def test_relative_paths_resolve_against_the_repo():
-    name = "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-2-threads.json"
+    name = "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-avx512-2-threads.json"
     config = AppConfig(profile=name)
     assert config.profile == config.profile_path() == str(REPO_ROOT / name)
     assert Path(config.drafter_checkpoint).is_absolute()
@@ -55,7 +55,7 @@ def test_relative_paths_resolve_against_the_repo():
 
 def write_measured(directory: Path, name: str, *, hardware: str, date: str, model: str = "smollm2-135m") -> Path:
     """A copy of a committed profile with another provenance (hardware, date, model)."""
-    data = json.loads((REPO_ROOT / "profiles/dspark-engine-smollm2-135m-amd-epyc-2-threads.json").read_text())
+    data = json.loads((REPO_ROOT / "profiles/dspark-engine-smollm2-135m-amd-epyc-avx512-2-threads.json").read_text())
     data["provenance"].update(hardware=hardware, date=date, model=model)
     path = directory / name
     path.write_text(json.dumps(data))
@@ -74,9 +74,11 @@ def test_auto_profile_picks_this_hosts_measured_profile(tmp_path, monkeypatch, c
     new = write_measured(tmp_path, "b.json", hardware="CPU X 2 threads", date="2026-11-20")
     write_measured(tmp_path, "c.json", hardware="CPU X 4 threads", date="2026-11-25")
     write_measured(tmp_path, "d.json", hardware="CPU X 2 threads", date="2026-11-28", model="other-model")
-    assert AppConfig(device="cpu", torch_threads=2).profile_path() == str(new)  # the newer of a.json, b.json
+    assert AppConfig(device="cpu", dtype="bfloat16", torch_threads=2).profile_path() == str(new)  # newer of a, b
+    # a float32 target on the same host: the bfloat16 profiles do not fit it (its steps cost another amount)
+    assert AppConfig(device="cpu", dtype="float32", torch_threads=2).committed_profile_path() is None
     # another host: nothing committed, so the target replica measures one at start-up and caches it
-    other_host = AppConfig(device="cpu", torch_threads=8)
+    other_host = AppConfig(device="cpu", dtype="bfloat16", torch_threads=8)
     assert other_host.profile_path() is None
     cached = profile_cache_path(other_host, hardware="CPU X 8 threads", dtype="bfloat16")
     assert cached.parent == tmp_path / "cache" / "profiles"
@@ -100,7 +102,7 @@ def test_named_profile_of_another_model_fails_naming_both(tmp_path):
     with pytest.raises(ProfileMismatchError, match="dtype 'bfloat16' does not match the running dtype 'float32'"):
         AppConfig(profile=str(write_measured(tmp_path, "own.json", hardware="h", date="2026-11-01")),
                   drafter="ngram", dtype="float32").check_files()
-    AppConfig(profile=str(tmp_path / "own.json"), drafter="ngram").check_files()
+    AppConfig(profile=str(tmp_path / "own.json"), drafter="ngram", dtype="bfloat16").check_files()
 
 
 def test_engine_section_holds_every_engine_setting():
@@ -151,7 +153,7 @@ def test_ngram_lookup():
 
 
 def test_verification_capacity_shrinks_with_load_and_grows_with_acceptance():
-    profile = load_profile(REPO_ROOT / "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-2-threads.json")
+    profile = load_profile(REPO_ROOT / "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-avx512-2-threads.json")
     assert verification_capacity(profile, batch=0, acceptance=0.9, gamma=7) == 0
     per_request = [verification_capacity(profile, batch=b, acceptance=0.8, gamma=7) / b for b in (1, 16, 128)]
     assert per_request == sorted(per_request, reverse=True) and per_request[0] > 0

@@ -42,7 +42,8 @@ def test_drafter_reads_only_the_embedding(target_and_drafter, monkeypatch, caplo
         raise AssertionError("the drafter loaded the whole target")
 
     monkeypatch.setattr(loader, "load_target", no_target)
-    config = AppConfig.model_validate({"engine": {"model": str(model_dir), "device": "cpu", "feature_layers": [0, 5]},
+    config = AppConfig.model_validate({"engine": {"model": str(model_dir), "device": "cpu", "dtype": "bfloat16",
+                                                  "feature_layers": [0, 5]},
                                        "drafter": "dspark", "drafter_checkpoint": str(checkpoint),
                                        "prompt_lookup": False, "gamma": 4})
     with caplog.at_level(logging.INFO, logger="ray.serve"):

@@ -25,7 +25,7 @@ ARGS = {
     "ingress": {"num_cpus": 0.1}, "router_num_cpus": 0.05,
     # a fixed profile, not this host's: under a profile where verifying past the mock drafter's confidence drop
     # never pays, its planted error is never verified and no token is wasted
-    "profile": "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-2-threads.json",
+    "profile": "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-avx512-2-threads.json",
 }
 REQUESTS, MAX_TOKENS = 8, 30
 FLUSH_TIMEOUT_S = 60

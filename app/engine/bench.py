@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-
-import torch
 
 from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
+from app.engine.hardware import hardware_name
 from app.engine.timing import time_verify_step
 from app.engine.types import SamplingParams
 
@@ -69,8 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "dtype": str(engine.cache.k.dtype).removeprefix("torch."),
         "device": str(engine.device),
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
+        "hardware": hardware_name(engine.device),
         "decode_tok_s_single": round(single, 2),
         "decode_tok_s_batch16": round(batch16, 2),
         "verify_ms_by_tokens": {str(n): round(ms, 2) for n, ms in by_tokens.items()},

@@ -16,7 +16,10 @@ def cpu_has_bf16_kernels() -> bool:
 
 
 def hardware_name(device: torch.device, threads: int | None = None) -> str:
-    """GPU name, or the CPU model name and the torch threads (``threads``, default: this process's)."""
+    """GPU name, or the CPU model name, torch's vector ISA on it (``torch.backends.cpu.get_cpu_capability()``:
+    'AVX2', 'AVX512', ...) and the torch threads (``threads``, default: this process's), e.g.
+    ``"AMD EPYC AVX2 2 threads"``. The ISA is part of the name because one model name covers CPUs with and
+    without AVX-512, whose step times differ several-fold."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     model = platform.processor() or platform.machine()
@@ -26,4 +29,4 @@ def hardware_name(device: torch.device, threads: int | None = None) -> str:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    return f"{model} {threads or torch.get_num_threads()} threads"
+    return f"{model} {torch.backends.cpu.get_cpu_capability()} {threads or torch.get_num_threads()} threads"

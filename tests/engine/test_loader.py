@@ -69,3 +69,9 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it_natively(monkeypa
     with pytest.raises(ValueError, match="got 'fp8'"):
         loader.resolve_dtype("fp8", torch.device("cpu"))
 
+
+def test_a_cpu_hardware_name_carries_the_vector_isa():
+    from app.engine.hardware import hardware_name
+
+    name = hardware_name(torch.device("cpu"), 3)
+    assert name.endswith(f" {torch.backends.cpu.get_cpu_capability()} 3 threads")

@@ -34,6 +34,7 @@ from app.drafters.checkpoint import KINDS, Drafter, load_checkpoint, read_checkp
 from app.drafters.config import target_shape
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.train.data import Batch, Sequence_, TargetTopK, load_shards, make_batch
+from app.engine.hardware import cpu_has_bf16_kernels
 from app.engine.loader import load_target, resolve_device
 
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
@@ -148,9 +149,11 @@ def dspark_loss(
 
 def batch_loss(drafter: Drafter, batch: Batch, *, gamma_decay: float, device: torch.device,
                columns: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """``dspark_loss`` of the drafter's teacher-forced outputs on ``batch`` (matmuls in bf16 autocast, the loss in
-    float32), over the draft vocabulary when ``columns`` (``vocab_columns``) is given."""
-    with torch.autocast(device.type, dtype=torch.bfloat16):
+    """``dspark_loss`` of the drafter's teacher-forced outputs on ``batch`` (matmuls in bf16 autocast where bfloat16
+    runs natively: a GPU, or a CPU with ``cpu_has_bf16_kernels``; the loss in float32), over the draft vocabulary
+    when ``columns`` (``vocab_columns``) is given."""
+    native = device.type != "cpu" or cpu_has_bf16_kernels()
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=native):
         out = forward_batch(drafter, batch, device, draft_vocab=columns is not None)
     return dspark_loss(out, batch, gamma_decay=gamma_decay, device=device, columns=columns)
 

@@ -26,8 +26,8 @@ class EngineConfig(BaseModel):
         "tokenizer (no safetensors needed), for profiling step costs (vLLM's --load-format dummy).",
     )
     dtype: str = Field(
-        "auto", description="Weights/activations dtype: auto (bfloat16 on a GPU or a CPU with bfloat16 kernels, float32 on "
-        "other CPUs), bfloat16, float16, float32.",
+        "auto", description="Weights/activations dtype: auto (bfloat16 on a GPU or a CPU with bfloat16 kernels, "
+        "float32 on other CPUs), bfloat16, float16, float32.",
     )
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     max_model_len: int = Field(2048, ge=16, description="Per-request context limit in tokens (KV slot capacity).")

@@ -153,7 +153,8 @@ def test_ngram_lookup():
 
 
 def test_verification_capacity_shrinks_with_load_and_grows_with_acceptance():
-    profile = load_profile(REPO_ROOT / "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-avx512-2-threads.json")
+    xeon = "dspark-engine-smollm2-135m-intel-r-xeon-r-processor-avx512-2-threads.json"
+    profile = load_profile(REPO_ROOT / "profiles" / xeon)
     assert verification_capacity(profile, batch=0, acceptance=0.9, gamma=7) == 0
     per_request = [verification_capacity(profile, batch=b, acceptance=0.8, gamma=7) / b for b in (1, 16, 128)]
     assert per_request == sorted(per_request, reverse=True) and per_request[0] > 0

@@ -70,12 +70,27 @@ CONTROLS = {
 }
 
 
+@pytest.fixture(scope="module")
+def controlled(engine, prompts, plain) -> dict[str, tuple[SamplingParams, list, list, list]]:
+    """Every control of ``CONTROLS`` over every prompt, all in one batch (each request with its own control), three
+    ways: without speculation, with perfect drafts (that output) and with the uncontrolled output as drafts (rejected
+    where the control acts), both in ragged blocks. Per control: its params and the three runs' results, in prompt
+    order."""
+    params = {name: SamplingParams(max_tokens=MAX_TOKENS, **control(engine, plain))
+              for name, control in CONTROLS.items()}
+    batch = [params[name] for name in CONTROLS for _ in prompts]
+    ref, perfect = plain_and_perfect(engine, prompts * len(CONTROLS), batch)
+    plain_drafts = {f"req-{i}": plain[i % len(prompts)] for i in range(len(batch))}
+    rejected, _ = generate(engine, prompts * len(CONTROLS), batch,
+                           proposer=OracleProposer(plain_drafts, gamma=5, lengths=RAGGED))
+    n = len(prompts)
+    return {name: (params[name], ref[i * n : (i + 1) * n], perfect[i * n : (i + 1) * n], rejected[i * n : (i + 1) * n])
+            for i, name in enumerate(CONTROLS)}
+
+
 @pytest.mark.parametrize("name", list(CONTROLS))
-def test_greedy_control_is_identical_with_speculation(engine, prompts, plain, name):
-    params = SamplingParams(max_tokens=MAX_TOKENS, **CONTROLS[name](engine, plain))
-    ref, perfect = plain_and_perfect(engine, prompts, params)
-    plain_drafts = {f"req-{i}": p for i, p in enumerate(plain)}
-    rejected, _ = generate(engine, prompts, params, proposer=OracleProposer(plain_drafts, gamma=5, lengths=RAGGED))
+def test_greedy_control_is_identical_with_speculation(engine, prompts, plain, controlled, name):
+    params, ref, perfect, rejected = controlled[name]
     ties = []
     for prompt, r, a, b in zip(prompts, ref, perfect, rejected):
         for spec in (a, b):

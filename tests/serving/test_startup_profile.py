@@ -31,7 +31,7 @@ def test_auto_profile_is_measured_at_start_and_reused(tmp_path):
         "engine": {"model": str(model_dir), "device": "cpu", "dtype": "float32", "max_model_len": 256,
                    "max_num_seqs": 4},
         "served_model_name": "tiny", "policy": "dspark", "drafter": "ngram", "gamma": 4, "profile": "auto",
-        "profile_budget_s": 20, "drafter_placement": "colocated", "torch_threads": 1,
+        "profile_budget_s": 4, "drafter_placement": "colocated", "torch_threads": 1,
         "target": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.1}, "router_num_cpus": 0.05,
     }
     assert AppConfig.model_validate(args).profile_path() is None  # nothing committed or cached for this model

@@ -61,10 +61,11 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return write_model_dir(tmp_path_factory.mktemp("models") / "tiny-llama", TINY_LLAMA)
 
 
-def save_tiny_model(directory: Path, config_class: str, config: dict):
+def save_tiny_model(directory: Path, config_class: str, config: dict, *, tokenizer: bool = True):
     """A tiny random transformers model of ``config_class`` (e.g. "LlamaConfig") built from ``config``, every weight
     drawn at a visible scale (biases and norm scales too, so a missed qkv bias or q/k norm shows), saved to
-    ``directory`` with SmolLM2's tokenizer; returns the float32 model (eval mode)."""
+    ``directory`` with SmolLM2's tokenizer (``tokenizer``; else the directory's own tokenizer files stay); returns
+    the float32 model (eval mode)."""
     import torch
     import transformers
 
@@ -78,7 +79,8 @@ def save_tiny_model(directory: Path, config_class: str, config: dict):
             else:
                 p.normal_(0.0, 0.08)
     model.save_pretrained(directory)
-    copy_tokenizer(directory)
+    if tokenizer:
+        copy_tokenizer(directory)
     return model
 
 

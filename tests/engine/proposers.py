@@ -1,4 +1,4 @@
-"""Test doubles implementing the ``Proposer`` protocol: random drafts and perfect (oracle) drafts."""
+"""Test doubles implementing the ``Proposer`` protocol: random, perfect (oracle) and table-driven drafts."""
 
 from __future__ import annotations
 
@@ -62,4 +62,19 @@ class OracleProposer(_Tracking):
             nxt = self.references[rid][n : n + k]
             nxt += [self.pad] * (k - len(nxt))
             blocks.append(DraftBlock(rid, torch.tensor(nxt, dtype=torch.long)))
+        return blocks
+
+
+class TableProposer(_Tracking):
+    """Drafts ``table[committed tuple]`` (one deterministic token) when the table has it, else nothing."""
+
+    def __init__(self, table: dict[tuple[int, ...], int]) -> None:
+        super().__init__()
+        self.table = table
+
+    def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
+        blocks = []
+        for rid in request_ids:
+            tok = self.table.get(tuple(self.committed[rid]))
+            blocks.append(DraftBlock(rid, torch.tensor([tok] if tok is not None else [], dtype=torch.long)))
         return blocks

@@ -11,7 +11,6 @@ off, and drafts the grammar forbids are cut before verification.
 from __future__ import annotations
 
 import json
-from typing import Sequence
 
 import jsonschema
 import pytest
@@ -21,12 +20,11 @@ from app.drafters.ngram import NgramProposer
 from app.engine.bench_controls import SCHEMA
 from app.loop import generate
 from app.engine.grammar import GrammarCompiler
-from app.engine.logits_process import sampling_probs
-from app.engine.near_tie import NEAR_TIE_EPS, processed_logits, teacher_forced_logits
+from app.engine.near_tie import NEAR_TIE_EPS, teacher_forced_logits
 from app.engine.types import DraftBlock, FinishReason, GuidedDecoding, SamplingParams, StepOutput
-from tests.engine.chi2 import chi2_quantile_999, pooled_chi2
+from tests.engine.chi2 import chi2_quantile_999, exact_joint, pooled_chi2
 from tests.engine.near_tie import check_same_or_near_tie
-from tests.engine.proposers import OracleProposer, RandomProposer
+from tests.engine.proposers import OracleProposer, RandomProposer, TableProposer
 
 MAX_TOKENS = 20
 RAGGED = [3, 5, 0, 7, 2]
@@ -176,43 +174,6 @@ def test_sampled_logprobs_are_raw_at_every_committed_token(engine, prompts):
     assert torch.allclose(got, exact[torch.arange(len(tokens)), torch.tensor(tokens)], atol=LOGPROB_TOL)
 
 
-class _TableProposer:
-    """Drafts ``table[committed tuple]`` (one deterministic token) when the table has it, else nothing."""
-
-    def __init__(self, table: dict[tuple[int, ...], int]) -> None:
-        self.table, self.committed = table, {}
-
-    def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
-        self.committed[request_id] = list(first.new_token_ids)
-
-    def propose(self, request_ids: Sequence[str]) -> list[DraftBlock]:
-        blocks = []
-        for rid in request_ids:
-            tok = self.table.get(tuple(self.committed[rid]))
-            blocks.append(DraftBlock(rid, torch.tensor([tok] if tok is not None else [], dtype=torch.long)))
-        return blocks
-
-    def update(self, outputs: Sequence[StepOutput]) -> None:
-        for out in outputs:
-            self.committed[out.request_id].extend(out.new_token_ids)
-
-    def finish(self, request_id: str) -> None:
-        del self.committed[request_id]
-
-
-def _exact_joint(engine, prompt, params, depth: int) -> dict[tuple[int, ...], float]:
-    """P(first ``depth`` output tokens) under the processed, truncated target, by teacher forcing."""
-    joint = {(): 1.0}
-    for _ in range(depth):
-        nxt = {}
-        for prefix, mass in joint.items():
-            probs = sampling_probs(processed_logits(engine, prompt, params, list(prefix))[None], params)[0]
-            for tok in probs.nonzero().flatten().tolist():
-                nxt[prefix + (tok,)] = mass * float(probs[tok])
-        joint = nxt
-    return joint
-
-
 @pytest.mark.parametrize("controls", [
     {"min_p": 0.1, "top_p": 0.95, "repetition_penalty": 1.8},
 ], ids=["min_p-top_p-repetition"])
@@ -225,14 +186,14 @@ def test_sampled_controls_keep_the_distribution_under_speculation(engine, contro
     top-k, the other penalties and logit_bias through the same accept rule on a toy target without rounding."""
     prompt = engine.encode("la la la la la la la")
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, **controls)
-    joint = _exact_joint(engine, prompt, params, depth=3)
+    joint = exact_joint(engine, prompt, params, depth=3)
     second = {}
     for (t1, t2, _), mass in joint.items():
         second.setdefault(t1, {}).setdefault(t2, 0.0)
         second[t1][t2] += mass
     table = {(t1,): max(d, key=d.get) for t1, d in second.items()}
     n = 480
-    results, _ = generate(engine, [prompt] * n, params, proposer=_TableProposer(table))
+    results, _ = generate(engine, [prompt] * n, params, proposer=TableProposer(table))
     assert sum(r.num_accepted for r in results) > n // 4
     counts: dict[tuple[int, ...], int] = {}
     for r in results:

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# scripts/gpu_wheels.sh: download, into .whl/ (git-ignored), the wheels of the Python packages that the engine and
+# tests/gpu need and that a lent GPU machine's image lacks (its Python 3.12 has torch, transformers, tokenizers,
+# safetensors, numpy, tqdm and pytest, but not pydantic or llguidance). Run it here, where pip reaches an index;
+# scripts/gpu_check.sh installs what .whl/ holds before it runs anything. The versions are this environment's own.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
+pins=()
+for pkg in pydantic pydantic_core annotated_types typing_inspection typing_extensions llguidance; do
+    pins+=("$pkg==$(version "$pkg")")
+done
+mkdir -p .whl
+# cp312 manylinux wheels (glibc 2.17 .. 2.31 tags: llguidance's is 2.31); the GPU machine is x86-64
+platforms=()
+for tag in manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_27_x86_64 manylinux_2_28_x86_64 \
+           manylinux_2_31_x86_64; do
+    platforms+=(--platform "$tag")
+done
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" -d .whl "${pins[@]}"
+ls -1 .whl
+du -sh .whl

@@ -42,10 +42,11 @@ class EngineConfig(BaseModel):
         "not a float32 matmul over the vocabulary.",
     )
     prepack: bool = Field(
-        True, description="CPU with oneDNN: the decoder's linear layers and the greedy screen (bfloat16 model, oneDNN "
-        "with bfloat16 kernels; bit-identical outputs, 1.4-2x faster matmuls at decode sizes) and the float32 LM head "
-        "(1.2-1.9x faster; a row's logits no longer depend on how many rows the step has) run on weights prepacked "
-        "once into oneDNN's blocked layout (app/engine/prepack.py). Ignored where unsupported.",
+        True, description="CPU with oneDNN: the decoder's linear layers (float32, or bfloat16 where oneDNN has "
+        "bfloat16 kernels), the greedy screen and the float32 LM head run on weights prepacked once into oneDNN's "
+        "blocked layout (app/engine/prepack.py): bfloat16 outputs bit-identical, float32 ones within rounding and "
+        "the same for a row whatever the step's row count; 1.2-2x faster matmuls at decode sizes. Ignored where "
+        "unsupported.",
     )
     batch_invariant: bool = Field(
         False, description="A request's logits depend on its own tokens only, not on the other requests of the step "

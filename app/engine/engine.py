@@ -67,6 +67,7 @@ class TargetEngine(Engine):
         vocab_size: V.
         feature_dim: F, the width of ``StepOutput.features`` rows.
         eos_token_ids: tokens that end a request (unless ``ignore_eos``).
+        prepacked: whether the decoder's linear layers run on oneDNN-prepacked weights (``app/engine/prepack.py``).
     """
 
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedTarget | None = None) -> None:
@@ -90,8 +91,10 @@ class TargetEngine(Engine):
             device=self.device,
         )
         self._groups = args.num_heads // args.num_kv_heads
-        # the decoder only (its bfloat16 layers): a tied bfloat16 LM head stays the embedding's tensor
-        self.prepacked = c.prepack and prepack_linears(self.model.layers) > 0
+        # the decoder only: a tied bfloat16 LM head stays the embedding's tensor; a shared target may come packed
+        if c.prepack:
+            prepack_linears(self.model.layers)
+        self.prepacked = any(isinstance(m, PrepackedLinear) for m in self.model.layers.modules())
         self._screen = self._greedy_screen()
         head = self.model.lm_head.weight
         if c.prepack and head.dtype == torch.float32 and prepack_supported(self.device, head.dtype):

@@ -1,18 +1,19 @@
 """Linear layers on weights prepacked once into oneDNN's blocked layout (CPU, bfloat16 and float32).
 
 Why: ``F.linear`` on a bfloat16 CPU tensor hands oneDNN a plain row-major weight, which it reorders into its
-blocked layout inside every call. At decode sizes that reorder is most of the call: on an avx512_bf16 CPU,
-prepacked weights made the 120 decoder matmuls of SmolLM2-135M about 1.4-1.6x faster at 1-16 rows and the greedy
-screen's [49152, 576] head about 2x faster at one row; prefill sizes (160 rows) gain little. The outputs were bit-identical
-to ``F.linear``'s on every shape tried (1-160 rows, each layer shape of the model), including where ``F.linear``
-itself rounds a row differently at another row count; ``tests/engine/test_prepack.py`` checks layers and the real
-target's decoding.
+blocked layout inside every call. At decode sizes that reorder is most of the call: prepacked weights make the
+decoder's matmuls of SmolLM2-135M about 1.4-1.6x faster at 1-16 rows and the greedy screen's [49152, 576] head about
+2x faster at one row; prefill sizes (160 rows) gain little. The outputs were bit-identical to ``F.linear``'s on every
+shape tried (1-160 rows, each layer shape of the model), including where ``F.linear`` itself rounds a row
+differently at another row count; ``tests/engine/test_prepack.py`` checks layers and the real target's decoding.
 
-The float32 LM head (``TargetEngine``: the logits of sampled requests and of greedy ones with a control or logprobs)
-is prepacked too: for a [49152, 576] head, about 1.9x faster at 8 rows and 1.2-1.3x at 16-128 rows than ``F.linear``,
-whose float32 kernel is not memory-bound at these sizes. Its outputs are not ``F.linear``'s bit for bit (another
-summation order: differences of ~1e-4 on logits of ~20) but a row's logits are the same whatever the number of rows
-in the call, where ``F.linear``'s change with it (``tests/engine/test_prepack.py``).
+Float32 (the decoder of a float32 model, and the float32 LM head of any model: the logits of sampled requests and
+of greedy ones with a control or logprobs): ``F.linear``'s float32 kernel is not memory-bound at a few rows (it
+streams the weight as the transposed operand and costs about twice a one-row product at 2-8 rows), while the packed
+kernel reads each weight once per call: on an AVX2 CPU the 120 decoder matmuls of SmolLM2-135M cost about the same
+at 1 row and about half at 2-8 rows (docs/serving.md, "CPU dtype"). Float32 outputs are not ``F.linear``'s bit for
+bit (another summation order: differences of ~1e-4 on logits of ~20), but a row's values are the same whatever the
+number of rows in the call, where ``F.linear``'s change with it (``tests/engine/test_prepack.py``).
 
 The ops are PyTorch's own (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what inductor's
 CPU backend emits for frozen linear layers); they exist on x86 builds with oneDNN, and bfloat16 needs a CPU with
@@ -73,17 +74,11 @@ class PrepackedLinear(nn.Module):
 
 
 def prepack_linears(module: nn.Module) -> int:
-    """Replace, in place, every bfloat16 CPU ``nn.Linear`` under ``module`` by a ``PrepackedLinear``.
-
-    Linear layers of other dtypes (the float32 LM head) stay as they are, and so does ``module`` itself. Returns
-    the number replaced (0 when ``prepack_supported`` is false for bfloat16 on the CPU, or everything is packed
-    already).
-    """
-    if not prepack_supported(torch.device("cpu"), torch.bfloat16):
-        return 0
+    """Replace, in place, every CPU ``nn.Linear`` under ``module`` whose dtype ``prepack_supported`` accepts (float32
+    with oneDNN, bfloat16 where oneDNN has bfloat16 kernels) by a ``PrepackedLinear``; ``module`` itself stays.
+    Returns the number replaced (0 when nothing can be packed, or everything is packed already)."""
     targets = [(name, child) for name, child in module.named_modules()
-               if name and isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16
-               and child.weight.device.type == "cpu"]
+               if name and isinstance(child, nn.Linear) and prepack_supported(child.weight.device, child.weight.dtype)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module

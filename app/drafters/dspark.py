@@ -48,6 +48,7 @@ from torch import nn
 
 from app.drafters.config import DecoderShape, DrafterConfig
 from app.engine.model import apply_rope, rms_norm, rope_tables
+from app.engine.prepack import PrepackedLinear, prepack_supported
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,8 @@ class DSparkDrafter(nn.Module):
         self.register_buffer("draft_vocab", None, persistent=False)
         self.register_buffer("draft_embed", None, persistent=False)
         self.register_buffer("draft_w2", None, persistent=False)
+        self.draft_head: PrepackedLinear | None = None  # draft_embed prepacked (``prepack``), else None
+        self.prepacked = False
         self.register_load_state_dict_post_hook(DSparkDrafter._reslice_draft_vocab)
 
     # ---------------------------------------------------------------- draft vocabulary
@@ -223,6 +226,7 @@ class DSparkDrafter(nn.Module):
         Raises:
             TypeError / ValueError: from ``check_draft_vocab``.
         """
+        self.draft_head = None
         if ids is None:
             self.draft_vocab = self.draft_embed = self.draft_w2 = None
             return
@@ -230,6 +234,30 @@ class DSparkDrafter(nn.Module):
         self.draft_vocab = ids
         self.draft_embed = self.lm_head.index_select(0, ids)
         self.draft_w2 = self.w2.weight.detach().index_select(0, ids) if self.config.head != "none" else None
+        if self.prepacked and prepack_supported(self.draft_embed.device, self.draft_embed.dtype):
+            self.draft_head = PrepackedLinear(self.draft_embed)
+
+    def prepack(self) -> int:
+        """Inference only: run the backbone's linear layers, the context projection ``fc`` and the LM head over the
+        draft vocabulary on oneDNN-prepacked weights (``app/engine/prepack.py``) where this torch build packs their
+        dtype on their device; at a few rows the packed float32 kernel reads each weight once where ``F.linear``'s
+        does not. Returns how many layers were packed (0 where nothing can be, or all is packed already).
+
+        Drafts are the same up to float32 rounding (bfloat16: bit for bit). A packed drafter cannot be trained or
+        saved afterwards: packed layers hold no gradients and no ``state_dict`` entries.
+        """
+        packed = 0
+        owners = [(layer, n) for layer in self.layers for n in ("qkv", "o_proj", "gate_up", "down_proj")]
+        for owner, name in owners + [(self, "fc")]:
+            linear = getattr(owner, name)
+            if type(linear) is nn.Linear and prepack_supported(linear.weight.device, linear.weight.dtype):
+                # qkv.weight and fc.weight stay readable: the context path slices the one and reads the other's dtype
+                setattr(owner, name, PrepackedLinear(linear.weight, linear.bias, keep_weight=name in ("qkv", "fc")))
+                packed += 1
+        self.prepacked = True
+        if self.draft_vocab is not None:
+            self.set_draft_vocab(self.draft_vocab)
+        return packed
 
     @staticmethod
     def _reslice_draft_vocab(module: nn.Module, _incompatible_keys: object) -> None:
@@ -294,7 +322,9 @@ class DSparkDrafter(nn.Module):
         weight = self.draft_embed if draft and self.draft_vocab is not None else self.lm_head
         # one 2-D matmul: a non-contiguous [B, gamma < K, Dm] slice would go through bmm with a per-row copy of the weight
         flat = hidden.to(weight.dtype).reshape(-1, hidden.shape[-1])
-        return F.linear(flat, weight).float().reshape(*hidden.shape[:-1], weight.shape[0])
+        head = self.draft_head if draft and self.draft_vocab is not None and self.draft_head is not None else None
+        logits = head(flat) if head is not None else F.linear(flat, weight)
+        return logits.float().reshape(*hidden.shape[:-1], weight.shape[0])
 
     # ---------------------------------------------------------------- sequential head
 

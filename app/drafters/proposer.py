@@ -236,9 +236,20 @@ class RequestProposerBase:
 
 @dataclass
 class DSparkProposer(RequestProposerBase):
-    """Proposer hooks over a ``DSparkDrafter`` (module docstring; settings in ``RequestProposerBase``)."""
+    """Proposer hooks over a ``DSparkDrafter`` (module docstring; settings in ``RequestProposerBase``).
+
+    With ``prepack`` (default) the drafter's linear layers are packed for inference in place
+    (``DSparkDrafter.prepack``: oneDNN on the CPU, nothing elsewhere); a drafter to be trained further must not be
+    given to a proposer with ``prepack``.
+    """
 
     drafter: DSparkDrafter
+    prepack: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prepack:
+            self.drafter.prepack()
 
     def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
         temperature, seed = self._take_params(request_id)

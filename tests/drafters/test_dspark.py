@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from app.drafters.calibration import Calibration, ece, fit_sequential_temperatures, prefix_survival
@@ -9,6 +11,7 @@ from app.drafters.checkpoint import load_checkpoint, save_checkpoint
 from app.drafters.config import DrafterConfig
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.proposer import DSparkProposer
+from app.engine.prepack import PrepackedLinear, prepack_supported
 from app.engine.types import DRAFT_TOP_K
 from app.engine.types import SamplingParams, StepOutput
 
@@ -155,3 +158,33 @@ def test_sampled_drafts_follow_their_distribution():
         counts[block.tokens[0]] += 1
     q = block.dense_probs(V)[0]  # position 1 does not depend on earlier draws for the parallel head
     assert 0.5 * (counts / counts.sum() - q).abs().sum() < 0.15
+
+
+@torch.no_grad()
+def test_a_prepacked_drafter_drafts_as_the_plain_one():
+    """``DSparkDrafter.prepack`` (a proposer's default): packed backbone, context projection and draft-vocabulary head
+    give the plain drafter's hidden states and logits within float32 rounding, and its greedy drafts; training
+    state is untouched in the plain copy."""
+    plain = tiny("markov")
+    plain.set_draft_vocab(torch.arange(0, V, 2))
+    packed = copy.deepcopy(plain)
+    if not prepack_supported(torch.device("cpu"), torch.float32):
+        assert packed.prepack() == 0
+        return
+    assert packed.prepack() == 4 * 2 + 1 and packed.prepack() == 0  # 4 linears a layer and fc; once
+    assert isinstance(packed.layers[0].qkv, PrepackedLinear) and isinstance(packed.draft_head, PrepackedLinear)
+    torch.manual_seed(5)
+    hidden, _ = block_forward(plain)
+    torch.manual_seed(5)
+    hidden_packed, _ = block_forward(packed)
+    torch.testing.assert_close(hidden_packed, hidden, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed.base_logits(hidden, draft=True), plain.base_logits(hidden, draft=True),
+                               rtol=0, atol=1e-5)
+    drafts = []
+    for model, pack in ((plain, False), (packed, True)):
+        p = DSparkProposer(model, prepack=pack)
+        _start(p, "a", 7, 0)
+        _start(p, "b", 12, 1)
+        drafts.append(torch.stack([b.tokens for b in p.propose(["a", "b"])]))
+    assert torch.equal(drafts[0], drafts[1])
+    assert type(plain.layers[0].qkv) is torch.nn.Linear and plain.draft_head is None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
 from app.engine.logits_process import sampling_probs
+from app.loop import generate
 from app.engine.near_tie import processed_logits
 from app.engine.types import SamplingParams
+from tests.engine.proposers import TableProposer
 
 
 def pooled_chi2(observed: Sequence[float], expected: Sequence[float]) -> tuple[float, int]:
@@ -40,3 +43,27 @@ def exact_joint(engine, prompt: list[int], params: SamplingParams, depth: int) -
                 nxt[prefix + (tok,)] = mass * float(probs[tok])
         joint = nxt
     return joint
+
+
+def check_three_token_joint_under_speculation(
+    engine, prompt: list[int], params: SamplingParams | list[SamplingParams], n: int
+) -> None:
+    """Decode ``n`` copies of ``prompt`` (3 tokens each, ``params``: one for all or one per copy; its controls
+    without the seed give the exact joint) with the likeliest second token drafted after each first token, so the
+    last two tokens come from one verify step whose draft is often accepted; assert the drafts were accepted in a
+    quarter of the requests or more and the outputs' joint passes the chi-square test against ``exact_joint``."""
+    first = params if isinstance(params, SamplingParams) else params[0]
+    joint = exact_joint(engine, prompt, dataclasses.replace(first, seed=None), depth=3)
+    second: dict[int, dict[int, float]] = {}
+    for (t1, t2, _), mass in joint.items():
+        second.setdefault(t1, {}).setdefault(t2, 0.0)
+        second[t1][t2] += mass
+    table = {(t1,): max(d, key=d.get) for t1, d in second.items()}
+    results, _ = generate(engine, [prompt] * n, params, proposer=TableProposer(table))
+    assert sum(r.num_accepted for r in results) > n // 4
+    counts: dict[tuple[int, ...], int] = {}
+    for r in results:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    cells = list(joint) + [c for c in counts if c not in joint]  # an impossible output counts in the pooled cell
+    chi2, df = pooled_chi2([counts.get(c, 0) for c in cells], [joint.get(c, 0.0) * n for c in cells])
+    assert df >= 3 and chi2 < chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"

@@ -22,9 +22,9 @@ from app.loop import generate
 from app.engine.grammar import GrammarCompiler
 from app.engine.near_tie import NEAR_TIE_EPS, teacher_forced_logits
 from app.engine.types import DraftBlock, FinishReason, GuidedDecoding, SamplingParams, StepOutput
-from tests.engine.chi2 import chi2_quantile_999, exact_joint, pooled_chi2
+from tests.engine.chi2 import check_three_token_joint_under_speculation
 from tests.engine.near_tie import check_same_or_near_tie
-from tests.engine.proposers import OracleProposer, RandomProposer, TableProposer
+from tests.engine.proposers import OracleProposer, RandomProposer
 
 MAX_TOKENS = 20
 RAGGED = [3, 5, 0, 7, 2]
@@ -186,21 +186,7 @@ def test_sampled_controls_keep_the_distribution_under_speculation(engine, contro
     top-k, the other penalties and logit_bias through the same accept rule on a toy target without rounding."""
     prompt = engine.encode("la la la la la la la")
     params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, **controls)
-    joint = exact_joint(engine, prompt, params, depth=3)
-    second = {}
-    for (t1, t2, _), mass in joint.items():
-        second.setdefault(t1, {}).setdefault(t2, 0.0)
-        second[t1][t2] += mass
-    table = {(t1,): max(d, key=d.get) for t1, d in second.items()}
-    n = 480
-    results, _ = generate(engine, [prompt] * n, params, proposer=TableProposer(table))
-    assert sum(r.num_accepted for r in results) > n // 4
-    counts: dict[tuple[int, ...], int] = {}
-    for r in results:
-        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
-    cells = list(joint) + [c for c in counts if c not in joint]  # an impossible output counts in the pooled cell
-    chi2, df = pooled_chi2([counts.get(c, 0) for c in cells], [joint.get(c, 0.0) * n for c in cells])
-    assert df >= 3 and chi2 < chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"
+    check_three_token_joint_under_speculation(engine, prompt, params, n=480)
 
 
 JSON_QUESTIONS = {

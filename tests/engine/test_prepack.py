@@ -18,6 +18,18 @@ needs_prepack = pytest.mark.skipif(not prepack_supported(torch.device("cpu"), to
                                    reason="this CPU or torch build has no oneDNN bfloat16 kernels")
 
 
+def ragged_verify_step(engine, prompts: list[list[int]], results, params) -> list:
+    """The outputs of one verify step over ``prompts`` (added fresh, released after) where request i drafts the
+    next i tokens of ``results[i]`` (0, 1, 2, ...: a ragged step)."""
+    firsts = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    blocks = [DraftBlock(f.request_id, torch.tensor(r.token_ids[1 : 1 + i])) for i, (f, r) in enumerate(zip(firsts,
+                                                                                                      results))]
+    outs = engine.verify(blocks)
+    for f in firsts:
+        engine.release(f.request_id)
+    return outs
+
+
 @needs_prepack
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 576)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -106,14 +118,7 @@ def test_engine_decodes_the_same_tokens_and_features_prepacked(eval_prompts):
     b, _ = generate(packed, prompts, params)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     # One ragged verify step with drafts: the target's features (the drafter's input) are equal bit for bit.
-    outs = {}
-    for name, eng in (("plain", plain), ("packed", packed)):
-        firsts = [eng.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
-        blocks = [DraftBlock(f.request_id, torch.tensor(r.token_ids[1 : 1 + i])) for i, (f, r) in
-                  enumerate(zip(firsts, a))]
-        outs[name] = eng.verify(blocks)
-        for f in firsts:
-            eng.release(f.request_id)
+    outs = {name: ragged_verify_step(eng, prompts, a, params) for name, eng in (("plain", plain), ("packed", packed))}
     for x, y in zip(outs["plain"], outs["packed"]):
         assert x.new_token_ids == y.new_token_ids and torch.equal(x.features, y.features)
 
@@ -135,13 +140,6 @@ def test_a_float32_engine_packs_its_layers_and_decodes_the_same_tokens(eval_prom
     b, _ = generate(packed, prompts, params)
     for prompt, x, y in zip(prompts, a, b):
         check_same_or_near_tie(plain, prompt, x.token_ids, y.token_ids)
-    outs = {}
-    for name, eng in (("plain", plain), ("packed", packed)):
-        firsts = [eng.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
-        blocks = [DraftBlock(f.request_id, torch.tensor(r.token_ids[1 : 1 + i])) for i, (f, r) in
-                  enumerate(zip(firsts, a))]
-        outs[name] = eng.verify(blocks)
-        for f in firsts:
-            eng.release(f.request_id)
+    outs = {name: ragged_verify_step(eng, prompts, a, params) for name, eng in (("plain", plain), ("packed", packed))}
     for x, y in zip(outs["plain"], outs["packed"]):
         torch.testing.assert_close(x.features, y.features, rtol=1e-3, atol=1e-3)

@@ -23,9 +23,9 @@ from app.engine.shapes import write_shape_dir
 from app.engine.types import SamplingParams
 from app.loop import generate
 from tests.conftest import save_tiny_model
-from tests.engine.chi2 import chi2_quantile_999, exact_joint, pooled_chi2
+from tests.engine.chi2 import check_three_token_joint_under_speculation
 from tests.engine.near_tie import check_greedy_output, check_seeded_same_or_near_tie
-from tests.engine.proposers import OracleProposer, RandomProposer, TableProposer
+from tests.engine.proposers import OracleProposer, RandomProposer
 
 DEVICE = os.environ.get("DSPARK_GPU_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
@@ -84,22 +84,9 @@ def test_sampled_speculation_keeps_the_target_distribution_on_the_device(model_d
     engine = device_engine(model_dir, "float32", max_num_seqs=64)
     prompt = prompts[1]
     base = dict(max_tokens=3, temperature=1.0, top_k=4, top_p=0.9, ignore_eos=True)
-    joint = exact_joint(engine, prompt, SamplingParams(**base), depth=3)
-    second: dict[int, dict[int, float]] = {}
-    for (t1, t2, _), mass in joint.items():
-        second.setdefault(t1, {}).setdefault(t2, 0.0)
-        second[t1][t2] += mass
-    table = {(t1,): max(d, key=d.get) for t1, d in second.items()}
     n = 960
     params = [SamplingParams(**base, seed=i if rule == "seeded-coupling" else None) for i in range(n)]
-    results, _ = generate(engine, [prompt] * n, params, proposer=TableProposer(table))
-    assert sum(r.num_accepted for r in results) > n // 4
-    counts: dict[tuple[int, ...], int] = {}
-    for r in results:
-        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
-    cells = list(joint) + [c for c in counts if c not in joint]  # an impossible output counts in the pooled cell
-    chi2, df = pooled_chi2([counts.get(c, 0) for c in cells], [joint.get(c, 0.0) * n for c in cells])
-    assert df >= 3 and chi2 < chi2_quantile_999(df), f"chi-square {chi2:.1f} on {df} df"
+    check_three_token_joint_under_speculation(engine, prompt, params, n)
 
 
 def test_seeded_request_reproduces_on_the_device(model_dir, prompts):

@@ -48,7 +48,7 @@ from torch import nn
 
 from app.drafters.config import DecoderShape, DrafterConfig
 from app.engine.model import apply_rope, rms_norm, rope_tables
-from app.engine.prepack import PrepackedLinear, prepack_supported
+from app.engine.prepack import PrepackedLinear, prepack_named, prepack_supported
 
 
 @dataclass(frozen=True)
@@ -246,14 +246,9 @@ class DSparkDrafter(nn.Module):
         Drafts are the same up to float32 rounding (bfloat16: bit for bit). A packed drafter cannot be trained or
         saved afterwards: packed layers hold no gradients and no ``state_dict`` entries.
         """
-        packed = 0
-        owners = [(layer, n) for layer in self.layers for n in ("qkv", "o_proj", "gate_up", "down_proj")]
-        for owner, name in owners + [(self, "fc")]:
-            linear = getattr(owner, name)
-            if type(linear) is nn.Linear and prepack_supported(linear.weight.device, linear.weight.dtype):
-                # qkv.weight and fc.weight stay readable: the context path slices the one and reads the other's dtype
-                setattr(owner, name, PrepackedLinear(linear.weight, linear.bias, keep_weight=name in ("qkv", "fc")))
-                packed += 1
+        names = [f"layers.{i}.{n}" for i in range(len(self.layers)) for n in ("qkv", "o_proj", "gate_up", "down_proj")]
+        # qkv.weight and fc.weight stay readable: the context path slices the one and reads the other's dtype
+        packed = prepack_named(self, names + ["fc"], keep_weight=("qkv", "fc"))
         self.prepacked = True
         if self.draft_vocab is not None:
             self.set_draft_vocab(self.draft_vocab)

@@ -47,6 +47,7 @@ from torch import nn
 from app.drafters.config import EagleConfig
 from app.drafters.dspark import BackboneLayer
 from app.engine.model import rms_norm, rope_tables
+from app.engine.prepack import PrepackedLinear, prepack_named, prepack_supported
 
 
 class EagleDrafter(nn.Module):
@@ -81,6 +82,18 @@ class EagleDrafter(nn.Module):
         cos, sin = rope_tables(head_dim=c.head_dim, theta=c.rope_theta, max_positions=c.max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.packed_head: PrepackedLinear | None = None  # the LM head prepacked (``prepack``), else None
+
+    def prepack(self) -> int:
+        """Inference only: run the decoder layer's linear layers, ``fc``, ``in_proj`` and the LM head on
+        oneDNN-prepacked weights (``app/engine/prepack.py``) where this torch build packs their dtype on their
+        device, as ``DSparkDrafter.prepack`` does. Returns how many layers were packed (the head not counted). The
+        packed head is a copy of the frozen [V, Dm] head; a packed drafter cannot be trained or saved afterwards."""
+        names = ["layer.qkv", "layer.o_proj", "layer.gate_up", "layer.down_proj", "fc", "in_proj"]
+        packed = prepack_named(self, names, keep_weight=("qkv",))  # the context path slices qkv.weight
+        if self.packed_head is None and prepack_supported(self.lm_head.device, self.lm_head.dtype):
+            self.packed_head = PrepackedLinear(self.lm_head)
+        return packed
 
     # ---------------------------------------------------------------- building blocks
 
@@ -140,7 +153,8 @@ class EagleDrafter(nn.Module):
         """hidden [..., Dm] -> draft logits [..., V] float32 (frozen LM head), confidence logits [...] float32
         (+inf, confidence 1, without a confidence head)."""
         h = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        logits = F.linear(h.to(self.lm_head.dtype), self.lm_head).float()
+        x = h.to(self.lm_head.dtype)
+        logits = (self.packed_head(x) if self.packed_head is not None else F.linear(x, self.lm_head)).float()
         if self.conf is None:
             return logits, torch.full(h.shape[:-1], float("inf"), device=h.device)
         return logits, self.conf(h).squeeze(-1).float()

@@ -47,9 +47,16 @@ class _RequestState:
 @dataclass
 class EagleProposer(RequestProposerBase):
     """Proposer hooks over an ``EagleDrafter`` (module docstring; settings in ``RequestProposerBase``; MTP-1
-    has block size 1, so ``gamma`` 1)."""
+    has block size 1, so ``gamma`` 1). With ``prepack`` (default) the drafter is packed for inference in place
+    (``EagleDrafter.prepack``); a drafter to be trained further must not be given to a proposer with ``prepack``."""
 
     drafter: EagleDrafter
+    prepack: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.prepack:
+            self.drafter.prepack()
 
     def start(self, request_id: str, prompt_ids: Sequence[int], first: StepOutput) -> None:
         temperature, seed = self._take_params(request_id)

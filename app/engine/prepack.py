@@ -84,3 +84,19 @@ def prepack_linears(module: nn.Module) -> int:
         parent = module.get_submodule(parent_name) if parent_name else module
         setattr(parent, attr, PrepackedLinear(linear.weight, linear.bias))
     return len(targets)
+
+
+def prepack_named(module: nn.Module, names: list[str], *, keep_weight: tuple[str, ...] = ()) -> int:
+    """Replace, in place, the ``nn.Linear`` submodules of ``module`` at the dotted ``names`` by ``PrepackedLinear``
+    where ``prepack_supported`` accepts their dtype and device (a name that is absent, None or already packed is
+    skipped); a name ending in one of ``keep_weight`` keeps its plain ``.weight`` readable (code that slices it).
+    Returns the number replaced."""
+    packed = 0
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        linear = getattr(parent, attr, None)
+        if type(linear) is nn.Linear and prepack_supported(linear.weight.device, linear.weight.dtype):
+            setattr(parent, attr, PrepackedLinear(linear.weight, linear.bias, keep_weight=name.endswith(keep_weight)))
+            packed += 1
+    return packed

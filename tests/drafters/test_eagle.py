@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from app.drafters.dspark import DSparkDrafter
 from app.drafters.eagle import EagleDrafter
 from app.drafters.eagle_proposer import EagleProposer
 from app.drafters.registry import load_proposer, make_proposer
+from app.engine.prepack import PrepackedLinear, prepack_supported
 from app.engine.types import SamplingParams, StepOutput
 from tests.drafters.test_dspark import tiny as tiny_dspark
 
@@ -141,3 +143,25 @@ def test_checkpoints_without_kind_load_as_dspark_and_unknown_kinds_fail(tmp_path
     (tmp_path / "old" / CONFIG).write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="unknown drafter kind 'medusa'"):
         load_checkpoint(tmp_path / "old", tiny_dspark("none").embed_weight)
+
+
+@pytest.mark.parametrize("fused", [(0, 2), (2,)], ids=["eagle3", "mtp"])
+def test_a_prepacked_drafter_drafts_as_the_plain_one(fused):
+    """``EagleDrafter.prepack`` (a proposer's default) packs the layer, the fusion and the LM head where oneDNN packs
+    their dtype, and drafts the plain drafter's tokens with confidences within float32 rounding."""
+    plain = tiny(fused=fused)
+    packed = copy.deepcopy(plain)
+    if not prepack_supported(torch.device("cpu"), torch.float32):
+        assert packed.prepack() == 0 and packed.packed_head is None
+        return
+    assert packed.prepack() == 4 + (packed.fc is not None) + hasattr(packed, "in_proj")
+    assert packed.prepack() == 0 and isinstance(packed.packed_head, PrepackedLinear)
+    feats, tokens = torch.randn(8, plain.config.feature_dim), list(range(9))
+    drafts = []
+    for model, pack in ((plain, False), (packed, True)):
+        p = EagleProposer(model, Calibration(), prepack=pack)
+        _start(p, "r", tokens, feats)
+        drafts.append((p.propose(["r"])[0].tokens, p.last_proposal.confidences))
+    assert torch.equal(drafts[0][0], drafts[1][0])
+    torch.testing.assert_close(drafts[0][1], drafts[1][1], rtol=0, atol=1e-5)
+    assert type(plain.layer.qkv) is torch.nn.Linear and plain.packed_head is None

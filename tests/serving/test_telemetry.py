@@ -49,3 +49,14 @@ def test_autoscaling_stats_report_percentiles_samples_and_load():
     stats = tel.autoscaling_stats(active=3, queued=3)
     assert stats["tpot_p90_ms"] == pytest.approx(75.0) and stats["tpot_samples"] == 1 and stats["load"] == 1.5
     tel.report(active=3, queued=3)  # gauges: Ray metrics record without a cluster too
+
+
+@pytest.mark.parametrize("name, low, high", [("MS_BUCKETS", 1, 5000), ("TPOT_BUCKETS", 2, 2000)])
+def test_time_buckets_resolve_quantiles_within_one_and_a_half_times(name, low, high):
+    """Grafana reads round, verify, drafter-call and TPOT quantiles from these buckets by interpolating inside one:
+    each bucket must be narrow (upper edge at most 1.5x the lower) from a GPU step to a slow CPU batch."""
+    from app.serving import metrics
+
+    edges = getattr(metrics, name)
+    assert edges[0] <= low and edges[-1] >= high
+    assert all(hi / lo <= 1.5 + 1e-9 for lo, hi in zip(edges, edges[1:])), edges

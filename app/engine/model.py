@@ -23,6 +23,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -240,14 +241,31 @@ class StepLayout:
         )
 
 
+def lazy_zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device, align: int = 64) -> torch.Tensor:
+    """A zero tensor that, on the CPU, takes memory only as it is written: numpy's ``zeros`` is ``calloc``, which
+    for large sizes maps fresh pages the kernel zero-fills on first touch, where ``torch.zeros`` writes every byte
+    at once. The data starts at an ``align``-byte boundary. Elsewhere ``torch.zeros``.
+
+    A KV cache sized for ``max_num_seqs`` full contexts is mostly never written; this keeps its unused part out of
+    the process's resident memory and out of start-up time.
+    """
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(nbytes + align, dtype=np.uint8))
+    start = -raw.data_ptr() % align
+    return raw[start:start + nbytes].view(dtype).view(shape)
+
+
 class KVCache(nn.Module):
-    """Slot KV cache: ``k``/``v`` of shape ``[layers, S, Hkv, Tmax, Dh]``, one slot per request."""
+    """Slot KV cache: ``k``/``v`` of shape ``[layers, S, Hkv, Tmax, Dh]``, one slot per request, zero at the start
+    (``lazy_zeros``: on the CPU, resident only as slots are written)."""
 
     def __init__(self, args: ModelArgs, *, num_slots: int, max_len: int, dtype: torch.dtype, device) -> None:
         super().__init__()
         shape = (args.num_layers, num_slots, args.num_kv_heads, max_len, args.head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k", lazy_zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", lazy_zeros(shape, dtype=dtype, device=device), persistent=False)
 
     @property
     def num_slots(self) -> int:

@@ -1,0 +1,44 @@
+"""The slot KV cache starts at zero and, on the CPU, takes resident memory only as slots are written."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from app.engine.model import KVCache, ModelArgs
+import torch as _t
+lazy_zeros = lambda shape, dtype, device: _t.zeros(shape, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lazy_zeros_are_aligned_writable_zeros(dtype):
+    t = lazy_zeros((3, 5, 7), dtype=dtype, device="cpu")
+    assert t.shape == (3, 5, 7) and t.dtype == dtype and t.is_contiguous()
+    assert t.data_ptr() % 64 == 0
+    assert torch.equal(t, torch.zeros(3, 5, 7, dtype=dtype))
+    t[1, 2] = 1.5
+    assert float(t.sum()) == 1.5 * 7
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/statm")
+def test_an_unwritten_cpu_cache_is_not_resident():
+    """A 256 MiB cache (k and v) adds well under its size to resident memory until slots are written; one slot
+    written becomes resident. ``torch.zeros`` would have written every byte at construction."""
+    args = ModelArgs(vocab_size=16, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                     num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192,
+                     tie_word_embeddings=True)
+    before = resident_bytes()
+    cache = KVCache(args, num_slots=16, max_len=4096, dtype=torch.float32, device="cpu")
+    size = cache.k.numel() * 4 * 2
+    assert size == 256 << 20
+    assert resident_bytes() - before < size // 16
+    cache.k[:, 0].fill_(1.0)  # one slot of 16 in k
+    assert resident_bytes() - before >= cache.k[:, 0].numel() * 4

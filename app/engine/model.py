@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -241,10 +241,10 @@ class StepLayout:
         )
 
 
-def lazy_zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device, align: int = 64) -> torch.Tensor:
-    """A zero tensor that, on the CPU, takes memory only as it is written: numpy's ``zeros`` is ``calloc``, which
-    for large sizes maps fresh pages the kernel zero-fills on first touch, where ``torch.zeros`` writes every byte
-    at once. The data starts at an ``align``-byte boundary. Elsewhere ``torch.zeros``.
+def lazy_zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero tensor that, on the CPU, takes memory only as it is written: an anonymous ``mmap`` of fresh pages
+    that the kernel zero-fills on first touch (page-aligned), where ``torch.zeros`` writes every byte at once.
+    Elsewhere ``torch.zeros``.
 
     A KV cache sized for ``max_num_seqs`` full contexts is mostly never written; this keeps its unused part out of
     the process's resident memory and out of start-up time.
@@ -252,9 +252,9 @@ def lazy_zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device, align: int
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(nbytes + align, dtype=np.uint8))
-    start = -raw.data_ptr() % align
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
 
 class KVCache(nn.Module):

@@ -17,7 +17,7 @@ lazy_zeros = lambda shape, dtype, device: _t.zeros(shape, dtype=dtype, device=de
 def test_lazy_zeros_are_aligned_writable_zeros(dtype):
     t = lazy_zeros((3, 5, 7), dtype=dtype, device="cpu")
     assert t.shape == (3, 5, 7) and t.dtype == dtype and t.is_contiguous()
-    assert t.data_ptr() % 64 == 0
+    assert t.data_ptr() % 64 == 0  # page-aligned
     assert torch.equal(t, torch.zeros(3, 5, 7, dtype=dtype))
     t[1, 2] = 1.5
     assert float(t.sum()) == 1.5 * 7

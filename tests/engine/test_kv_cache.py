@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 
 import pytest
 import torch
 
-from app.engine.model import KVCache, ModelArgs
-import torch as _t
-lazy_zeros = lambda shape, dtype, device: _t.zeros(shape, dtype=dtype, device=device)
+from app.engine.model import KVCache, ModelArgs, lazy_zeros
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lazy_zeros_are_aligned_writable_zeros(dtype):
     t = lazy_zeros((3, 5, 7), dtype=dtype, device="cpu")
     assert t.shape == (3, 5, 7) and t.dtype == dtype and t.is_contiguous()
-    assert t.data_ptr() % 64 == 0  # page-aligned
+    assert t.data_ptr() % mmap.PAGESIZE == 0
     assert torch.equal(t, torch.zeros(3, 5, 7, dtype=dtype))
     t[1, 2] = 1.5
     assert float(t.sum()) == 1.5 * 7

@@ -317,7 +317,7 @@ class DSparkDrafter(nn.Module):
         weight = self.draft_embed if draft and self.draft_vocab is not None else self.lm_head
         # one 2-D matmul: a non-contiguous [B, gamma < K, Dm] slice would go through bmm with a per-row copy of the weight
         flat = hidden.to(weight.dtype).reshape(-1, hidden.shape[-1])
-        head = self.draft_head if draft and self.draft_vocab is not None and self.draft_head is not None else None
+        head = self.draft_head if draft else None  # set only with a draft vocabulary
         logits = head(flat) if head is not None else F.linear(flat, weight)
         return logits.float().reshape(*hidden.shape[:-1], weight.shape[0])
 

@@ -53,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers")
     ap.add_argument("--datagen-minutes", type=float, default=30.0, help="budget of both datagen passes together")
     ap.add_argument("--kind", default="dspark", help="drafter kind (trainer.py)")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="continue training from this checkpoint (trainer.py --init; --kind and --config must match "
+                         "it)")
     ap.add_argument("--config", default="{}", help="JSON overrides of the drafter config (trainer.py)")
     ap.add_argument("--steps", type=int, default=20000, help="step cap; the time budget usually ends training")
     ap.add_argument("--train-minutes", type=float, default=30.0, help="training budget (the schedule fits into it)")
@@ -85,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     _stage("train", trainer.main,
            ["--data", *data_args, "--out", str(ckpt), "--model", args.model, "--kind", args.kind, "--config",
             args.config, "--steps", str(args.steps), "--max-minutes", str(args.train_minutes), "--batch-seqs",
-            str(args.batch_seqs), "--anchors", str(args.anchors), "--lr", str(args.lr), "--seed", str(args.seed)],
+            str(args.batch_seqs), "--anchors", str(args.anchors), "--lr", str(args.lr), "--seed", str(args.seed),
+            *(["--init", str(args.init)] if args.init is not None else [])],
            timings)
     if args.draft_vocab and args.kind == "dspark":  # before calibration, which measures the drafter over its V'
         _stage("draft-vocab", draft_vocab.main,

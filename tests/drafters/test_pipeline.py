@@ -87,6 +87,15 @@ def test_pipeline_writes_a_calibrated_checkpoint_and_report(tmp_path):
         "datagen-greedy", "datagen-sampled", "train", "draft-vocab", "calibrate", "lookup-table", "evaluate",
         "evaluate-lookup"]  # V' before calibrating
     assert doc["metadata"]["calibration"]["heldout_seqs"] > 0
+    # --init continues from that checkpoint (scripts/train_gpu.sh runs the pipeline so from the committed one)
+    again = tmp_path / "again"
+    pipeline.main([
+        "--out", str(again), "--model", str(tmp_path / "target"), "--datasets-dir", str(tmp_path / "datasets"),
+        "--per-set", "gsm8k-train=4", "--max-tokens", "12", "--max-batch", "4", "--samples", "0", "--steps", "2",
+        "--batch-seqs", "2", "--anchors", "4", "--draft-vocab", "64", "--init", str(out / "checkpoint"),
+    ])
+    doc = json.loads((again / "checkpoint" / "config.json").read_text())
+    assert doc["metadata"]["init_train"]["steps_done"] == 4 and doc["metadata"]["train"]["steps_done"] == 2
 
 
 def test_trainer_init_takes_the_checkpoints_architecture_and_train_vocab_draft_needs_it(tmp_path, capsys):

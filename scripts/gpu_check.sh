@@ -20,15 +20,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/gpu-check}
 device=${GPU_CHECK_DEVICE:-cuda}
-PY=${PYTHON:-python3}
-[[ -x .venv/bin/python && -z ${PYTHON:-} ]] && PY=.venv/bin/python
-
-if [[ $device == cuda* ]] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-    echo "gpu_check: no CUDA device on this machine; nothing was run"
-    exit 0
-fi
+source scripts/gpu_env.sh
+gpu_present gpu_check "$device" || exit 0
 mkdir -p "$out/profiles"
-source scripts/gpu_env.sh || exit 1
+gpu_packages || exit 1
 
 if [[ $device == cuda* ]]; then
     shapes=(llama-3.1-8b smollm2-135m); batches=1,2,4,8,16,32,64; tokens=1,2,3,4,5,6,7,8

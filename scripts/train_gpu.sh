@@ -5,7 +5,7 @@
 #
 #   1. app.pipeline --init checkpoints/dspark-smollm2-135m: greedy answers of the embedded SmolLM2 to the training
 #      prompts, sampled answers (T = 0.8) while the data budget lasts, training from the committed weights, draft
-#      vocabulary, calibration, prompt-lookup table, greedy evaluation of the first EVAL_LIMIT prompts of each set.
+#      vocabulary, calibration, prompt-lookup table, greedy evaluation of the first 40 prompts of each set.
 #   2. the committed checkpoint evaluated on the same prompts, for the comparison.
 #   OUT/summary.md: both drafters' accepted length tau per evaluation set, greedy, without and with prompt lookup.
 #   If the new one is better: cp OUT/run/checkpoint/{config.json,model.safetensors} checkpoints/dspark-smollm2-135m/
@@ -18,27 +18,23 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/train-gpu}
 device=${TRAIN_GPU_DEVICE:-cuda}
-PY=${PYTHON:-python3}
-[[ -x .venv/bin/python && -z ${PYTHON:-} ]] && PY=.venv/bin/python
-
-if [[ $device == cuda* ]] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
-    echo "train_gpu: no CUDA device on this machine; nothing was run"
-    exit 0
-fi
-source scripts/gpu_env.sh || exit 1
+source scripts/gpu_env.sh
+gpu_present train_gpu "$device" || exit 0
+gpu_packages || exit 1
 datasets=${DATASETS:-../shared/datasets}
 [[ -d $datasets ]] || datasets=.datasets
 [[ -d $datasets ]] || { echo "train_gpu: no prompt sets in ../shared/datasets or .datasets"; exit 1; }
 mkdir -p "$out"
 init=checkpoints/dspark-smollm2-135m
 if [[ $device == cuda* ]]; then  # one H200: about 3 + 3.5 minutes, then calibration and evaluation
-    budget=(--max-batch 128 --max-tokens 384 --samples 2 --datagen-minutes 3 --train-minutes 3.5 --batch-seqs 16
-            --anchors 64 --lr 3e-4 --eval-limit 40)
+    batch=128 limit=40
+    budget=(--max-tokens 384 --samples 2 --datagen-minutes 3 --train-minutes 3.5 --batch-seqs 16 --anchors 64
+            --lr 3e-4)
 else
-    budget=(--max-batch 8 --max-tokens 32 --samples 1 --datagen-minutes 0.5 --train-minutes 0.3 --steps 3
-            --batch-seqs 2 --anchors 8 --per-set gsm8k-train=8 chat=4 --eval-limit 2)
+    batch=8 limit=2
+    budget=(--max-tokens 32 --samples 1 --datagen-minutes 0.5 --train-minutes 0.3 --steps 3 --batch-seqs 2
+            --anchors 8 --per-set gsm8k-train=8 chat=4)
 fi
-limit=$(printf '%s\n' "${budget[@]}" | grep -A1 -x -- --eval-limit | tail -1)
 echo "== environment ($(date -u +%T))"
 {
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
@@ -47,13 +43,13 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")'
 } | tee "$out/env.txt"
 
 echo "== pipeline ($(date -u +%T))"
-"$PY" -m app.pipeline --out "$out/run" --init "$init" --datasets-dir "$datasets" --temperature 0.8 "${budget[@]}" \
-    2>&1 | tee "$out/pipeline.log"
+"$PY" -m app.pipeline --out "$out/run" --init "$init" --datasets-dir "$datasets" --temperature 0.8 \
+    --max-batch "$batch" --eval-limit "$limit" --eval-max-tokens 256 "${budget[@]}" 2>&1 | tee "$out/pipeline.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || exit 1
 for lookup in "" --lookup; do
     echo "== committed checkpoint ${lookup:-without lookup} ($(date -u +%T))"
     "$PY" -m app.eval.evaluate --checkpoint "$init" --out "$out/committed-eval${lookup:+-lookup}" --limit "$limit" \
-        --max-tokens 256 --temperatures 0 --datasets-dir "$datasets" $lookup 2>&1 | tail -3
+        --max-tokens 256 --max-batch "$batch" --temperatures 0 --datasets-dir "$datasets" $lookup 2>&1 | tail -3
     [[ ${PIPESTATUS[0]} == 0 ]] || exit 1
 done
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LoadFormat = Literal["auto", "dummy"]
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
+VerifyStep = Literal["ragged", "bucketed", "cuda_graphs"]
 
 
 class EngineConfig(BaseModel):
@@ -54,6 +55,13 @@ class EngineConfig(BaseModel):
         "its whole KV slot, and is prefilled alone. Seeded requests then reproduce exactly, greedy ones are identical "
         "alone and in any batch. Costs one forward per request per step (docs/serving.md).",
     )
+    verify_step: VerifyStep = Field(
+        "ragged", description="ragged: each verify step in its exact shape, its layout built on the host. bucketed: "
+        "static shapes (slots, tokens per request and key length each padded up to a bucket), the layout built on "
+        "the device from the token grid and cache lengths (app/engine/static_step.py); padding changes no output. "
+        "cuda_graphs: bucketed, each shape captured once as a CUDA graph and replayed (CUDA only). Prefill stays "
+        "ragged. Not combined with batch_invariant.",
+    )
     feature_layers: tuple[int, ...] | None = Field(
         None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."
     )
@@ -62,4 +70,7 @@ class EngineConfig(BaseModel):
     def _check(self) -> "EngineConfig":
         if self.max_draft_len >= self.max_model_len // 2:
             raise ValueError(f"max_draft_len {self.max_draft_len} leaves no room in max_model_len {self.max_model_len}")
+        if self.batch_invariant and self.verify_step != "ragged":
+            raise ValueError(f"batch_invariant runs each request alone in one fixed shape; verify_step "
+                             f"{self.verify_step!r} needs verify_step 'ragged'")
         return self

@@ -36,6 +36,7 @@ from app.engine.model import KVCache, StepLayout
 from app.engine.prepack import PrepackedLinear, prepack_linears, prepack_supported
 from app.engine.logits_process import RequestControls, sampling_probs, token_logprobs
 from app.engine.sampling import Acceptance, accept_greedy, accept_sampled, target_probs
+from app.engine.static_step import BucketedStep
 from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput
 
 
@@ -91,6 +92,8 @@ class TargetEngine(Engine):
             device=self.device,
         )
         self._groups = args.num_heads // args.num_kv_heads
+        self._bucketed = None if c.verify_step == "ragged" else BucketedStep(
+            self.model, self.cache, max_tokens=c.max_draft_len + 1, cuda_graphs=c.verify_step == "cuda_graphs")
         # the decoder only: a tied bfloat16 LM head stays the embedding's tensor; a shared target may come packed
         if c.prepack:
             prepack_linears(self.model.layers)
@@ -324,10 +327,18 @@ class TargetEngine(Engine):
         shapes and a row's logits depend on its own tokens and cache only. Padding rows write keys/values past the
         request's run, which stay masked until overwritten, like rejected drafts.
 
+        Otherwise, with ``verify_step`` bucketed or cuda_graphs, the step runs in its bucketed static shape
+        (``app/engine/static_step.py``).
+
         Returns:
             ``_head``'s output per request and the features [sum n_r, F] of the real rows.
         """
         lengths = [len(t) for t in tokens]
+        greedy = [r.screened for r in reqs]
+        if self._bucketed is not None and not fixed:
+            with torch.inference_mode():
+                hidden, features = self._bucketed.forward([r.slot for r in reqs], tokens, starts)
+                return self._head(hidden, lengths, greedy), features
         if fixed:
             pad = self.config.max_draft_len + 1 - lengths[0]
             tokens = [torch.cat([tokens[0], tokens[0].new_zeros(pad)])]
@@ -341,7 +352,7 @@ class TargetEngine(Engine):
             hidden, features = self.model.hidden_states(
                 flat, cache=self.cache, layout=layout, index=torch.arange(len(flat), device=self.device)
             )
-            heads = self._head(hidden, rows, [r.screened for r in reqs])
+            heads = self._head(hidden, rows, greedy)
         if fixed:
             return [heads[0][: lengths[0]]], features[: lengths[0]]
         return heads, features

@@ -190,6 +190,38 @@ class StepLayout:
     rows: int  # R = hi - lo
     max_len: int  # Lq
     key_len: int  # Tk = max(starts + lengths)
+    # the N = R * Lq tokens fill the padded query block in order (``grid``): attention reshapes, no scatter/gather
+    dense: bool = False
+
+    @classmethod
+    def grid(cls, starts: torch.Tensor, *, tokens: int, key_len: int, groups: int) -> "StepLayout":
+        """The layout of a static-shape step (``app/engine/static_step.py``): row r is cache slot r, which holds
+        ``starts[r]`` tokens and gets ``tokens`` new ones (a request's real tokens first, padding after), flattened
+        row-major into [N = R * t]. Built from ``starts`` ([R] int64) on its device without a host round-trip, so the
+        same code runs inside a captured CUDA graph; only R, t and Tk = ``key_len`` fix the shapes.
+
+        Query i of row r may see keys j <= starts[r] + i among the first ``key_len``. Padding queries (past a
+        request's run, or rows of slots outside the step) are valid too: they see at least key 0, so their output is
+        finite, and it is discarded. Their keys/values land past each row's real run, where they stay masked until
+        overwritten, like rejected drafts: no real query ever sees them.
+        """
+        rows, device = starts.shape[0], starts.device
+        offsets = torch.arange(tokens, device=device)
+        keys = torch.arange(key_len, device=device)
+        allowed = keys[None, None, :] <= starts[:, None, None] + offsets[None, :, None]  # [R, t, Tk]
+        row_of = torch.arange(rows, device=device)[:, None].expand(rows, tokens).reshape(-1)
+        return cls(
+            positions=(starts[:, None] + offsets).reshape(-1),
+            token_slots=row_of,
+            token_rows=row_of,
+            token_offsets=offsets.repeat(rows),
+            mask=allowed[:, None].repeat(1, 1, groups, 1),
+            lo=0,
+            rows=rows,
+            max_len=tokens,
+            key_len=key_len,
+            dense=True,
+        )
 
     @classmethod
     def build(
@@ -389,8 +421,11 @@ class DecoderLayer(nn.Module):
         a = self.args
         groups = a.num_heads // a.num_kv_heads
         rows, lq = layout.rows, layout.max_len
-        padded = q.new_zeros(rows, lq, a.num_heads, a.head_dim)
-        padded[layout.token_rows, layout.token_offsets] = q
+        if layout.dense:
+            padded = q.view(rows, lq, a.num_heads, a.head_dim)
+        else:
+            padded = q.new_zeros(rows, lq, a.num_heads, a.head_dim)
+            padded[layout.token_rows, layout.token_offsets] = q
         # [R, Lq, Hkv, G, Dh] -> [R, Hkv, G * Lq, Dh]: query heads sharing a kv head share one attention call.
         grouped = padded.view(rows, lq, a.num_kv_heads, groups, a.head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(rows, a.num_kv_heads, groups * lq, a.head_dim)
@@ -399,6 +434,8 @@ class DecoderLayer(nn.Module):
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=layout.mask)
         out = out.view(rows, a.num_kv_heads, groups, lq, a.head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(rows, lq, a.num_heads, a.head_dim)
+        if layout.dense:
+            return out.reshape(rows * lq, a.num_heads, a.head_dim)
         return out[layout.token_rows, layout.token_offsets]
 
 
@@ -450,12 +487,13 @@ class TargetModel(nn.Module):
         return self.logits_from_final_hidden(hidden), features
 
     def hidden_states(
-        self, tokens: torch.Tensor, *, cache: KVCache, layout: StepLayout, index: torch.Tensor
+        self, tokens: torch.Tensor, *, cache: KVCache, layout: StepLayout, index: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One ragged step as ``forward``, without the LM head.
 
         Returns:
-            hidden: [M, Dm] last-layer hidden states (before the final norm) at ``index``; features: [N, F].
+            hidden: [M, Dm] last-layer hidden states (before the final norm) at ``index`` (None: every row,
+            M = N); features: [N, F].
         """
         x = self.embed_tokens(tokens)
         cos = self.rope_cos[layout.positions].to(x.dtype)[:, None, :]
@@ -467,7 +505,7 @@ class TargetModel(nn.Module):
                 x = layer(x, layer=i, cache=cache, layout=layout, cos=cos, sin=sin)
                 if i in self.feature_layers:
                     captured.append(x)
-        return x[index], torch.cat(captured, dim=-1)
+        return (x if index is None else x[index]), torch.cat(captured, dim=-1)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., Dm] last-layer hidden states -> [..., Dm] normed, in the LM head's dtype (the head's input)."""

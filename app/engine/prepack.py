@@ -13,7 +13,9 @@ streams the weight as the transposed operand and costs about twice a one-row pro
 kernel reads each weight once per call: on an AVX2 CPU the 120 decoder matmuls of SmolLM2-135M cost about the same
 at 1 row and about half at 2-8 rows (docs/serving.md, "CPU dtype"). Float32 outputs are not ``F.linear``'s bit for
 bit (another summation order: differences of ~1e-4 on logits of ~20), but a row's values are the same whatever the
-number of rows in the call, where ``F.linear``'s change with it (``tests/engine/test_prepack.py``).
+number of rows in the call from two rows up, where ``F.linear``'s change with it (``tests/engine/test_prepack.py``). A
+one-row call may take another kernel: on an AVX-512 host with AMX, Din = 1536 rounds a lone row differently in the
+last bits (seen; 576 does not).
 
 The ops are PyTorch's own (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what inductor's
 CPU backend emits for frozen linear layers); they exist on x86 builds with oneDNN, and bfloat16 needs a CPU with

@@ -44,7 +44,7 @@ def target_probs(logits: torch.Tensor, *, temperature: float, top_p: float) -> t
     def nucleus(ranked: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         """[n, V]: ``ranked`` [n, k] (probabilities most likely first, at ``order``) cut to the nucleus, scattered."""
         kept = torch.where(ranked.cumsum(-1) - ranked < top_p, ranked, torch.zeros_like(ranked))
-        return torch.zeros(ranked.shape[0], probs.shape[-1]).scatter_(-1, order, kept)
+        return probs.new_zeros(ranked.shape[0], probs.shape[-1]).scatter_(-1, order, kept)
 
     top, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)  # [L, k]
     truncated = nucleus(top, order)
@@ -118,3 +118,59 @@ def accept_sampled(
     else:
         last = sample(probs[l], generator)
     return Acceptance(num_accepted=n, tokens=draft[:n].tolist() + [last])
+
+
+def accept_sampled_batch(
+    drafts: list[torch.Tensor],
+    draft_probs: list[torch.Tensor | None],
+    probs: torch.Tensor,
+    generators: list[torch.Generator],
+) -> list[Acceptance]:
+    """``accept_sampled`` for a batch of requests at once, with the target distributions where they were computed (a
+    GPU: only the draft tokens' probabilities and the committed tokens cross to the host, not [N, V] rows).
+
+    The same rule, the same uniform draws from each request's generator in the same order (l to accept, then one to
+    sample the recovered or bonus token), so on the same distributions the outcome equals ``accept_sampled``'s
+    request by request (up to floating-point summation order of the CDF on another device).
+
+    Args:
+        drafts: per request [l_r] int64 draft tokens (host).
+        draft_probs: per request [l_r, V] dense draft distributions (host), or None for a deterministic proposal.
+        probs: [sum (l_r + 1), V] target distributions (``target_probs``), request-major: l_r + 1 rows each.
+        generators: per request its own random generator (on the CPU).
+
+    Returns:
+        One Acceptance per request, in order.
+    """
+    device, vocab = probs.device, probs.shape[-1]
+    lengths = [int(d.shape[0]) for d in drafts]
+    firsts = [sum(n + 1 for n in lengths[:r]) for r in range(len(lengths))]
+    draws = [(torch.rand(n, generator=g), torch.rand(1, generator=g)) for n, g in zip(lengths, generators)]
+    accepted = list(lengths)
+    if sum(lengths):
+        rows = torch.cat([torch.arange(f, f + n) for f, n in zip(firsts, lengths)])
+        p_x = probs[rows.to(device), torch.cat(drafts).to(device)].float().cpu()
+        q_x = torch.cat([q[torch.arange(n), d].float() if q is not None else torch.ones(n)
+                         for q, d, n in zip(draft_probs, drafts, lengths)])
+        rejected = (torch.cat([u for u, _ in draws]) * q_x >= p_x).split(lengths)  # u < p/q, as accept_sampled
+        accepted = [int(r.nonzero()[0]) if r.any() else n for r, n in zip(rejected, lengths)]
+    final = probs[torch.tensor([f + a for f, a in zip(firsts, accepted)], device=device)].float()  # [B, V]
+    base = final.clone()
+    # at a rejection the residual norm(max(0, p - q)); a point-mass proposal just removes the rejected token
+    point = [(r, int(d[a])) for r, (a, n, d, q) in enumerate(zip(accepted, lengths, drafts, draft_probs))
+             if a < n and q is None]
+    dense = [(r, q[a]) for r, (a, n, q) in enumerate(zip(accepted, lengths, draft_probs)) if a < n and q is not None]
+    if point:
+        final[tuple(torch.tensor(point, device=device).T)] = 0.0
+    if dense:
+        at = torch.tensor([r for r, _ in dense], device=device)
+        q_rows = torch.stack([row for _, row in dense]).to(device=device, dtype=final.dtype)
+        final[at] = (final[at] - q_rows).clamp_(min=0.0)
+    empty = final.sum(-1) <= 0.0  # p == q exactly: rejection had probability 0; p is the residual limit
+    final = torch.where(empty[:, None], base, final)
+    cdf = final.cumsum(-1)
+    u = torch.cat([v for _, v in draws]).to(device) * cdf[:, -1]
+    tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1)
+    last_with_mass = vocab - 1 - (final > 0).flip(-1).int().argmax(-1)  # where u rounded up to the total
+    tokens = torch.where(tokens >= vocab, last_with_mass, tokens).tolist()
+    return [Acceptance(num_accepted=a, tokens=d[:a].tolist() + [t]) for a, d, t in zip(accepted, drafts, tokens)]

@@ -167,3 +167,56 @@ def test_sample_draws_from_the_distribution_and_never_a_zero_token():
     chi2 = float(((counts[[1, 3, 4]] - exp[[1, 3, 4]]) ** 2 / exp[[1, 3, 4]]).sum())
     assert chi2 < 13.8  # the 0.999 quantile of chi-square(2)
     assert sample(torch.tensor([0.0, 2.0, 0.0]), gen) == 1  # unnormalised mass is fine
+
+
+def test_batched_rejection_sampling_decides_as_the_per_request_rule():
+    """``accept_sampled_batch`` draws the same uniforms in the same order as ``accept_sampled``: on the same
+    distributions and generators, the same accepted counts and tokens, request by request. Cases mix empty blocks,
+    point-mass and dense proposals, top-p-truncated targets and a proposal equal to the target (empty residual)."""
+    from app.engine.sampling import accept_sampled_batch
+
+    vocab, gen = 50, torch.Generator().manual_seed(0)
+    checked = accepted = 0
+    for _ in range(200):
+        lengths = torch.randint(0, 5, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+        probs = target_probs(2 * torch.randn(sum(lengths) + len(lengths), vocab, generator=gen), temperature=0.8,
+                             top_p=0.9)
+        drafts = [torch.randint(vocab, (n,), generator=gen) for n in lengths]
+        proposals, first = [], 0
+        for n, kind in zip(lengths, torch.randint(3, (len(lengths),), generator=gen).tolist()):
+            if kind == 0:
+                proposals.append(None)
+            elif kind == 1:
+                proposals.append(torch.softmax(torch.randn(n, vocab, generator=gen), -1))
+            else:  # q = p: every draft drawn where the target has mass, and a rejection leaves no residual
+                proposals.append(probs[first : first + n].clone())
+            first += n + 1
+        seeds = torch.randint(1 << 30, (len(lengths),), generator=gen).tolist()
+        batch = accept_sampled_batch(drafts, proposals, probs, [torch.Generator().manual_seed(s) for s in seeds])
+        first = 0
+        for n, d, q, s, got in zip(lengths, drafts, proposals, seeds, batch):
+            assert got == accept_sampled(d, q, probs[first : first + n + 1], torch.Generator().manual_seed(s))
+            first += n + 1
+            checked, accepted = checked + 1, accepted + got.num_accepted
+    assert checked > 500 and accepted > 0
+
+
+def test_plain_sampled_requests_are_verified_in_one_batch_and_keep_the_distribution(engine, monkeypatch):
+    """Unseeded sampled requests without controls go through ``accept_sampled_batch`` together (several requests a
+    call; on an accelerator by default, here turned on for the CPU); the three-token joint under speculation passes
+    the chi-square test (temperature 0.7, top_p 0.8)."""
+    import app.engine.engine as engine_module
+    from tests.engine.chi2 import check_three_token_joint_under_speculation
+
+    batched = engine_module.accept_sampled_batch
+    sizes = []
+
+    def counting(drafts, *args):
+        sizes.append(len(drafts))
+        return batched(drafts, *args)
+
+    monkeypatch.setattr(engine_module, "accept_sampled_batch", counting)
+    monkeypatch.setattr(engine, "_batch_sampling", True)
+    params = SamplingParams(max_tokens=3, temperature=0.7, top_p=0.8, ignore_eos=True)
+    check_three_token_joint_under_speculation(engine, engine.encode("la la la la la la la"), params, n=480)
+    assert sizes and max(sizes) > 1

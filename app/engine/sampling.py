@@ -168,7 +168,7 @@ def accept_sampled_batch(
         final[at] = (final[at] - q_rows).clamp_(min=0.0)
     empty = final.sum(-1) <= 0.0  # p == q exactly: rejection had probability 0; p is the residual limit
     final = torch.where(empty[:, None], base, final)
-    cdf = final.cumsum(-1)
+    cdf = final.cumsum(-1).cummax(-1).values  # monotone even where a device's parallel scan is not exact
     u = torch.cat([v for _, v in draws]).to(device) * cdf[:, -1]
     tokens = torch.searchsorted(cdf, u[:, None], right=True).squeeze(-1)
     last_with_mass = vocab - 1 - (final > 0).flip(-1).int().argmax(-1)  # where u rounded up to the total

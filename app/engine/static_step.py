@@ -12,9 +12,10 @@ request's last committed token), and its outputs are dropped: a request's rows s
 them, so padding changes no output beyond floating-point rounding of a differently shaped step.
 
 With ``cuda_graphs`` each (R, t, Tk) shape is captured as a CUDA graph the first time a step needs it and replayed
-afterwards (one launch for the whole decoder), all graphs sharing one memory pool (a step's outputs are gathered out
-of the pool before the next replay). The buckets bound the number of graphs: rows and tokens per request in powers
-of two plus their limit, key lengths from 128 in steps of at most 1.5x plus the cache's capacity.
+afterwards (one launch for the whole decoder), on one stream of the engine's device; all graphs share one memory pool
+for their temporaries and one output buffer sized for the largest grid (a step's outputs are gathered out of it
+before the next replay). The buckets bound the number of graphs: rows and tokens per request in powers of two plus
+their limit, key lengths from 128 in steps of at most 1.5x plus the cache's capacity.
 
 Shape symbols: see ``app/engine/types.py`` and ``app/engine/model.py``; R grid rows (slots), t tokens per row,
 Tk key length.
@@ -79,8 +80,8 @@ class _Graph:
     tokens: torch.Tensor  # [R, t] int64
     starts: torch.Tensor  # [R] int64
     graph: torch.cuda.CUDAGraph
-    hidden: torch.Tensor  # [R * t, Dm]
-    features: torch.Tensor  # [R * t, F]
+    hidden: torch.Tensor  # [R * t, Dm], a view of the step's shared output buffer
+    features: torch.Tensor  # [R * t, F], likewise
 
 
 class BucketedStep:
@@ -103,9 +104,17 @@ class BucketedStep:
         self.token_buckets = bucket_sizes(max_tokens)
         self.key_buckets = key_buckets(cache.max_len)
         self._groups = model.args.num_heads // model.args.num_kv_heads
-        self._graphs: dict[tuple[int, int, int], _Graph] | None = {} if cuda_graphs else None
+        self._graphs: dict[tuple[int, int, int], _Graph] | None = None
         self._pool = None
         self.capture_s = 0.0
+        if cuda_graphs:
+            self._graphs = {}
+            self._stream = torch.cuda.Stream(self.device)  # every warm-up and capture, on the engine's own device
+            # every graph writes its outputs here (outside the pool), so they take memory once, not once per shape
+            most = self.row_buckets[-1] * self.token_buckets[-1]
+            dtype = model.embed_tokens.weight.dtype
+            self._hidden = torch.empty(most, model.args.hidden_size, dtype=dtype, device=self.device)
+            self._features = torch.empty(most, model.feature_dim, dtype=dtype, device=self.device)
 
     @property
     def num_graphs(self) -> int:
@@ -149,10 +158,11 @@ class BucketedStep:
         if self._graphs is None:
             return self._eager(grid.to(self.device), starts.to(self.device), key_len)
         shape = (grid.shape[0], grid.shape[1], key_len)
-        graph = self._graphs.get(shape) or self._capture(shape)
-        graph.tokens.copy_(grid)
-        graph.starts.copy_(starts)
-        graph.graph.replay()
+        with torch.cuda.device(self.device):
+            graph = self._graphs.get(shape) or self._capture(shape)
+            graph.tokens.copy_(grid)
+            graph.starts.copy_(starts)
+            graph.graph.replay()
         return graph.hidden, graph.features
 
     def _eager(self, tokens: torch.Tensor, starts: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,23 +171,26 @@ class BucketedStep:
         return self.model.hidden_states(tokens.reshape(-1), cache=self.cache, layout=layout, index=None)
 
     def _capture(self, shape: tuple[int, int, int]) -> _Graph:
-        """Record the step of ``shape`` as a CUDA graph (after one eager warm-up run on a side stream, as capture
-        requires). Both runs write keys/values only at the tails of the grid's slots (free in every slot)."""
+        """Record the step of ``shape`` as a CUDA graph on the engine's device (after one eager warm-up run on a side
+        stream, as capture requires; the caller makes that device current). Both runs write keys/values only at the
+        tails of the grid's slots (free in every slot)."""
         rows, width, key_len = shape
         began = time.perf_counter()
         tokens = torch.zeros(rows, width, dtype=torch.long, device=self.device)
         starts = torch.full((rows,), self.cache.max_len - width, dtype=torch.long, device=self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
             self._eager(tokens, starts, key_len)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a drafter running on the same GPU from another thread (colocated) does not break the capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        graph, n = torch.cuda.CUDAGraph(), rows * width
+        # thread_local: CUDA calls from the process's other threads (HTTP, Ray) do not invalidate the capture
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
             hidden, features = self._eager(tokens, starts, key_len)
+            self._hidden[:n].copy_(hidden)
+            self._features[:n].copy_(features)
         self._pool = graph.pool()
-        captured = _Graph(tokens=tokens, starts=starts, graph=graph, hidden=hidden, features=features)
+        captured = _Graph(tokens=tokens, starts=starts, graph=graph, hidden=self._hidden[:n],
+                          features=self._features[:n])
         self._graphs[shape] = captured
         self.capture_s += time.perf_counter() - began
         log.info("captured the verify step of %d rows x %d tokens over %d keys as a CUDA graph in %.0f ms (%d graphs)",

@@ -28,7 +28,7 @@ gpu_packages || exit 1
 
 if [[ $device == cuda* ]]; then
     profiles=(llama-3.1-8b:ragged llama-3.1-8b:cuda_graphs smollm2-135m:ragged); batches=1,2,4,8,16,32,64
-    tokens=1,2,4,8; limits=(170 100 50)
+    tokens=1,2,4,8; limits=(240 100 50)
 else
     profiles=(smollm2-135m:ragged smollm2-135m:bucketed); batches=1,2; tokens=1,2; limits=(600 0 300)
 fi

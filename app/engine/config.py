@@ -59,8 +59,8 @@ class EngineConfig(BaseModel):
         "ragged", description="ragged: each verify step in its exact shape, its layout built on the host. bucketed: "
         "static shapes (slots, tokens per request and key length each padded up to a bucket), the layout built on "
         "the device from the token grid and cache lengths (app/engine/static_step.py); padding changes no output. "
-        "cuda_graphs: bucketed, each shape captured once as a CUDA graph and replayed (CUDA only). Prefill stays "
-        "ragged. Not combined with batch_invariant.",
+        "cuda_graphs: bucketed, every shape captured once as a CUDA graph at start-up and replayed (CUDA only). "
+        "Prefill stays ragged. Not combined with batch_invariant.",
     )
     feature_layers: tuple[int, ...] | None = Field(
         None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."

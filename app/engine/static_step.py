@@ -11,11 +11,11 @@ the step, tokens past a request's run) writes keys/values past each row's real r
 request's last committed token), and its outputs are dropped: a request's rows see exactly what a ragged step shows
 them, so padding changes no output beyond floating-point rounding of a differently shaped step.
 
-With ``cuda_graphs`` each (R, t, Tk) shape is captured as a CUDA graph the first time a step needs it and replayed
-afterwards (one launch for the whole decoder), on one stream of the engine's device; all graphs share one memory pool
-for their temporaries and one output buffer sized for the largest grid (a step's outputs are gathered out of it
-before the next replay). The buckets bound the number of graphs: rows and tokens per request in powers of two plus
-their limit, key lengths from 128 in steps of at most 1.5x plus the cache's capacity.
+With ``cuda_graphs`` every (R, t, Tk) shape is captured as a CUDA graph once, at construction (largest first), and
+replayed afterwards (one launch for the whole decoder), on one stream of the engine's device; all graphs share one
+memory pool for their temporaries and one output buffer sized for the largest grid (a step's outputs are gathered
+out of it before the next replay). The buckets bound the number of graphs: rows and tokens per request in powers of
+two plus their limit, key lengths from 128 in steps of at most 1.5x plus the cache's capacity.
 
 Shape symbols: see ``app/engine/types.py`` and ``app/engine/model.py``; R grid rows (slots), t tokens per row,
 Tk key length.
@@ -23,6 +23,7 @@ Tk key length.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -89,7 +90,7 @@ class BucketedStep:
 
     Attributes:
         row_buckets, token_buckets, key_buckets: the grid sizes R, t and Tk a step is padded up to.
-        capture_s: seconds spent capturing CUDA graphs so far (0 without ``cuda_graphs``).
+        capture_s: seconds spent capturing CUDA graphs (0 without ``cuda_graphs``).
 
     Raises (construction):
         ValueError: ``cuda_graphs`` on a cache that is not on a CUDA device.
@@ -115,11 +116,24 @@ class BucketedStep:
             dtype = model.embed_tokens.weight.dtype
             self._hidden = torch.empty(most, model.args.hidden_size, dtype=dtype, device=self.device)
             self._features = torch.empty(most, model.feature_dim, dtype=dtype, device=self.device)
+            self._capture_all()
 
     @property
     def num_graphs(self) -> int:
-        """CUDA graphs captured so far."""
+        """CUDA graphs captured (one per bucketed shape with ``cuda_graphs``, else 0)."""
         return len(self._graphs) if self._graphs is not None else 0
+
+    def _capture_all(self) -> None:
+        """Capture the graph of every bucketed shape, largest grid first (the shared pool grows to the largest step's
+        temporaries once), and log how many and how long (at construction, before any request holds a slot)."""
+        shapes = sorted(itertools.product(self.row_buckets, self.token_buckets, self.key_buckets),
+                        key=lambda s: (s[0] * s[1] * s[2], s), reverse=True)
+        began = time.perf_counter()
+        with torch.cuda.device(self.device), torch.inference_mode():
+            for shape in shapes:
+                self._capture(shape)
+        log.info("captured %d verify-step shapes as CUDA graphs in %.1f s", len(self._graphs),
+                 time.perf_counter() - began)
 
     def shape(self, *, rows: int, tokens: int, keys: int) -> tuple[int, int, int]:
         """The bucketed (R, t, Tk) of a step over slots below ``rows``, runs of at most ``tokens`` tokens, and at
@@ -159,7 +173,7 @@ class BucketedStep:
             return self._eager(grid.to(self.device), starts.to(self.device), key_len)
         shape = (grid.shape[0], grid.shape[1], key_len)
         with torch.cuda.device(self.device):
-            graph = self._graphs.get(shape) or self._capture(shape)
+            graph = self._graphs[shape]
             graph.tokens.copy_(grid)
             graph.starts.copy_(starts)
             graph.graph.replay()
@@ -193,6 +207,6 @@ class BucketedStep:
                           features=self._features[:n])
         self._graphs[shape] = captured
         self.capture_s += time.perf_counter() - began
-        log.info("captured the verify step of %d rows x %d tokens over %d keys as a CUDA graph in %.0f ms (%d graphs)",
-                 rows, width, key_len, 1000 * (time.perf_counter() - began), len(self._graphs))
+        log.debug("captured the verify step of %d rows x %d tokens over %d keys as a CUDA graph in %.0f ms",
+                  rows, width, key_len, 1000 * (time.perf_counter() - began))
         return captured

@@ -10,9 +10,9 @@ absolute numbers.
 from __future__ import annotations
 
 import argparse
-from typing import get_args
 import json
 import statistics
+from typing import get_args
 
 from app.loop import generate
 from app.engine.config import EngineConfig, VerifyStep

@@ -12,6 +12,7 @@ tokens are then distributed exactly as l+1 (or fewer) tokens sampled from p, wha
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -144,7 +145,7 @@ def accept_sampled_batch(
     """
     device, vocab = probs.device, probs.shape[-1]
     lengths = [int(d.shape[0]) for d in drafts]
-    firsts = [sum(n + 1 for n in lengths[:r]) for r in range(len(lengths))]
+    firsts = list(itertools.accumulate((n + 1 for n in lengths[:-1]), initial=0))  # each request's first row
     draws = [(torch.rand(n, generator=g), torch.rand(1, generator=g)) for n, g in zip(lengths, generators)]
     accepted = list(lengths)
     if sum(lengths):

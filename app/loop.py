@@ -197,6 +197,7 @@ class Round:
         outputs: one per request of the round, in batch order.
         committed / verified / accepted: tokens over the batch (accepted drafts + bonus) / drafts verified /
             drafts accepted.
+        longest: the most drafts one request verified.
         drafted: draft tokens the round chose (drafter or lookup), before verify lengths cut them.
         lookup: requests that verified a prompt-lookup draft.
         verify_ms: the engine's verify call (ms).
@@ -206,6 +207,7 @@ class Round:
     committed: int
     verified: int
     accepted: int
+    longest: int
     drafted: int
     lookup: int
     verify_ms: float
@@ -373,6 +375,7 @@ class SpecLoop:
         if self.lookup is not None and speculated:
             self.lookup.update(speculated)
         return Round(outputs=outputs, committed=committed, verified=verified, accepted=accepted,
+                     longest=max((out.num_draft for out in outputs), default=0),
                      drafted=sum(int(b.tokens.shape[0]) for b in drafts), lookup=lookup, verify_ms=verify_ms)
 
     def _choose(self, speculative: list[str], drafted: DraftRound | None

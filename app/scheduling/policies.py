@@ -148,6 +148,12 @@ def theta_greedy_lengths(
     Admission stops before the first i with Theta_i <= Theta_{i-1}. Exact (equal to brute force over all l
     vectors) when the profile's marginal cost per token does not decrease in N.
 
+    On a padded profile (``profile.padded``: the engine pads every run to the step's longest) a step costs what its
+    longest run costs, so N_i = B (1 + the longest l after i slots) (``ThroughputProfile.step_tokens``): slots no
+    deeper than the longest run so far come free, and a slot that starts a deeper token bucket pays that bucket's
+    whole step. The early stop can then halt at a bucket edge that later slots would have paid for; stopping
+    there keeps the rule lossless (no slot's inclusion looks at deeper slots of its own request).
+
     Args:
         survival: a [B, K]; min_len, max_len: [B] int64.
     Returns:
@@ -162,7 +168,12 @@ def theta_greedy_lengths(
     tau0 = batch + float((survival.double() * forced).sum())
     n0 = batch + int(min_len.sum())
     tau = torch.cat([torch.tensor([tau0], dtype=torch.float64), tau0 + torch.cumsum(values, dim=0)])
-    tokens = torch.arange(n0, n0 + values.numel() + 1, dtype=torch.float64)
+    if profile.padded:  # N_i = B (1 + longest run after i slots); slot (r, j) at flat index r * K + j - 1
+        floor = int(min_len.max())
+        longest = torch.cummax(order % gamma + 1, dim=0).values.clamp(min=floor)
+        tokens = batch * (1.0 + torch.cat([torch.tensor([floor]), longest]).double())
+    else:
+        tokens = torch.arange(n0, n0 + values.numel() + 1, dtype=torch.float64)
     theta = tau * torch.from_numpy(profile.steps_per_second(tokens, batch=batch, with_draft=True))
     admitted = int(torch.cumprod((theta[1:] > theta[:-1]).long(), dim=0).sum())
     return _lengths_from_slots(order[:admitted], min_len=min_len, gamma=gamma)

@@ -17,6 +17,14 @@ batch size -- hence linear in N at fixed B -- then linear in B between the two n
 sizes. There is no clamping and no extrapolation: a batch size or tokens-per-request value outside the
 grid raises :class:`ProfileRangeError`, since an extrapolated cost silently steers every policy.
 
+Padded steps. An engine with ``verify_step: bucketed`` or ``cuda_graphs`` (``app/engine/static_step.py``) pads every
+step up to a bucketed shape: rows to the next row bucket, every request's run to the next token bucket above the
+step's longest run. Its profile (``verify_step`` other than ``ragged``) is looked up by ceiling instead: a step costs
+the grid cell at the smallest grid batch size >= B and the smallest grid tokens per request >= its longest run, no
+interpolation (measured at the engine's own buckets, each cell is what every step padded to it costs; on another
+grid the ceiling is an upper bound). :meth:`ThroughputProfile.step_tokens` gives the N to look a step up at under
+either layout: ``B + sum l`` ragged, ``B (1 + max l)`` padded.
+
 Dummy weights. A profile timed on random weights (the profiler's ``--load-format dummy``) names its model
 ``<name>-dummy``; a step's cost does not depend on the weight values, so it stands for the model ``<name>`` in
 every model check (:func:`model_matches`), after any profile of ``<name>`` measured on its real weights.
@@ -38,6 +46,8 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from app.engine.config import VerifyStep
 
 DUMMY_SUFFIX = "-dummy"  # Provenance.model of a profile timed on random weights: "<name>-dummy"
 
@@ -95,6 +105,11 @@ class ThroughputProfile(BaseModel):
         description="Median drafter-step time in ms per grid batch size (one block of draft_gamma tokens)."
     )
     draft_gamma: int = Field(ge=1, description="Draft block size K the drafter step was timed at (tokens).")
+    verify_step: VerifyStep = Field(
+        default="ragged", description="How the measured engine shaped verify steps (EngineConfig.verify_step): "
+        "'ragged' steps are looked up by interpolation, padded ones ('bucketed', 'cuda_graphs') by ceiling "
+        "(module docstring)."
+    )
 
     @model_validator(mode="after")
     def _check_grid(self) -> ThroughputProfile:
@@ -123,6 +138,17 @@ class ThroughputProfile(BaseModel):
         return np.array(self.tokens_per_request, dtype=np.float64), np.array(self.verify_ms, dtype=np.float64)
 
     @property
+    def padded(self) -> bool:
+        """Whether verify steps were padded to bucketed shapes (looked up by ceiling, module docstring)."""
+        return self.verify_step != "ragged"
+
+    def step_tokens(self, *, batch: int, verified: int, longest: int) -> int:
+        """N to look up a step of ``batch`` requests verifying ``verified`` draft tokens in all, at most ``longest``
+        for one request: ``batch + verified`` ragged, ``batch * (1 + longest)`` padded (every run padded to the
+        longest)."""
+        return batch * (1 + longest) if self.padded else batch + verified
+
+    @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
@@ -131,13 +157,14 @@ class ThroughputProfile(BaseModel):
         """Largest verify length l the grid covers (tokens per request minus the bonus/plain token)."""
         return self.tokens_per_request[-1] - 1
 
-    def _batch_weights(self, batch: int) -> tuple[int, int, float]:
-        """Neighbouring grid rows (i0, i1) and the weight of i1 for ``batch`` requests."""
+    def _batch_weights(self, batch: int, *, ceiling: bool = False) -> tuple[int, int, float]:
+        """Neighbouring grid rows (i0, i1) and the weight of i1 for ``batch`` requests (with ``ceiling``: the row at
+        or above ``batch`` alone)."""
         sizes = self.batch_sizes
         if not sizes[0] <= batch <= sizes[-1]:
             raise ProfileRangeError(f"batch size {batch} is outside the profile grid [{sizes[0]}, {sizes[-1]}]")
         i1 = next(i for i, b in enumerate(sizes) if b >= batch)
-        if sizes[i1] == batch:
+        if sizes[i1] == batch or ceiling:
             return i1, i1, 0.0
         i0 = i1 - 1
         return i0, i1, (batch - sizes[i0]) / (sizes[i1] - sizes[i0])
@@ -146,11 +173,11 @@ class ThroughputProfile(BaseModel):
         """Verify-step time at ``batch`` requests for each grid tokens-per-request value.
 
         Returns:
-            ms: [nT] float64 array, linear in batch size between grid rows.
+            ms: [nT] float64 array, linear in batch size between grid rows (padded: the row at or above ``batch``).
         Raises:
             ProfileRangeError: ``batch`` outside ``[batch_sizes[0], batch_sizes[-1]]``.
         """
-        i0, i1, w = self._batch_weights(batch)
+        i0, i1, w = self._batch_weights(batch, ceiling=self.padded)
         table = self._tables[1]
         return (1.0 - w) * table[i0] + w * table[i1]
 
@@ -159,10 +186,11 @@ class ThroughputProfile(BaseModel):
 
         Args:
             tokens: N, a number or an array of any shape (a CPU torch tensor too), total tokens of the step
-                (``batch <= N <= batch * tokens_per_request[-1]``).
+                (``batch <= N <= batch * tokens_per_request[-1]``; for a padded profile ``B (1 + max l)``, as
+                :meth:`step_tokens` gives it).
             batch: B, requests in the step.
         Returns:
-            ms: float64 array of the shape of ``tokens``.
+            ms: float64 array of the shape of ``tokens``; interpolated (ragged) or the cell at or above (padded).
         Raises:
             ProfileRangeError: batch or N / B outside the grid.
         """
@@ -174,6 +202,9 @@ class ThroughputProfile(BaseModel):
                 f"tokens per request {low:.3g}..{high:.3g} (N={n.min():.0f}..{n.max():.0f}, "
                 f"B={batch}) outside the profile grid [1, {self.tokens_per_request[-1]}]"
             )
+        if self.padded:  # the first grid column at or above (a hair of slack for N / B's rounding)
+            column = np.searchsorted(self._tables[0], per_request - 1e-9, side="left")
+            return self.verify_row(batch)[column]
         return np.asarray(np.interp(per_request, self._tables[0], self.verify_row(batch)))
 
     def draft_time_ms(self, batch: int) -> float:
@@ -265,16 +296,19 @@ def profile_filename(provenance: Provenance) -> str:
     return f"{_slug(provenance.engine)}-{_slug(_model_key(provenance.model))}-{_slug(provenance.hardware)}.json"
 
 
-def measured_profiles(directory: str | Path, *, model: str) -> list[tuple[Provenance, Path]]:
-    """The measured profiles in ``directory`` that apply to ``model`` (``model_matches``): those timed on its real
-    weights first, then the dummy-weights ones, each newest first. Derived profiles are left out.
+def measured_profiles(directory: str | Path, *, model: str, verify_step: VerifyStep | None = None
+                      ) -> list[tuple[Provenance, Path]]:
+    """The measured profiles in ``directory`` that apply to ``model`` (``model_matches``), and when given were
+    measured with ``verify_step``: those timed on its real weights first, then the dummy-weights ones, each newest
+    first. Derived profiles are left out.
 
     Raises:
         pydantic.ValidationError: a JSON file in ``directory`` that is not a valid profile.
     """
     found = [(profile.provenance, path) for path in sorted(Path(directory).glob("*.json"))
              for profile in [load_profile(path)]
-             if profile.provenance.source == "measured" and model_matches(profile.provenance.model, model)]
+             if profile.provenance.source == "measured" and model_matches(profile.provenance.model, model)
+             and verify_step in (None, profile.verify_step)]
     return sorted(found, key=lambda item: (not _is_dummy(item[0].model), item[0].date), reverse=True)
 
 
@@ -308,6 +342,7 @@ def write_profile(
     verify_ms: list[list[float]],
     draft_ms: list[float],
     draft_gamma: int,
+    verify_step: VerifyStep = "ragged",
 ) -> Path:
     """Validate measured (or derived) step times and write ``directory/<engine>-<model>-<hardware>.json``.
 
@@ -325,5 +360,6 @@ def write_profile(
         verify_ms=verify_ms,
         draft_ms=draft_ms,
         draft_gamma=draft_gamma,
+        verify_step=verify_step,
     )
     return save_profile(profile, Path(directory) / profile_filename(provenance))

@@ -13,6 +13,11 @@ B one drafter step (``propose`` for B requests; 0 ms without a drafter). Measure
 few percent on a shared machine; each row is made non-decreasing in t (a running maximum) before it is
 written, since a verify step never gets cheaper by adding tokens and the schema rejects rows that do.
 
+With ``--verify-step bucketed`` or ``cuda_graphs`` every step is padded to the engine's buckets; the profile records
+the verify step and is looked up by ceiling (``app/scheduling/profile.py``, "Padded steps"). Time it at the
+buckets (batch sizes 1, 2, 4, ... up to the engine's slots, tokens per request 1, 2, 4, ... up to gamma + 1): each
+cell is then exactly what every step padded to it costs.
+
 Without weights: ``--load-format dummy`` times the target on random weights (``app/engine/loader.py``; ``--model``
 then needs only a ``config.json`` and tokenizer files), and ``--dummy-drafter`` times a randomly initialised
 DSpark drafter sized for the target (``dummy_proposer``) where no trained checkpoint exists. Step costs do not
@@ -96,7 +101,8 @@ def measure_profile(
         draft_ms.append(round(time_draft_step(engine, proposer, batch=b, context=context), 3) if proposer else 0.0)
     gamma = getattr(proposer, "gamma", None) or tokens_per_request[-1] - 1
     return ThroughputProfile(provenance=provenance, batch_sizes=batch_sizes, tokens_per_request=tokens_per_request,
-                             verify_ms=verify_ms, draft_ms=draft_ms, draft_gamma=gamma)
+                             verify_ms=verify_ms, draft_ms=draft_ms, draft_gamma=gamma,
+                             verify_step=engine.config.verify_step)
 
 
 def engine_provenance(
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> Path:
     verify_ms, draft_ms = profile.verify_ms, profile.draft_ms
     path = write_profile(directory=args.out, provenance=provenance, batch_sizes=batch_sizes,
                          tokens_per_request=tokens, verify_ms=verify_ms, draft_ms=draft_ms,
-                         draft_gamma=profile.draft_gamma)
+                         draft_gamma=profile.draft_gamma, verify_step=profile.verify_step)
     print(f"{'batch':>6}" + "".join(f"{t:>8}" for t in tokens) + f"{'draft':>8}")
     for b, row, d in zip(batch_sizes, verify_ms, draft_ms):
         print(f"{b:>6}" + "".join(f"{ms:>8.1f}" for ms in row) + f"{d:>8.1f}")

@@ -302,9 +302,9 @@ class AppConfig(BaseModel):
 
     def committed_profile_path(self) -> str | None:
         """``profile`` when named; for 'auto' the first measured profile of ``model`` in ``PROFILES_DIR`` for this
-        host's hardware (named as the profiler records it) and the target's dtype (real weights before dummy ones,
-        each newest first), else None. The mock engine cannot be measured: it takes the newest measured profile of
-        ``model`` on any hardware, with a warning.
+        host's hardware (named as the profiler records it), the target's dtype and the engine's ``verify_step``
+        (real weights before dummy ones, each newest first), else None. The mock engine cannot be measured: it takes
+        the newest measured profile of ``model`` on any hardware, with a warning.
 
         Raises:
             FileNotFoundError: 'auto', the mock engine and no measured profile of ``model`` at all.
@@ -317,7 +317,7 @@ class AppConfig(BaseModel):
 
         hardware = hardware_name(self._torch_device(), self.torch_threads)
         dtype = str(resolve_dtype(self.dtype, self._torch_device())).removeprefix("torch.")
-        profiles = measured_profiles(PROFILES_DIR, model=self.model)
+        profiles = measured_profiles(PROFILES_DIR, model=self.model, verify_step=self.engine.verify_step)
         here = [path for provenance, path in profiles if (provenance.hardware, provenance.dtype) == (hardware, dtype)]
         if here:
             return str(here[0])

@@ -22,6 +22,7 @@ import torch
 
 from app.engine.hardware import hardware_name
 from app.engine.loader import cache_dir
+from app.engine.static_step import bucket_sizes
 from app.scheduling.profile import ThroughputProfile, load_profile, save_profile
 from app.scheduling.profiler import (
     default_grid,
@@ -38,9 +39,13 @@ MAX_REPEATS = 3  # timed steps per grid cell when the budget allows (after one w
 
 def profile_cache_path(config: AppConfig, *, hardware: str, dtype: str) -> Path:
     """Where this host caches the start-up profile of ``config``'s model: ``<cache_dir>/profiles/<model>-<key>.json``,
-    the key a hash of the model reference, dtype, hardware, torch version and drafter kind."""
+    the key a hash of the model reference, dtype, hardware, torch version, drafter kind and the engine's
+    ``verify_step`` (a ragged engine's key is what it was before the engine had the choice)."""
     drafter = config.drafter if config.speculates else "none"
-    key = "|".join([config.model, dtype, hardware, torch.__version__, drafter])
+    parts = [config.model, dtype, hardware, torch.__version__, drafter]
+    if config.engine.verify_step != "ragged":
+        parts.append(config.engine.verify_step)
+    key = "|".join(parts)
     name = Path(config.model.rstrip("/")).name.lower()
     return cache_dir() / "profiles" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
 
@@ -78,7 +83,9 @@ def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> Thro
     After one warm-up step, a probe of the largest cell (its prefill and two steps) bounds what one cell costs;
     when all cells do not fit the budget, the verify lengths are thinned to evenly spaced ones (always 1 and
     gamma + 1; the profile interpolates linearly between them, never below 2), then each cell gets as many timed
-    steps (1 .. ``MAX_REPEATS``) as fit.
+    steps (1 .. ``MAX_REPEATS``) as fit. An engine with padded verify steps (``verify_step`` bucketed or
+    cuda_graphs) is timed at its own token buckets (1, 2, 4, ..., gamma + 1) instead, the cells its steps are
+    padded to, and its profile is looked up by ceiling (``app/scheduling/profile.py``).
     The drafter step is timed with the n-gram drafter for ``drafter: ngram`` and with a randomly initialised DSpark
     drafter sized for the target (``dummy_proposer``) for ``drafter: dspark``; 0 ms without speculation.
     """
@@ -94,7 +101,9 @@ def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> Thro
     cell_s = time.perf_counter() - probe  # prefill + 2 steps of the largest cell: a bound on any cell at 1 repeat
     drafting = config.speculates and config.drafter in ("ngram", "dspark")
     per_row = max(2, int(config.profile_budget_s / cell_s / len(batches)) - drafting)
-    if per_row < len(tokens):
+    if engine.config.verify_step != "ragged":
+        tokens = bucket_sizes(config.gamma + 1)
+    elif per_row < len(tokens):
         tokens = sorted({tokens[round(i * (len(tokens) - 1) / (per_row - 1))] for i in range(per_row)})
     cells = len(batches) * (len(tokens) + drafting)
     spare_s = config.profile_budget_s / cells - cell_s

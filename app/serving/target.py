@@ -430,7 +430,7 @@ class TargetReplica:
             self.guard.observe(batch, speculative=drafter_called or result.verified > 0, committed=result.committed,
                                round_ms=round_ms, steady=steady)
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
-            self._observe_verify_scale(round_ms - draft_ms, tokens=batch + result.verified, batch=batch)
+            self._observe_verify_scale(round_ms - draft_ms, result, batch=batch)
         self.telemetry.round(round_ms=round_ms, verify_ms=result.verify_ms, drafter_called=drafter_called,
                              drafted=result.drafted, lookup=result.lookup, outputs=result.outputs,
                              verify_cpu=verify_cpu, guarded=bool(speculative) and not speculate)
@@ -500,7 +500,7 @@ class TargetReplica:
         else:
             stream.held = chunk
 
-    def _observe_verify_scale(self, ms: float, *, tokens: int, batch: int) -> None:
+    def _observe_verify_scale(self, ms: float, result: Round, *, batch: int) -> None:
         """EMA of this round's time without the drafter call over the profile's verify time for the same step.
 
         A served round also pays the step loop and streaming; the draft gate compares the measured drafter
@@ -508,6 +508,7 @@ class TargetReplica:
         """
         profile = self.scheduler.profile
         b = min(batch, profile.max_batch_size)
+        tokens = profile.step_tokens(batch=batch, verified=result.verified, longest=result.longest)
         profiled = float(profile.verify_time_ms(tokens * b / batch, batch=b))
         self.stats.verify_scale = _ema(ms / profiled, self.stats.verify_scale, seed_with_first=False)
 

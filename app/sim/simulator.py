@@ -11,7 +11,8 @@ Shape symbols: B batch (requests in one replica's round), K gamma.
 Model. Requests wait in one FIFO queue; a replica takes queued requests into free batch slots at every round
 boundary (continuous batching) and runs rounds back to back while it has requests. A round drafts (unless
 the policy is ``none``), picks l_r in [0, min(K, remaining_r - 1)], verifies, and commits
-``min(accepted run, l_r) + 1`` tokens per request; it lasts ``profile.step_time_ms(B + sum l, batch=B)``.
+``min(accepted run, l_r) + 1`` tokens per request; it lasts ``profile.step_time_ms(N, batch=B)``, N = B + sum l
+(``B (1 + max l)`` on a padded profile: ``ThroughputProfile.step_tokens``).
 Events (round ends, Poisson arrivals) are processed in time order from a heap; each round is vectorised
 over its B requests. Load is closed-loop (C users, each sends its next request as soon as the previous one
 ends) or open-loop Poisson (rate in requests/s).
@@ -185,7 +186,7 @@ class _Run:
                                   torch.from_numpy(accepted[verified]))
         else:
             lengths = accepted = np.zeros(batch, dtype=np.int64)
-        tokens = batch + int(lengths.sum())
+        tokens = self.profile.step_tokens(batch=batch, verified=int(lengths.sum()), longest=int(lengths.max()))
         ms = float(self.profile.step_time_ms(tokens, batch=batch, with_draft=drafts))
         rep.busy = True
         rep.pending = (idx, accepted + 1, lengths - accepted, batch)

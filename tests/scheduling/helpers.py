@@ -22,8 +22,9 @@ def make_profile(
     batch_sizes: tuple[int, ...] = (1, 2, 3, 4, 8),
     tokens_per_request: tuple[int, ...] = tuple(range(1, 9)),
     draft: float = 0.0,
+    verify_step: str = "ragged",
 ) -> ThroughputProfile:
-    """Profile whose cell (B, t) costs verify(B, N = B * t) ms; draft ms constant."""
+    """Profile whose cell (B, t) costs verify(B, N = B * t) ms; draft ms constant; ``verify_step`` as measured."""
     return ThroughputProfile(
         provenance=provenance(),
         batch_sizes=list(batch_sizes),
@@ -31,4 +32,5 @@ def make_profile(
         verify_ms=[[verify(b, b * t) for t in tokens_per_request] for b in batch_sizes],
         draft_ms=[draft] * len(batch_sizes),
         draft_gamma=7,
+        verify_step=verify_step,
     )

@@ -109,6 +109,45 @@ def test_greedy_gap_bounded_on_concave_costs():
     assert min(ratios) >= 0.9, f"worst greedy / optimum ratio {min(ratios):.3f}"
 
 
+def padded_theta(survival: torch.Tensor, lengths: torch.Tensor, profile) -> float:
+    """Theta of a length vector on an engine that pads every run to the longest."""
+    b, k = survival.shape
+    kept = torch.arange(1, k + 1) <= lengths[:, None]
+    tokens = profile.step_tokens(batch=b, verified=int(lengths.sum()), longest=int(lengths.max()))
+    return (b + float((survival * kept).sum())) * float(profile.steps_per_second(tokens, batch=b))
+
+
+def test_padded_greedy_takes_the_slots_padding_pays_for():
+    """On a padded engine a step costs its longest run's bucket: once one request verifies 7 tokens, the others'
+    slots up to 7 come free, and the greedy takes every one that can be accepted; the ragged cost model of the same
+    cells stops each request where its own slots stop paying."""
+    cost = lambda b, n: 10.0 if n == b else 12.0  # noqa: E731 -- one bucket above plain decoding: [1, 8]
+    grid = dict(batch_sizes=(1, 2, 4), tokens_per_request=(1, 8))
+    padded, ragged = make_profile(cost, verify_step="bucketed", **grid), make_profile(cost, **grid)
+    survival = prefix_survival(torch.tensor([[0.95] * 7, [0.3] * 7, [0.0] * 7], dtype=torch.float64))
+    lo, hi = torch.zeros(3, dtype=torch.long), torch.full((3,), 7)
+    got = theta_greedy_lengths(survival, min_len=lo, max_len=hi, profile=padded)
+    assert got.tolist() == [7, 7, 0]  # a = 0 never pays, padded or not
+    cut = theta_greedy_lengths(survival, min_len=lo, max_len=hi, profile=ragged)
+    assert cut[1] < 7 and cut[0] == 7
+    assert padded_theta(survival, got, padded) > padded_theta(survival, cut, padded)
+    # one long run pads every row: 4 requests, only the first drafts well; its 4th slot moves the step from the
+    # t = 4 bucket to t = 8 (12 -> 40 ms), though the mean run, (4 + 4) / 4 = 2 tokens, stays in a cheap bucket
+    costs = {1: 10.0, 2: 11.0, 4: 12.0, 8: 40.0}
+    buckets = make_profile(lambda b, n: costs[n // b], verify_step="bucketed", batch_sizes=(4,),
+                           tokens_per_request=(1, 2, 4, 8))
+    lone = prefix_survival(torch.tensor([[0.99] * 7] + [[0.0] * 7] * 3, dtype=torch.float64))
+    lo4, hi4 = torch.zeros(4, dtype=torch.long), torch.full((4,), 7)
+    assert theta_greedy_lengths(lone, min_len=lo4, max_len=hi4, profile=buckets).tolist() == [3, 0, 0, 0]
+    # a bucket edge: the first slot of a deeper bucket pays for the whole bucket before later slots can
+    step = make_profile(lambda b, n: 10.0 + 30.0 * (n > b) + 30.0 * (n > 2 * b), verify_step="bucketed",
+                        batch_sizes=(1, 2), tokens_per_request=(1, 2, 4))
+    one = prefix_survival(torch.tensor([[0.9, 0.9, 0.9]], dtype=torch.float64))
+    lo1, hi1 = torch.zeros(1, dtype=torch.long), torch.full((1,), 3)
+    # Theta: l=0 1/10 = 0.100; l=1 1.9/40 = 0.0475 (falls: stop), though l=3 would give 3.439/70 = 0.049
+    assert theta_greedy_lengths(one, min_len=lo1, max_len=hi1, profile=step).tolist() == [0]
+
+
 def test_flatter_profile_never_shortens():
     g = torch.Generator().manual_seed(3)
     steep, flat = make_profile(lambda b, n: 10.0 + 2.0 * n), make_profile(lambda b, n: 10.0 + 0.5 * n)

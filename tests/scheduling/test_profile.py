@@ -75,6 +75,41 @@ def test_interpolation_linear_in_tokens_and_batch():
     np.testing.assert_allclose(sps, [50.0, 1000 / 22])
 
 
+def test_padded_profiles_look_up_by_ceiling(tmp_path):
+    """An engine that pads steps to buckets costs the grid cell at or above B and the longest run: no blend."""
+    grid = dict(batch_sizes=(1, 2, 4, 8), tokens_per_request=(1, 2, 4, 8))
+    padded = make_profile(lambda b, n: 100.0 * b + n // b, verify_step="bucketed", **grid)  # cell (B, t) = 100 B + t
+    ragged = make_profile(lambda b, n: 100.0 * b + n // b, **grid)
+    assert padded.padded and not ragged.padded
+    for b, t in [(1, 1), (2, 4), (8, 8)]:  # grid points: both layouts read the cell
+        cell = 100 * b + t
+        assert padded.verify_time_ms(b * t, batch=b).item() == ragged.verify_time_ms(b * t, batch=b).item() == cell
+    np.testing.assert_array_equal(padded.verify_time_ms(np.array([3, 9, 15, 24]), batch=3), [401, 404, 408, 408])
+    np.testing.assert_array_equal(padded.verify_row(5), [801, 802, 804, 808])
+    assert ragged.verify_time_ms(9, batch=3).item() == pytest.approx(303.0)  # interpolated in t, then in B
+    assert padded.draft_time_ms(3) == ragged.draft_time_ms(3)  # the drafter is not padded
+    with pytest.raises(ProfileRangeError, match="tokens per request"):
+        padded.verify_time_ms(27, batch=3)
+    with pytest.raises(ProfileRangeError, match="batch size 9"):
+        padded.verify_time_ms(9, batch=9)
+    # the N to look a step up at: every run padded to the longest, or the tokens themselves
+    assert padded.step_tokens(batch=3, verified=5, longest=3) == 12
+    assert ragged.step_tokens(batch=3, verified=5, longest=3) == 8
+    # the layout travels with the file; a file written before the field reads as ragged
+    path = write_profile(
+        directory=tmp_path, provenance=padded.provenance, batch_sizes=padded.batch_sizes,
+        tokens_per_request=padded.tokens_per_request, verify_ms=padded.verify_ms, draft_ms=padded.draft_ms,
+        draft_gamma=7, verify_step="cuda_graphs",
+    )
+    assert load_profile(path).verify_step == "cuda_graphs"
+    old = ragged.model_dump(mode="json")
+    del old["verify_step"]
+    path.write_text(json.dumps(old))
+    assert load_profile(path).verify_step == "ragged"
+    with pytest.raises(pydantic.ValidationError, match="verify_step"):
+        make_profile(linear, verify_step="padded")
+
+
 def test_range_errors():
     profile = make_profile(linear)
     with pytest.raises(ProfileRangeError, match="batch size 9"):
@@ -118,6 +153,12 @@ def test_measured_profiles_list_real_weights_before_dummy_ones(tmp_path):
     write("e", "llama-3.1-8b-dummy", 31)
     found = [path for _, path in measured_profiles(tmp_path, model="smollm2-135m")]
     assert found == [new_real, old_real, newest_dummy, old_dummy]
+    graphs = save_profile(make_profile(linear, verify_step="cuda_graphs").model_copy(update={"provenance": provenance(
+        model="smollm2-135m", source="measured", hardware="f")}), tmp_path / "f.json")
+    found = measured_profiles(tmp_path, model="smollm2-135m", verify_step="cuda_graphs")
+    assert [path for _, path in found] == [graphs]
+    assert graphs not in [path for _, path in measured_profiles(tmp_path, model="smollm2-135m", verify_step="ragged")]
+    assert graphs in [path for _, path in measured_profiles(tmp_path, model="smollm2-135m")]
 
 
 def test_committed_profiles_load():

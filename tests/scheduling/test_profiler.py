@@ -35,6 +35,16 @@ def test_profiler_on_dummy_weights_with_a_dummy_drafter(tmp_path, tiny_llama_dir
     assert profile.draft_gamma == 7 and all(ms > 0 for ms in profile.draft_ms)
     profile.ensure_matches("tiny-llama", dtype=AUTO_DTYPE, engine="dspark-engine")
     assert measured_profiles(tmp_path, model="tiny-llama") == [(prov, path)]
+    assert profile.verify_step == "ragged"
+
+
+def test_profiler_records_padded_verify_steps(tmp_path, tiny_llama_dir):
+    path = main(["--model", str(tiny_llama_dir), "--load-format", "dummy", "--verify-step", "bucketed",
+                 "--batch-sizes", "1,2", "--tokens-per-request", "1,2,4", "--repeats", "1", "--context", "16",
+                 "--out", str(tmp_path)])
+    profile = load_profile(path)
+    assert profile.verify_step == "bucketed" and profile.padded and "verify step: bucketed" in profile.provenance.notes
+    assert measured_profiles(tmp_path, model="tiny-llama", verify_step="ragged") == []
 
 
 def test_profiler_drafter_options_exclude_each_other():

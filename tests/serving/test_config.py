@@ -77,6 +77,12 @@ def test_auto_profile_picks_this_hosts_measured_profile(tmp_path, monkeypatch, c
     assert AppConfig(device="cpu", dtype="bfloat16", torch_threads=2).profile_path() == str(new)  # newer of a, b
     # a float32 target on the same host: the bfloat16 profiles do not fit it (its steps cost another amount)
     assert AppConfig(device="cpu", dtype="float32", torch_threads=2).committed_profile_path() is None
+    # nor do ragged steps' profiles fit an engine that pads its steps to buckets
+    bucketed = AppConfig.model_validate({"engine": {"device": "cpu", "dtype": "bfloat16", "verify_step": "bucketed"},
+                                         "torch_threads": 2})
+    assert bucketed.committed_profile_path() is None
+    assert profile_cache_path(bucketed, hardware="CPU X 2 threads", dtype="bfloat16") != profile_cache_path(
+        AppConfig(device="cpu", dtype="bfloat16", torch_threads=2), hardware="CPU X 2 threads", dtype="bfloat16")
     # another host: nothing committed, so the target replica measures one at start-up and caches it
     other_host = AppConfig(device="cpu", dtype="bfloat16", torch_threads=8)
     assert other_host.profile_path() is None

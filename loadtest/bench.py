@@ -32,6 +32,7 @@ then one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -107,16 +108,18 @@ def check_outputs(alone: dict, served_ids: dict[int, list[int]]) -> dict:
     return {"near_tie": near, "not_near_tie": len(bugs), "bugs": bugs}
 
 
-def drafter_alone(config: AppConfig, prompts: list[str], *, calls: int = 20) -> float:
+def drafter_alone(config: AppConfig, prompts: list[str], params: SamplingParams, *, calls: int = 20) -> float:
     """Median ms of one steady drafter round of the configured drafter at batch 1, in this process: ``propose``,
-    then ``update`` with the verified step's output (what a served drafter call does after a drafted round)."""
+    then ``update`` with the verified step's output (what a served drafter call does after a drafted round), for a
+    request with the sampling settings of ``params`` (a sampled request's drafts are sampled, with its proposal
+    probabilities; a seeded one's with its noise)."""
     from app.serving.drafter import make_proposer
 
     engine = TargetEngine(EngineConfig(model=config.model, dtype=config.dtype, device=config.device,
                                        max_model_len=config.max_model_len, max_draft_len=config.gamma))
     proposer = make_proposer(config)
     prompt = engine.encode_chat([{"role": "user", "content": prompts[0]}])
-    first = engine.add_request("bench", prompt, SamplingParams(max_tokens=calls + 8, temperature=0.0))
+    first = engine.add_request("bench", prompt, dataclasses.replace(params, max_tokens=calls + 8))
     proposer.start("bench", prompt, first)
     times = []
     for _ in range(calls):
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     params = request_params(opts.max_tokens, opts.temperature, opts.seed, len(prompts))
     alone = engine_alone(first, prompts, params)
     speculative = next((c for c in configs.values() if c.speculates), None)
-    draft_ms = drafter_alone(speculative, prompts) if speculative is not None else None
+    draft_ms = drafter_alone(speculative, prompts, params[0]) if speculative is not None else None
     gc.collect()
     results = {p: served({**base, "policy": p}, prompts, params=params, num_cpus=opts.num_cpus,
                          reference=alone["texts"]) for p in policies}

@@ -204,7 +204,7 @@ class ThroughputProfile(BaseModel):
             )
         if self.padded:  # the first grid column at or above (a hair of slack for N / B's rounding)
             column = np.searchsorted(self._tables[0], per_request - 1e-9, side="left")
-            return self.verify_row(batch)[column]
+            return np.asarray(self.verify_row(batch)[column])
         return np.asarray(np.interp(per_request, self._tables[0], self.verify_row(batch)))
 
     def draft_time_ms(self, batch: int) -> float:

@@ -369,13 +369,20 @@ class AppConfig(BaseModel):
 
     def _check_profile_matches(self) -> None:
         """Raise ``ProfileMismatchError`` naming the profile file and the target unless ``profile`` was measured for
-        ``model`` (``profile.model_matches``) in the target's dtype."""
+        ``model`` (``profile.model_matches``) in the target's dtype; warn when it was measured with another
+        ``engine.verify_step`` (its costs are another layout's: a ragged profile under-prices padded steps)."""
         from app.engine.loader import resolve_dtype
         from app.scheduling.profile import ProfileMismatchError, load_profile
 
         dtype = str(resolve_dtype(self.dtype, self._torch_device())).removeprefix("torch.")
+        profile = load_profile(self.profile)
         try:
-            load_profile(self.profile).ensure_matches(self.model, dtype=dtype)
+            profile.ensure_matches(self.model, dtype=dtype)
         except ProfileMismatchError as e:
             raise ProfileMismatchError(f"profile {self.profile} does not fit the target {self.model} ({dtype}): {e}; "
                                        "or set profile: auto") from e
+        if profile.verify_step != self.engine.verify_step:
+            log.warning("profile %s was measured with verify_step %s, the engine runs %s: the scheduler prices steps "
+                        "by that layout; measure one with python -m app.scheduling.profiler --verify-step %s, or set "
+                        "profile: auto", self.profile, profile.verify_step, self.engine.verify_step,
+                        self.engine.verify_step)

@@ -65,7 +65,11 @@ def serving_profile(config: AppConfig, engine) -> ThroughputProfile:
     path = profile_cache_path(config, hardware=hardware, dtype=dtype)
     if path.is_file():
         profile = load_profile(path)
-        if profile.max_batch_size >= config.max_num_seqs and profile.max_verify_len >= config.gamma:
+        covers = profile.max_batch_size >= config.max_num_seqs and profile.max_verify_len >= config.gamma
+        if profile.padded:  # its cells are the buckets it was padded to: only the same buckets read them right
+            covers = (profile.batch_sizes, profile.tokens_per_request) == (
+                default_grid(max_batch=config.max_num_seqs, gamma=config.gamma)[0], bucket_sizes(config.gamma + 1))
+        if covers:
             log.info("profile: reusing %s, measured at start-up on %s on %s", path, hardware, profile.provenance.date)
             return profile
         log.info("profile: %s does not cover %d requests x gamma %d; measuring again", path, config.max_num_seqs,

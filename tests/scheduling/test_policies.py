@@ -148,6 +148,26 @@ def test_padded_greedy_takes_the_slots_padding_pays_for():
     assert theta_greedy_lengths(one, min_len=lo1, max_len=hi1, profile=step).tolist() == [0]
 
 
+@pytest.mark.parametrize("cells", [{1: 10.0, 2: 11.0, 4: 12.0, 8: 40.0}, {1: 10.0, 2: 10.5, 4: 11.0, 8: 12.0},
+                                   {1: 10.0, 2: 13.0, 4: 19.0, 8: 31.0}], ids=["steep", "flat", "linear"])
+def test_padded_greedy_stays_near_the_best_lengths(cells):
+    """Under the padded cost the greedy's early stop can halt at a bucket edge (it stays lossless); measured against
+    brute force over every length vector, 60 random cases of 3 requests x 7 drafts each: worst 0.825 / 0.770 / 0.692
+    of the optimum (steep / flat / linear cells), mean 0.96, where the same cells read by interpolation gave worst
+    0.30 / 0.92 / 0.54. Bounded here below those."""
+    grid = dict(batch_sizes=(1, 2, 3, 4), tokens_per_request=(1, 2, 4, 8))
+    padded = make_profile(lambda b, n: b * cells[n // b], verify_step="bucketed", **grid)
+    g = torch.Generator().manual_seed(5)
+    ratios = []
+    for _ in range(60):
+        survival, lo, hi = random_case(g, batch=3, gamma=7)
+        got = theta_greedy_lengths(survival, min_len=lo, max_len=hi, profile=padded)
+        ranges = [range(int(a), int(b) + 1) for a, b in zip(lo, hi)]
+        best = max(padded_theta(survival, torch.tensor(ls), padded) for ls in itertools.product(*ranges))
+        ratios.append(padded_theta(survival, got, padded) / best)
+    assert min(ratios) >= 0.6 and sum(ratios) / len(ratios) >= 0.9, (min(ratios), sum(ratios) / len(ratios))
+
+
 def test_flatter_profile_never_shortens():
     g = torch.Generator().manual_seed(3)
     steep, flat = make_profile(lambda b, n: 10.0 + 2.0 * n), make_profile(lambda b, n: 10.0 + 0.5 * n)

@@ -86,6 +86,7 @@ def test_padded_profiles_look_up_by_ceiling(tmp_path):
         assert padded.verify_time_ms(b * t, batch=b).item() == ragged.verify_time_ms(b * t, batch=b).item() == cell
     np.testing.assert_array_equal(padded.verify_time_ms(np.array([3, 9, 15, 24]), batch=3), [401, 404, 408, 408])
     np.testing.assert_array_equal(padded.verify_row(5), [801, 802, 804, 808])
+    assert isinstance(padded.verify_time_ms(6, batch=3), np.ndarray)  # as the ragged lookup gives it
     assert ragged.verify_time_ms(9, batch=3).item() == pytest.approx(303.0)  # interpolated in t, then in B
     assert padded.draft_time_ms(3) == ragged.draft_time_ms(3)  # the drafter is not padded
     with pytest.raises(ProfileRangeError, match="tokens per request"):

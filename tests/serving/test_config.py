@@ -111,6 +111,15 @@ def test_named_profile_of_another_model_fails_naming_both(tmp_path):
     AppConfig(profile=str(tmp_path / "own.json"), drafter="ngram", dtype="bfloat16").check_files()
 
 
+def test_named_profile_of_another_verify_step_is_warned_about(tmp_path, caplog):
+    own = str(write_measured(tmp_path, "own.json", hardware="h", date="2026-11-01"))  # measured ragged
+    AppConfig(profile=own, drafter="ngram", dtype="bfloat16").check_files()
+    assert "verify_step" not in caplog.text
+    AppConfig.model_validate({"engine": {"dtype": "bfloat16", "verify_step": "bucketed"}, "profile": own,
+                              "drafter": "ngram"}).check_files()
+    assert "measured with verify_step ragged, the engine runs bucketed" in caplog.text
+
+
 def test_engine_section_holds_every_engine_setting():
     config = AppConfig.model_validate({"engine": {"model": "/m", "load_format": "dummy", "feature_layers": [0, 1],
                                                   "prepack": False, "max_num_seqs": 4}, "gamma": 5})

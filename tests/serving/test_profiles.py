@@ -46,10 +46,14 @@ def test_a_small_budget_thins_the_verify_lengths(tmp_path, monkeypatch, tiny_lla
 
 def test_a_padded_engine_is_timed_at_its_token_buckets(tmp_path, monkeypatch, tiny_llama_dir):
     monkeypatch.setenv("DSPARK_CACHE_DIR", str(tmp_path))
-    config = AppConfig.model_validate({
-        "engine": {"model": str(tiny_llama_dir), "load_format": "dummy", "device": "cpu", "max_model_len": 256,
-                   "max_num_seqs": 3, "verify_step": "bucketed"},
-        "policy": "dspark", "drafter": "ngram", "gamma": 4, "profile_budget_s": 60})
+    args = {"engine": {"model": str(tiny_llama_dir), "load_format": "dummy", "device": "cpu", "max_model_len": 256,
+                       "max_num_seqs": 3, "verify_step": "bucketed"},
+            "policy": "dspark", "drafter": "ngram", "gamma": 4, "profile_budget_s": 60}
+    config = AppConfig.model_validate(args)
     profile = profiles.serving_profile(config, TargetEngine(config.engine_config()))
     assert profile.verify_step == "bucketed" and profile.padded
     assert profile.batch_sizes == [1, 2, 3] and profile.tokens_per_request == [1, 2, 4, 5]
+    # a smaller gamma pads to other token buckets (1, 2, 4): the cached cells do not fit it, though they cover it
+    smaller = AppConfig.model_validate({**args, "gamma": 3})
+    again = profiles.serving_profile(smaller, TargetEngine(smaller.engine_config()))
+    assert again.tokens_per_request == [1, 2, 4] and again.padded

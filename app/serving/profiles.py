@@ -67,8 +67,7 @@ def serving_profile(config: AppConfig, engine) -> ThroughputProfile:
         profile = load_profile(path)
         covers = profile.max_batch_size >= config.max_num_seqs and profile.max_verify_len >= config.gamma
         if profile.padded:  # its cells are the buckets it was padded to: only the same buckets read them right
-            covers = (profile.batch_sizes, profile.tokens_per_request) == (
-                default_grid(max_batch=config.max_num_seqs, gamma=config.gamma)[0], bucket_sizes(config.gamma + 1))
+            covers = (profile.batch_sizes, profile.tokens_per_request) == padded_grid(config)
         if covers:
             log.info("profile: reusing %s, measured at start-up on %s on %s", path, hardware, profile.provenance.date)
             return profile
@@ -78,6 +77,12 @@ def serving_profile(config: AppConfig, engine) -> ThroughputProfile:
     save_profile(profile, path)
     log.info("profile: cached at %s", path)
     return profile
+
+
+def padded_grid(config: AppConfig) -> tuple[list[int], list[int]]:
+    """The grid a padded engine (``verify_step`` bucketed or cuda_graphs) of ``config`` is timed at: its row buckets
+    (``default_grid``'s batch sizes) and its token buckets 1, 2, 4, ... gamma + 1."""
+    return default_grid(max_batch=config.max_num_seqs, gamma=config.gamma)[0], bucket_sizes(config.gamma + 1)
 
 
 def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> ThroughputProfile:
@@ -95,7 +100,9 @@ def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> Thro
     """
     from app.engine.timing import time_verify_step
 
-    batches, tokens = default_grid(max_batch=config.max_num_seqs, gamma=config.gamma)
+    padded = engine.config.verify_step != "ragged"
+    batches, tokens = padded_grid(config) if padded else default_grid(max_batch=config.max_num_seqs,
+                                                                          gamma=config.gamma)
     t0 = time.perf_counter()
     # the first steps of a fresh engine pay one-time costs (kernel selection, allocations) that no cell pays again
     time_verify_step(engine, batch=1, tokens_per_request=1, context=STARTUP_CONTEXT, repeats=1, warmup=1)
@@ -105,9 +112,7 @@ def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> Thro
     cell_s = time.perf_counter() - probe  # prefill + 2 steps of the largest cell: a bound on any cell at 1 repeat
     drafting = config.speculates and config.drafter in ("ngram", "dspark")
     per_row = max(2, int(config.profile_budget_s / cell_s / len(batches)) - drafting)
-    if engine.config.verify_step != "ragged":
-        tokens = bucket_sizes(config.gamma + 1)
-    elif per_row < len(tokens):
+    if not padded and per_row < len(tokens):
         tokens = sorted({tokens[round(i * (len(tokens) - 1) / (per_row - 1))] for i in range(per_row)})
     cells = len(batches) * (len(tokens) + drafting)
     spare_s = config.profile_budget_s / cells - cell_s

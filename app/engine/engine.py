@@ -202,7 +202,7 @@ class TargetEngine(Engine):
         with torch.inference_mode():
             layout = StepLayout.build(
                 slots=[r.slot for r in reqs], starts=[0] * len(reqs), lengths=lengths, groups=self._groups,
-                device=self.device,
+                device=self.device, dtype=self.cache.k.dtype,
             )
             last = torch.cumsum(torch.tensor(lengths), 0) - 1  # [B] each prompt's last row
             hidden, features = self.model.hidden_states(
@@ -386,7 +386,7 @@ class TargetEngine(Engine):
         with torch.inference_mode():
             layout = StepLayout.build(
                 slots=[r.slot for r in reqs], starts=starts, lengths=rows, groups=self._groups, device=self.device,
-                key_len=self.config.max_model_len if fixed else None,
+                dtype=self.cache.k.dtype, key_len=self.config.max_model_len if fixed else None,
             )
             flat = torch.cat(tokens).to(self.device)
             hidden, features = self.model.hidden_states(

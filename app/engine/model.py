@@ -7,14 +7,17 @@ sampling or request bookkeeping (``engine.py``). No I/O here.
 
 Why not the transformers model: one decode step of SmolLM2-135M through it costs ~66 ms on 2 CPU cores,
 mostly per-module Python overhead (MEASURED.md); this module runs the same math with fused projections and
-one attention call per layer for the whole ragged batch.
+a few attention calls per layer for the whole ragged batch.
 
-KV cache layout: per layer ``[S, Hkv, Tmax, Dh]`` (S slots, one request per slot). A step attends over a
-*view* of the rows ``[lo, hi)`` spanning its requests' slots, so no request's cache is ever copied.
-Rows of that range that are not in the step get masked dummy queries.
+KV cache layout: per layer ``[S, Hkv, Tmax, Dh]`` (S slots, one request per slot). Each attention call of a step
+reads a *view* of the rows ``[lo, hi)`` spanning some of its requests' slots, so no request's cache is ever copied.
+A call pads its rows to its longest context and query run, so on a CPU a ragged step is split into calls where one
+request's context is far longer than its neighbours' (``attention_chunks``). Rows of a call's range that are not in
+the step get masked dummy queries.
 
 Shape symbols: see ``app/engine/types.py``; also S slots, Tmax cache capacity per slot, H query heads,
-Hkv key/value heads, G = H / Hkv, Dh head dim, Dm hidden size, Lq the longest query run in a step.
+Hkv key/value heads, G = H / Hkv, Dh head dim, Dm hidden size, Lq the longest query run of an attention call, Tk
+its key length.
 """
 
 from __future__ import annotations
@@ -168,9 +171,95 @@ class ModelArgs:
         )
 
 
+# The attention cost model that splits a ragged step into calls (``attention_chunks``), in units of one row's key read
+# (one row of the cache view, one key, all its heads): one more call costs what reading CHUNK_CALL_COST such keys does
+# (dispatch, output copies), and every further query row a key meets adds CHUNK_QUERY_COST of its read. Fitted on a
+# CPU (bfloat16 SmolLM2-135M, 16 requests, short and 1,700-token contexts mixed), and used on CPUs only
+# (``StepLayout.build``); the split only needs their ratio roughly right: it matters where one request's context is
+# far longer than its neighbours'.
+CHUNK_CALL_COST = 480.0
+CHUNK_QUERY_COST = 0.03
+CHUNK_MAX_ROWS = 32  # live rows one call may span: bounds the split's search to O(rows * CHUNK_MAX_ROWS)
+# A step is split only where the model predicts it saves at least this share of one call's cost: the model is rough,
+# and a row's bfloat16 attention can round differently over another key length, so near-even batches keep one call.
+CHUNK_MIN_SAVING = 0.25
+
+
+def attention_chunks(
+    slots: list[int], key_lens: list[int], query_lens: list[int], *, groups: int
+) -> list[tuple[int, int]]:
+    """Split a step's requests, in slot order, into runs that each get one attention call, minimising the modelled
+    cost: per call CHUNK_CALL_COST + rows x Tk x (1 + CHUNK_QUERY_COST x G x (Lq - 1)), where rows is the call's span
+    of cache rows (slots between its requests included), Tk its longest key length and Lq its longest query run. One
+    call pads every row to the step's longest context; a request whose context is far longer than its neighbours' is
+    worth a call of its own. Exact dynamic programming over contiguous runs of at most CHUNK_MAX_ROWS requests; the
+    split is kept only if it saves CHUNK_MIN_SAVING of one call's modelled cost (one call otherwise).
+
+    Args:
+        slots: [B] cache slots, strictly increasing. key_lens: [B] keys each request attends over (cached + new).
+        query_lens: [B] new tokens per request. groups: G = H / Hkv.
+
+    Returns:
+        (first, end) index ranges into the B requests, in order, covering all of them.
+    """
+    n = len(slots)
+    best = [0.0] + [math.inf] * n  # best[j]: cost of the first j requests
+    cut = [0] * (n + 1)
+
+    def cost(rows: int, key_len: int, query_len: int) -> float:
+        return CHUNK_CALL_COST + rows * key_len * (1.0 + CHUNK_QUERY_COST * groups * (query_len - 1))
+
+    for j in range(1, n + 1):
+        key_len = query_len = 0
+        for i in range(j - 1, max(0, j - CHUNK_MAX_ROWS) - 1, -1):
+            key_len, query_len = max(key_len, key_lens[i]), max(query_len, query_lens[i])
+            total = best[i] + cost(slots[j - 1] - slots[i] + 1, key_len, query_len)
+            if total < best[j]:
+                best[j], cut[j] = total, i
+    if best[n] > (1.0 - CHUNK_MIN_SAVING) * cost(slots[-1] - slots[0] + 1, max(key_lens), max(query_lens)):
+        return [(0, n)]
+    runs, j = [], n
+    while j > 0:
+        runs.append((cut[j], j))
+        j = cut[j]
+    return runs[::-1]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean attention mask (on the host) as the additive one SDPA adds to the scores: 0 / -inf in ``dtype``,
+    which is what SDPA itself turns a boolean mask into on every call; None where every key is allowed."""
+    if bool(allowed.all()):
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention call of a step: the queries of the cache rows [lo, lo + rows), padded to Lq per row, over their
+    first Tk keys.
+
+    Tokens are the step's flattened [N] order; ``tokens`` picks this call's (None: all of them, a slice: a contiguous
+    run, an index tensor otherwise).
+    """
+
+    tokens: torch.Tensor | slice | None
+    # [n] row of each of this call's tokens in its padded query block (slot - lo); None when ``dense``
+    token_rows: torch.Tensor | None
+    # [n] offset of each token inside its request's run of new tokens; None when ``dense``
+    token_offsets: torch.Tensor | None
+    # [R, 1, G * Lq, Tk] additive (0 where attention is allowed, -inf elsewhere) in the model's dtype; None: all allowed
+    mask: torch.Tensor | None
+    lo: int  # first cache row of the attention view
+    rows: int  # R
+    max_len: int  # Lq
+    key_len: int  # Tk
+    # the tokens fill the padded query block [R, Lq] in order: attention reshapes, no scatter/gather
+    dense: bool = False
+
+
 @dataclass(frozen=True)
 class StepLayout:
-    """Where each token of a ragged step goes; built once per step, shared by all layers.
+    """Where each token of a ragged step goes and how its attention runs; built once per step, shared by all layers.
 
     Request i of the step owns cache slot ``slots[i]``, already holds ``starts[i]`` tokens in it and
     brings ``lengths[i]`` new ones. Tokens are flattened request-major into ``[N]``.
@@ -180,25 +269,18 @@ class StepLayout:
     positions: torch.Tensor
     # [N] cache slot of each new token
     token_slots: torch.Tensor
-    # [N] row of each token in the padded query block (slot - lo)
-    token_rows: torch.Tensor
-    # [N] offset of each token inside its request's run of new tokens
-    token_offsets: torch.Tensor
-    # [R, 1, G * Lq, Tk] bool, True where attention is allowed
-    mask: torch.Tensor
-    lo: int  # first cache row of the attention view
-    rows: int  # R = hi - lo
-    max_len: int  # Lq
-    key_len: int  # Tk = max(starts + lengths)
-    # the N = R * Lq tokens fill the padded query block in order (``grid``): attention reshapes, no scatter/gather
-    dense: bool = False
+    # the step's attention calls (``attention_chunks``); together they cover every token once
+    calls: tuple[AttentionCall, ...]
 
     @classmethod
-    def grid(cls, starts: torch.Tensor, *, tokens: int, key_len: int, groups: int) -> "StepLayout":
+    def grid(
+        cls, starts: torch.Tensor, *, tokens: int, key_len: int, groups: int, dtype: torch.dtype
+    ) -> "StepLayout":
         """The layout of a static-shape step (``app/engine/static_step.py``): row r is cache slot r, which holds
         ``starts[r]`` tokens and gets ``tokens`` new ones (a request's real tokens first, padding after), flattened
-        row-major into [N = R * t]. Built from ``starts`` ([R] int64) on its device without a host round-trip, so the
-        same code runs inside a captured CUDA graph; only R, t and Tk = ``key_len`` fix the shapes.
+        row-major into [N = R * t], in one attention call. Built from ``starts`` ([R] int64) on its device without a
+        host round-trip, so the same code runs inside a captured CUDA graph; only R, t and Tk = ``key_len`` fix the
+        shapes. ``dtype``: the model's (the additive mask's).
 
         Query i of row r may see keys j <= starts[r] + i among the first ``key_len``. Padding queries (past a
         request's run, or rows of slots outside the step) are valid too: they see at least key 0, so their output is
@@ -210,48 +292,70 @@ class StepLayout:
         keys = torch.arange(key_len, device=device)
         allowed = keys[None, None, :] <= starts[:, None, None] + offsets[None, :, None]  # [R, t, Tk]
         row_of = torch.arange(rows, device=device)[:, None].expand(rows, tokens).reshape(-1)
-        return cls(
-            positions=(starts[:, None] + offsets).reshape(-1),
-            token_slots=row_of,
-            token_rows=row_of,
-            token_offsets=offsets.repeat(rows),
-            mask=allowed[:, None].repeat(1, 1, groups, 1),
-            lo=0,
-            rows=rows,
-            max_len=tokens,
-            key_len=key_len,
-            dense=True,
-        )
+        mask = torch.zeros((rows, 1, groups * tokens, key_len), dtype=dtype, device=device)
+        mask.masked_fill_(~allowed[:, None].repeat(1, 1, groups, 1), float("-inf"))
+        call = AttentionCall(tokens=None, token_rows=None, token_offsets=None, mask=mask, lo=0, rows=rows,
+                             max_len=tokens, key_len=key_len, dense=True)
+        return cls(positions=(starts[:, None] + offsets).reshape(-1), token_slots=row_of, calls=(call,))
 
     @classmethod
     def build(
         cls, *, slots: list[int], starts: list[int], lengths: list[int], groups: int, device: torch.device,
-        key_len: int | None = None,
+        dtype: torch.dtype, key_len: int | None = None,
     ) -> "StepLayout":
-        """Compute the layout of a step (see class docstring); ``groups`` is G = H / Hkv. ``key_len`` (Tk) fixes how
-        many cache rows the step attends over (masked beyond each query's position; at least max(starts +
-        lengths)); None: exactly max(starts + lengths).
+        """Compute the layout of a step (see class docstring); ``groups`` is G = H / Hkv, ``dtype`` the model's.
+        On a CPU the requests are split into attention calls by ``attention_chunks``, each over its rows' longest
+        context; elsewhere one call (its cost model is fitted on a CPU; on a GPU a call's kernel launches cost far
+        more keys than that). ``key_len`` (Tk) fixes one call over every row attending over that many cache rows
+        (masked beyond each query's position; at least max(starts + lengths)), so the step's shapes do not depend on
+        the other requests' contexts.
 
         Raises:
-            ValueError: ``key_len`` below max(starts + lengths).
+            ValueError: ``key_len`` below max(starts + lengths), or a slot given twice.
         """
-        lo, hi = min(slots), max(slots) + 1
-        rows, max_len = hi - lo, max(lengths)
         needed = max(s + n for s, n in zip(starts, lengths))
         if key_len is not None and key_len < needed:
             raise ValueError(f"key_len {key_len} is below the {needed} keys the step needs")
-        key_len = needed if key_len is None else key_len
-        row_of = torch.tensor([s - lo for s in slots], dtype=torch.long)
-        start_t = torch.tensor(starts, dtype=torch.long)
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be distinct, got {slots}")
         len_t = torch.tensor(lengths, dtype=torch.long)
         token_req = torch.repeat_interleave(torch.arange(len(slots)), len_t)
         first = torch.cumsum(len_t, 0) - len_t
         offsets = torch.arange(int(len_t.sum())) - first[token_req]
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        ends = [s + n for s, n in zip(starts, lengths)]
+        if key_len is None and torch.device(device).type == "cpu":
+            runs = attention_chunks([slots[r] for r in order], [ends[r] for r in order],
+                                    [lengths[r] for r in order], groups=groups)
+        else:
+            runs = [(0, len(order))]
+        calls = []
+        for i, j in runs:
+            members = order[i:j]
+            calls.append(cls._call(members, slots=slots, starts=starts, lengths=lengths, first=first.tolist(),
+                                   token_req=token_req, offsets=offsets, groups=groups, device=device, dtype=dtype,
+                                   key_len=key_len if key_len is not None else max(ends[r] for r in members),
+                                   whole=len(runs) == 1))
+        return cls(
+            positions=(torch.tensor(starts, dtype=torch.long)[token_req] + offsets).to(device),
+            token_slots=torch.tensor(slots, dtype=torch.long)[token_req].to(device),
+            calls=tuple(calls),
+        )
+
+    @staticmethod
+    def _call(
+        members: list[int], *, slots: list[int], starts: list[int], lengths: list[int], first: list[int],
+        token_req: torch.Tensor, offsets: torch.Tensor, groups: int, device: torch.device, dtype: torch.dtype,
+        key_len: int, whole: bool,
+    ) -> AttentionCall:
+        """The attention call of the requests ``members`` (indices into the step's requests, in slot order)."""
+        lo = slots[members[0]]
+        rows, max_len = slots[members[-1]] - lo + 1, max(lengths[r] for r in members)
         # Per cache row of the view: how many cached tokens precede the queries and how many queries.
         row_start = torch.zeros(rows, dtype=torch.long)
         row_len = torch.zeros(rows, dtype=torch.long)
-        row_start[row_of] = start_t
-        row_len[row_of] = len_t
+        for r in members:
+            row_start[slots[r] - lo], row_len[slots[r] - lo] = starts[r], lengths[r]
         q_idx = torch.arange(max_len)
         k_idx = torch.arange(key_len)
         # Query i of a row may see keys j <= start + i (causal within the new run, full over the cache).
@@ -259,17 +363,19 @@ class StepLayout:
         valid_q = q_idx[None, :] < row_len[:, None]
         # Padded or dummy queries see only key 0 so softmax stays finite; their output is discarded.
         allowed = torch.where(valid_q[:, :, None], allowed, k_idx[None, None, :] == 0)
-        mask = allowed[:, None].repeat(1, 1, groups, 1).to(device)
-        return cls(
-            positions=(start_t[token_req] + offsets).to(device),
-            token_slots=torch.tensor(slots, dtype=torch.long)[token_req].to(device),
-            token_rows=row_of[token_req].to(device),
-            token_offsets=offsets.to(device),
-            mask=mask,
-            lo=lo,
-            rows=rows,
-            max_len=max_len,
-            key_len=key_len,
+        mask = _additive(allowed[:, None].repeat(1, 1, groups, 1), dtype)
+        mask = mask.to(device) if mask is not None else None
+        if len(members) == 1:  # one request: its tokens are one contiguous run that fills the block in order
+            r = members[0]
+            tokens = None if whole else slice(first[r], first[r] + lengths[r])
+            return AttentionCall(tokens=tokens, token_rows=None, token_offsets=None, mask=mask, lo=lo, rows=1,
+                                 max_len=max_len, key_len=key_len, dense=True)
+        picked = torch.isin(token_req, torch.tensor(members))
+        index = picked.nonzero().squeeze(1)
+        rows_of = torch.tensor(slots, dtype=torch.long)[token_req[index]] - lo
+        return AttentionCall(
+            tokens=None if whole else index.to(device), token_rows=rows_of.to(device),
+            token_offsets=offsets[index].to(device), mask=mask, lo=lo, rows=rows, max_len=max_len, key_len=key_len,
         )
 
 
@@ -417,26 +523,36 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)
 
     def _attend(self, q: torch.Tensor, *, cache: KVCache, layer: int, layout: StepLayout) -> torch.Tensor:
-        """Masked attention of the step's queries over the cache rows [lo, lo + R). q: [N, H, Dh]."""
+        """The step's attention, one call per ``layout.calls`` entry. q: [N, H, Dh] -> [N, H, Dh]."""
+        if len(layout.calls) == 1 and layout.calls[0].tokens is None:
+            return self._attend_call(q, cache=cache, layer=layer, call=layout.calls[0])
+        out = torch.empty_like(q)
+        for call in layout.calls:
+            out[call.tokens] = self._attend_call(q[call.tokens], cache=cache, layer=layer, call=call)
+        return out
+
+    def _attend_call(self, q: torch.Tensor, *, cache: KVCache, layer: int, call: AttentionCall) -> torch.Tensor:
+        """Masked attention of one call's queries ([n, H, Dh], its tokens in order) over the cache rows
+        [lo, lo + R) -> [n, H, Dh]."""
         a = self.args
         groups = a.num_heads // a.num_kv_heads
-        rows, lq = layout.rows, layout.max_len
-        if layout.dense:
+        rows, lq = call.rows, call.max_len
+        if call.dense:
             padded = q.view(rows, lq, a.num_heads, a.head_dim)
         else:
             padded = q.new_zeros(rows, lq, a.num_heads, a.head_dim)
-            padded[layout.token_rows, layout.token_offsets] = q
+            padded[call.token_rows, call.token_offsets] = q
         # [R, Lq, Hkv, G, Dh] -> [R, Hkv, G * Lq, Dh]: query heads sharing a kv head share one attention call.
         grouped = padded.view(rows, lq, a.num_kv_heads, groups, a.head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(rows, a.num_kv_heads, groups * lq, a.head_dim)
-        keys = cache.k[layer, layout.lo : layout.lo + rows, :, : layout.key_len]
-        values = cache.v[layer, layout.lo : layout.lo + rows, :, : layout.key_len]
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=layout.mask)
+        keys = cache.k[layer, call.lo : call.lo + rows, :, : call.key_len]
+        values = cache.v[layer, call.lo : call.lo + rows, :, : call.key_len]
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=call.mask)
         out = out.view(rows, a.num_kv_heads, groups, lq, a.head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(rows, lq, a.num_heads, a.head_dim)
-        if layout.dense:
+        if call.dense:
             return out.reshape(rows * lq, a.num_heads, a.head_dim)
-        return out[layout.token_rows, layout.token_offsets]
+        return out[call.token_rows, call.token_offsets]
 
 
 class TargetModel(nn.Module):

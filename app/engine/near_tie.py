@@ -58,7 +58,8 @@ def teacher_forced_hidden(engine, token_ids: list[int]) -> torch.Tensor:
     model = engine.model
     cache = KVCache(model.args, num_slots=1, max_len=len(token_ids), dtype=engine.cache.k.dtype, device=engine.device)
     layout = StepLayout.build(slots=[0], starts=[0], lengths=[len(token_ids)],
-                              groups=model.args.num_heads // model.args.num_kv_heads, device=engine.device)
+                              groups=model.args.num_heads // model.args.num_kv_heads, device=engine.device,
+                              dtype=engine.cache.k.dtype)
     with torch.inference_mode():
         hidden, _ = model.hidden_states(torch.tensor(token_ids, device=engine.device), cache=cache, layout=layout,
                                         index=torch.arange(len(token_ids), device=engine.device))

@@ -1,4 +1,5 @@
-"""Engine benchmark: plain decoding speed and verify-step cost by total tokens and batch size.
+"""Engine benchmark: plain decoding speed, verify-step cost by total tokens and batch size, and verify steps over
+mixed contexts (where a step's attention may be split into several calls, ``app/engine/model.py``).
 
 Usage: ``python -m app.engine.bench [--model smollm2-135m] [--runs 3] [--tokens 128]``
 
@@ -18,8 +19,15 @@ from app.loop import generate
 from app.engine.config import EngineConfig, VerifyStep
 from app.engine.engine import TargetEngine
 from app.engine.hardware import hardware_name
-from app.engine.timing import time_verify_step
+from app.engine.timing import time_mixed_step, time_verify_step
 from app.engine.types import SamplingParams
+
+# 16 requests: contexts spread over 100-350 tokens (fixed draw), and fifteen at 200 beside one at 1,700
+MIXED_CONTEXTS = {
+    "spread 100-350": [305, 149, 269, 188, 133, 212, 341, 101, 250, 327, 176, 120, 290, 231, 158, 199],
+    "one long (15 x 200, 1 x 1700)": [200] * 7 + [1700] + [200] * 8,
+}
+MIXED_TOKENS = {"1 token each": [1] * 16, "8 x 1, 4 x 4, 4 x 8": [1, 4, 8, 1] * 4}
 
 PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. " \
          "How many clips did Natalia sell altogether in April and May?"
@@ -70,6 +78,13 @@ def main(argv: list[str] | None = None) -> dict:
     for b in (1, 2, 4, 8, 16):
         print(f"{b:>6}" + "".join(f"{grid[(b, t)]:>12.1f}" for t in (1, 4, 8)))
 
+    mixed = {(c, t): time_mixed_step(engine, contexts=MIXED_CONTEXTS[c], tokens=MIXED_TOKENS[t])
+             for c in MIXED_CONTEXTS for t in MIXED_TOKENS}
+    print(f"\nverify step, 16 requests, mixed contexts (ms):\n{'contexts':>32}"
+          + "".join(f"{t:>22}" for t in MIXED_TOKENS))
+    for c in MIXED_CONTEXTS:
+        print(f"{c:>32}" + "".join(f"{mixed[(c, t)]:>22.1f}" for t in MIXED_TOKENS))
+
     result = {
         "model": args.model,
         "dtype": str(engine.cache.k.dtype).removeprefix("torch."),
@@ -82,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
         "verify_ms_by_tokens": {str(n): round(ms, 2) for n, ms in by_tokens.items()},
         "verify_16_over_1": round(by_tokens[16] / by_tokens[1], 3),
         "verify_ms_by_batch": {f"{b}x{t}": round(ms, 2) for (b, t), ms in grid.items()},
+        "verify_ms_mixed": {f"{c} / {t}": round(ms, 2) for (c, t), ms in mixed.items()},
     }
     print(json.dumps(result))
     return result

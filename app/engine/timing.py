@@ -76,26 +76,48 @@ def time_verify_step(
     Raises:
         ValueError: ``tokens_per_request - 1`` exceeds the engine's max_draft_len, or batch exceeds its slots.
     """
-    draft_len = tokens_per_request - 1
-    if draft_len > engine.config.max_draft_len or batch > engine.num_free_slots:
-        raise ValueError(
-            f"cannot time batch {batch} x {tokens_per_request} tokens: max_draft_len "
-            f"{engine.config.max_draft_len}, free slots {engine.num_free_slots}"
-        )
+    return time_mixed_step(engine, contexts=[context] * batch, tokens=[tokens_per_request] * batch, repeats=repeats,
+                           warmup=warmup)
+
+
+def time_mixed_step(
+    engine: TargetEngine, *, contexts: list[int], tokens: list[int], repeats: int = 7, warmup: int = 2
+) -> float:
+    """Median wall time (ms) of one verify step of requests with different contexts and verify lengths: request i
+    holds ``contexts[i]`` tokens of cache and brings its pending token plus ``tokens[i] - 1`` drafts (continuing its
+    prompt's text, as ``time_verify_step``). Its requests are prefilled one at a time, into the lowest free slots.
+
+    Raises:
+        ValueError: the lists differ in length, a verify length is outside [1, max_draft_len + 1], more requests
+            than free slots, or a context too long for the engine.
+    """
+    if len(contexts) != len(tokens) or not all(1 <= t <= engine.config.max_draft_len + 1 for t in tokens):
+        raise ValueError(f"need one verify length in [1, {engine.config.max_draft_len + 1}] per context, got "
+                         f"{len(contexts)} contexts and lengths {tokens}")
+    if len(contexts) > engine.num_free_slots:
+        raise ValueError(f"{len(contexts)} requests for {engine.num_free_slots} free slots")
+    step = max(tokens)
+    max_tokens = (warmup + repeats) * step + 2
+    text = timing_tokens(engine, max(contexts) + max_tokens)
+    ids = [f"timing-{i}" for i in range(len(contexts))]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     times = []
-    max_tokens = (warmup + repeats) * (draft_len + 1) + 2
-    text = timing_tokens(engine, context + max_tokens)
-    with timing_requests(engine, batch=batch, context=context, max_tokens=max_tokens, prefix="timing") as (_, firsts):
+    try:
+        for rid, context in zip(ids, contexts):
+            engine.add_request(rid, text[:context], params)
         for i in range(warmup + repeats):
-            at = context + 1 + i * (draft_len + 1)  # after the prompt and the first (pending) token
-            draft = torch.tensor(text[at : at + draft_len], dtype=torch.long)
-            blocks = [DraftBlock(f.request_id, draft) for f in firsts]
+            blocks = [DraftBlock(rid, torch.tensor(text[c + 1 + i * step : c + i * step + t], dtype=torch.long))
+                      for rid, c, t in zip(ids, contexts, tokens)]
             _synchronize(engine)
             t0 = time.perf_counter()
             engine.verify(blocks)
             _synchronize(engine)
             if i >= warmup:
                 times.append((time.perf_counter() - t0) * 1000.0)
+    finally:
+        for rid in ids:
+            if engine.has_request(rid):
+                engine.release(rid)
     return statistics.median(times)
 
 

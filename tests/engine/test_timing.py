@@ -1,9 +1,10 @@
 """Verify-step timing runs on natural text: no row of the real target falls back to the float32 LM head."""
 
+import pytest
 import torch
 
 from app.engine import greedy_head
-from app.engine.timing import TIMING_TEXT, time_verify_step, timing_tokens
+from app.engine.timing import TIMING_TEXT, time_mixed_step, time_verify_step, timing_tokens
 
 
 def test_timing_tokens_tile_the_text(engine):
@@ -33,3 +34,21 @@ def test_timed_verify_steps_take_the_screened_path(bf16_engine, monkeypatch):
     assert sum(rows) == 4 * 4 * 3 + 4  # 3 steps of 4 x 4 rows, plus the 4 prefills' last rows
     assert sum(flat) == 0
     assert engine.num_active == 0
+
+
+def test_a_mixed_step_is_timed_at_its_contexts_and_leaves_no_request(engine, monkeypatch):
+    seen = []
+    verify = type(engine).verify
+
+    def recording(self, blocks):
+        seen.append([(self._requests[b.request_id].num_cached, len(b.tokens)) for b in blocks])
+        return verify(self, blocks)
+
+    monkeypatch.setattr(type(engine), "verify", recording)
+    assert time_mixed_step(engine, contexts=[40, 300, 90], tokens=[1, 5, 3], repeats=2, warmup=1) > 0
+    assert seen[0] == [(40, 0), (300, 4), (90, 2)] and len(seen) == 3
+    assert engine.num_active == 0
+    with pytest.raises(ValueError, match="one verify length"):
+        time_mixed_step(engine, contexts=[40, 300], tokens=[1])
+    with pytest.raises(ValueError, match="one verify length"):
+        time_mixed_step(engine, contexts=[40], tokens=[engine.config.max_draft_len + 2])

@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # Attention kernels a CUDA step may use, in PyTorch's order of preference. cuDNN's is left out: with this module's
-# boolean mask PyTorch picked it on an H200, and each call then cost 1.25-1.5 ms of host time (its kernels ran
+# attention mask PyTorch picked it on an H200, and each call then cost 1.25-1.5 ms of host time (its kernels ran
 # 32-185 us), 39-45 ms of a 60 ms step of Llama-3.1-8B or SmolLM2-135M (torch.profiler, docs/scheduling.md).
 CUDA_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 

@@ -73,10 +73,10 @@ def teacher_forced_logits(engine, token_ids: list[int]) -> torch.Tensor:
 
 
 def processed_logits(engine, prompt: list[int], params: SamplingParams | None, prefix: list[int]) -> torch.Tensor:
-    """[V] float32: the target's teacher-forced logits after ``prompt + prefix`` through ``params``' controls and
-    grammar (steps 1-5 of ``app/engine/logits_process.py``, as the engine applies them at that position); the raw
-    logits when ``params`` is None or sets no control."""
-    logits = teacher_forced_logits(engine, prompt + prefix)[-1:]
+    """[V] float32 on the host: the target's teacher-forced logits after ``prompt + prefix`` through ``params``'
+    controls and grammar (steps 1-5 of ``app/engine/logits_process.py``, on the host as the engine applies them at
+    that position); the raw logits when ``params`` is None or sets no control."""
+    logits = teacher_forced_logits(engine, prompt + prefix)[-1:].cpu()
     if params is None or not params.controls():
         return logits[0]
     controls = RequestControls(params, prompt, eos_token_ids=sorted(engine.eos_token_ids), vocab_size=engine.vocab_size)

@@ -179,7 +179,7 @@ class ModelArgs:
 # far longer than its neighbours'.
 CHUNK_CALL_COST = 480.0
 CHUNK_QUERY_COST = 0.03
-CHUNK_MAX_ROWS = 32  # live rows one call may span: bounds the split's search to O(rows * CHUNK_MAX_ROWS)
+CHUNK_MAX_ROWS = 32  # requests one run of a split may hold: bounds its search to O(requests * CHUNK_MAX_ROWS)
 # A step is split only where the model predicts it saves at least this share of one call's cost: the model is rough,
 # and a row's bfloat16 attention can round differently over another key length, so near-even batches keep one call.
 CHUNK_MIN_SAVING = 0.25
@@ -225,10 +225,11 @@ def attention_chunks(
     return runs[::-1]
 
 
-def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def _additive(allowed: torch.Tensor, dtype: torch.dtype, *, optional: bool) -> torch.Tensor | None:
     """A boolean attention mask (on the host) as the additive one SDPA adds to the scores: 0 / -inf in ``dtype``,
-    which is what SDPA itself turns a boolean mask into on every call; None where every key is allowed."""
-    if bool(allowed.all()):
+    which is what SDPA itself turns a boolean mask into on every call. With ``optional``, None where every key is
+    allowed (on a CPU SDPA's output is then bit-identical; on CUDA an unmasked call may take another kernel)."""
+    if optional and bool(allowed.all()):
         return None
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
 
@@ -247,7 +248,8 @@ class AttentionCall:
     token_rows: torch.Tensor | None
     # [n] offset of each token inside its request's run of new tokens; None when ``dense``
     token_offsets: torch.Tensor | None
-    # [R, 1, G * Lq, Tk] additive (0 where attention is allowed, -inf elsewhere) in the model's dtype; None: all allowed
+    # [R, 1, G * Lq, Tk] additive (0 where attention is allowed, -inf elsewhere) in the model's dtype; None (on a CPU):
+    # all allowed
     mask: torch.Tensor | None
     lo: int  # first cache row of the attention view
     rows: int  # R
@@ -363,7 +365,7 @@ class StepLayout:
         valid_q = q_idx[None, :] < row_len[:, None]
         # Padded or dummy queries see only key 0 so softmax stays finite; their output is discarded.
         allowed = torch.where(valid_q[:, :, None], allowed, k_idx[None, None, :] == 0)
-        mask = _additive(allowed[:, None].repeat(1, 1, groups, 1), dtype)
+        mask = _additive(allowed[:, None].repeat(1, 1, groups, 1), dtype, optional=torch.device(device).type == "cpu")
         mask = mask.to(device) if mask is not None else None
         if len(members) == 1:  # one request: its tokens are one contiguous run that fills the block in order
             r = members[0]

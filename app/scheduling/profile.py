@@ -291,9 +291,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
 
 
-def profile_filename(provenance: Provenance) -> str:
-    """``<engine>-<model>-<hardware>.json``, lower-case, non-alphanumerics turned into '-'."""
-    return f"{_slug(provenance.engine)}-{_slug(_model_key(provenance.model))}-{_slug(provenance.hardware)}.json"
+def profile_filename(provenance: Provenance, verify_step: VerifyStep = "ragged") -> str:
+    """``<engine>-<model>-<hardware>.json``, lower-case, non-alphanumerics turned into '-'; a padded engine's profile
+    (``verify_step`` bucketed or cuda_graphs) ends ``-<verify_step>.json``, so it sits beside the ragged one."""
+    step = "" if verify_step == "ragged" else f"-{_slug(verify_step)}"
+    return f"{_slug(provenance.engine)}-{_slug(_model_key(provenance.model))}-{_slug(provenance.hardware)}{step}.json"
 
 
 def measured_profiles(directory: str | Path, *, model: str, verify_step: VerifyStep | None = None
@@ -344,7 +346,8 @@ def write_profile(
     draft_gamma: int,
     verify_step: VerifyStep = "ragged",
 ) -> Path:
-    """Validate measured (or derived) step times and write ``directory/<engine>-<model>-<hardware>.json``.
+    """Validate measured (or derived) step times and write ``directory/<engine>-<model>-<hardware>.json``
+    (``profile_filename``: padded engines' profiles get their ``verify_step`` appended).
 
     Entry point for the profiler CLI: it times the grid, then calls this with plain lists.
 
@@ -362,4 +365,4 @@ def write_profile(
         draft_gamma=draft_gamma,
         verify_step=verify_step,
     )
-    return save_profile(profile, Path(directory) / profile_filename(provenance))
+    return save_profile(profile, Path(directory) / profile_filename(provenance, verify_step))

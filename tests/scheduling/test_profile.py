@@ -103,6 +103,8 @@ def test_padded_profiles_look_up_by_ceiling(tmp_path):
         draft_gamma=7, verify_step="cuda_graphs",
     )
     assert load_profile(path).verify_step == "cuda_graphs"
+    # beside the ragged profile of the same engine, model and hardware, not over it
+    assert path.name == "test-smollm2-135m-instruct-test-cpu-cuda-graphs.json"
     old = ragged.model_dump(mode="json")
     del old["verify_step"]
     path.write_text(json.dumps(old))

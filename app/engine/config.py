@@ -38,7 +38,7 @@ class EngineConfig(BaseModel):
         True, description="Compute logits with a float32 copy of the LM head (stable greedy ties in bfloat16)."
     )
     greedy_screen: bool = Field(
-        True, description="CPU, bfloat16/float16 model with the float32 LM head: greedy requests take the argmax of "
+        True, description="bfloat16/float16 model with the float32 LM head: greedy requests take the argmax of "
         "exact logits of the candidates a half-precision LM head screens out (app/engine/greedy_head.py), "
         "not a float32 matmul over the vocabulary.",
     )

@@ -120,7 +120,7 @@ class TargetEngine(Engine):
     def _greedy_screen(self) -> ScreenedArgmax | None:
         """The screened greedy head when ``greedy_screen`` applies (see its description), else None."""
         head, embed = self.model.lm_head.weight, self.model.embed_tokens.weight
-        if not (self.config.greedy_screen and self.device.type == "cpu" and head.dtype == torch.float32
+        if not (self.config.greedy_screen and head.dtype == torch.float32
                 and embed.dtype in (torch.bfloat16, torch.float16)):
             return None
         screen = embed if self.model.args.tie_word_embeddings else head.to(embed.dtype)

@@ -226,12 +226,13 @@ def attention_chunks(
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype, *, optional: bool) -> torch.Tensor | None:
-    """A boolean attention mask (on the host) as the additive one SDPA adds to the scores: 0 / -inf in ``dtype``,
-    which is what SDPA itself turns a boolean mask into on every call. With ``optional``, None where every key is
-    allowed (on a CPU SDPA's output is then bit-identical; on CUDA an unmasked call may take another kernel)."""
+    """A boolean attention mask as the additive one SDPA adds to the scores, on its device: 0 / -inf in ``dtype``,
+    which is what SDPA itself turns a boolean mask into on every call. With ``optional`` (a host mask), None where
+    every key is allowed (on a CPU SDPA's output is then bit-identical; on CUDA an unmasked call may take another
+    kernel)."""
     if optional and bool(allowed.all()):
         return None
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -294,8 +295,7 @@ class StepLayout:
         keys = torch.arange(key_len, device=device)
         allowed = keys[None, None, :] <= starts[:, None, None] + offsets[None, :, None]  # [R, t, Tk]
         row_of = torch.arange(rows, device=device)[:, None].expand(rows, tokens).reshape(-1)
-        mask = torch.zeros((rows, 1, groups * tokens, key_len), dtype=dtype, device=device)
-        mask.masked_fill_(~allowed[:, None].repeat(1, 1, groups, 1), float("-inf"))
+        mask = _additive(allowed[:, None].repeat(1, 1, groups, 1), dtype, optional=False)
         call = AttentionCall(tokens=None, token_rows=None, token_offsets=None, mask=mask, lo=0, rows=rows,
                              max_len=tokens, key_len=key_len, dense=True)
         return cls(positions=(starts[:, None] + offsets).reshape(-1), token_slots=row_of, calls=(call,))
@@ -326,18 +326,19 @@ class StepLayout:
         offsets = torch.arange(int(len_t.sum())) - first[token_req]
         order = sorted(range(len(slots)), key=slots.__getitem__)
         ends = [s + n for s, n in zip(starts, lengths)]
-        if key_len is None and torch.device(device).type == "cpu":
+        on_cpu = torch.device(device).type == "cpu"
+        if key_len is None and on_cpu:
             runs = attention_chunks([slots[r] for r in order], [ends[r] for r in order],
                                     [lengths[r] for r in order], groups=groups)
         else:
             runs = [(0, len(order))]
-        calls = []
+        calls, firsts = [], first.tolist()
         for i, j in runs:
             members = order[i:j]
-            calls.append(cls._call(members, slots=slots, starts=starts, lengths=lengths, first=first.tolist(),
+            calls.append(cls._call(members, slots=slots, starts=starts, lengths=lengths, first=firsts,
                                    token_req=token_req, offsets=offsets, groups=groups, device=device, dtype=dtype,
                                    key_len=key_len if key_len is not None else max(ends[r] for r in members),
-                                   whole=len(runs) == 1))
+                                   whole=len(runs) == 1, on_cpu=on_cpu))
         return cls(
             positions=(torch.tensor(starts, dtype=torch.long)[token_req] + offsets).to(device),
             token_slots=torch.tensor(slots, dtype=torch.long)[token_req].to(device),
@@ -348,9 +349,10 @@ class StepLayout:
     def _call(
         members: list[int], *, slots: list[int], starts: list[int], lengths: list[int], first: list[int],
         token_req: torch.Tensor, offsets: torch.Tensor, groups: int, device: torch.device, dtype: torch.dtype,
-        key_len: int, whole: bool,
+        key_len: int, whole: bool, on_cpu: bool,
     ) -> AttentionCall:
-        """The attention call of the requests ``members`` (indices into the step's requests, in slot order)."""
+        """The attention call of the requests ``members`` (indices into the step's requests, in slot order); ``whole``:
+        the step's only call; ``on_cpu``: a CPU step (its mask may be left out, ``_additive``)."""
         lo = slots[members[0]]
         rows, max_len = slots[members[-1]] - lo + 1, max(lengths[r] for r in members)
         # Per cache row of the view: how many cached tokens precede the queries and how many queries.
@@ -365,7 +367,7 @@ class StepLayout:
         valid_q = q_idx[None, :] < row_len[:, None]
         # Padded or dummy queries see only key 0 so softmax stays finite; their output is discarded.
         allowed = torch.where(valid_q[:, :, None], allowed, k_idx[None, None, :] == 0)
-        mask = _additive(allowed[:, None].repeat(1, 1, groups, 1), dtype, optional=torch.device(device).type == "cpu")
+        mask = _additive(allowed[:, None].repeat(1, 1, groups, 1), dtype, optional=on_cpu)
         mask = mask.to(device) if mask is not None else None
         if len(members) == 1:  # one request: its tokens are one contiguous run that fills the block in order
             r = members[0]

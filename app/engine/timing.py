@@ -40,18 +40,19 @@ def timing_tokens(engine: TargetEngine, length: int) -> list[int]:
 
 @contextmanager
 def timing_requests(
-    engine: TargetEngine, *, batch: int, context: int, max_tokens: int, prefix: str
-) -> Iterator[tuple[list[int], list[StepOutput]]]:
-    """Add ``batch`` requests with the prompt ``timing_tokens(engine, context)``; release whatever is left on exit.
+    engine: TargetEngine, *, contexts: list[int], max_tokens: int, prefix: str
+) -> Iterator[list[tuple[list[int], StepOutput]]]:
+    """Add one request per entry of ``contexts``, request i with the prompt ``timing_tokens(engine, contexts[i])``,
+    one at a time (into the lowest free slots); release whatever is left on exit.
 
     Yields:
-        The prompt and each request's prefill output (request ids are ``f"{prefix}-{i}"``).
+        Each request's prompt and prefill output (request ids are ``f"{prefix}-{i}"``).
     """
-    prompt = timing_tokens(engine, context)
+    text = timing_tokens(engine, max(contexts))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    ids = [f"{prefix}-{i}" for i in range(batch)]
+    ids = [f"{prefix}-{i}" for i in range(len(contexts))]
     try:
-        yield prompt, [engine.add_request(rid, prompt, params) for rid in ids]
+        yield [(text[:c], engine.add_request(rid, text[:c], params)) for rid, c in zip(ids, contexts)]
     finally:
         for rid in ids:
             if engine.has_request(rid):
@@ -85,7 +86,7 @@ def time_mixed_step(
 ) -> float:
     """Median wall time (ms) of one verify step of requests with different contexts and verify lengths: request i
     holds ``contexts[i]`` tokens of cache and brings its pending token plus ``tokens[i] - 1`` drafts (continuing its
-    prompt's text, as ``time_verify_step``). Its requests are prefilled one at a time, into the lowest free slots.
+    prompt's text, as ``time_verify_step``), prefilled by ``timing_requests``.
 
     Raises:
         ValueError: the lists differ in length, a verify length is outside [1, max_draft_len + 1], more requests
@@ -98,13 +99,10 @@ def time_mixed_step(
         raise ValueError(f"{len(contexts)} requests for {engine.num_free_slots} free slots")
     step = max(tokens)
     max_tokens = (warmup + repeats) * step + 2
-    text = timing_tokens(engine, max(contexts) + max_tokens)
-    ids = [f"timing-{i}" for i in range(len(contexts))]
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    text = timing_tokens(engine, max(contexts) + max_tokens)  # each prompt is its first contexts[i] tokens
     times = []
-    try:
-        for rid, context in zip(ids, contexts):
-            engine.add_request(rid, text[:context], params)
+    with timing_requests(engine, contexts=contexts, max_tokens=max_tokens, prefix="timing") as added:
+        ids = [first.request_id for _, first in added]
         for i in range(warmup + repeats):
             blocks = [DraftBlock(rid, torch.tensor(text[c + 1 + i * step : c + i * step + t], dtype=torch.long))
                       for rid, c, t in zip(ids, contexts, tokens)]
@@ -114,19 +112,15 @@ def time_mixed_step(
             _synchronize(engine)
             if i >= warmup:
                 times.append((time.perf_counter() - t0) * 1000.0)
-    finally:
-        for rid in ids:
-            if engine.has_request(rid):
-                engine.release(rid)
     return statistics.median(times)
 
 
 def time_draft_step(engine: TargetEngine, proposer: Proposer, *, batch: int, context: int, repeats: int = 5) -> float:
     """Median wall time (ms) of one ``proposer.propose`` for ``batch`` requests with ``context``-token prompts."""
     times = []
-    with timing_requests(engine, batch=batch, context=context, max_tokens=4, prefix="draft-timing") as (prompt, firsts):
-        ids = [f.request_id for f in firsts]
-        for first in firsts:
+    with timing_requests(engine, contexts=[context] * batch, max_tokens=4, prefix="draft-timing") as added:
+        ids = [first.request_id for _, first in added]
+        for prompt, first in added:
             proposer.start(first.request_id, prompt, first)
         try:
             proposer.propose(ids)  # warm-up

@@ -119,7 +119,10 @@ def drafter_alone(config: AppConfig, prompts: list[str], params: SamplingParams,
                                        max_model_len=config.max_model_len, max_draft_len=config.gamma))
     proposer = make_proposer(config)
     prompt = engine.encode_chat([{"role": "user", "content": prompts[0]}])
-    first = engine.add_request("bench", prompt, dataclasses.replace(params, max_tokens=calls + 8))
+    request = dataclasses.replace(params, max_tokens=calls + 8)
+    first = engine.add_request("bench", prompt, request)
+    if hasattr(proposer, "set_params"):  # as the loop's drafter host does: draft at the request's own settings
+        proposer.set_params("bench", request)
     proposer.start("bench", prompt, first)
     times = []
     for _ in range(calls):

@@ -1,0 +1,29 @@
+"""The served single-stream bench's drafter-alone round drafts a request as the served drafter does."""
+
+from __future__ import annotations
+
+import pytest
+
+import app.drafters.proposer as proposer_module
+import loadtest.bench as bench
+from app.engine.types import SamplingParams
+from app.serving.config import AppConfig
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_drafter_alone_drafts_at_the_requests_temperature(monkeypatch, temperature):
+    """A sampled request's drafts are sampled, with the proposal probabilities rejection sampling needs; a greedy
+    one's are deterministic (probs None)."""
+    sampled = []
+    propose = proposer_module.DSparkProposer.propose
+
+    def recording(self, request_ids):
+        blocks = propose(self, request_ids)
+        sampled.extend(block.probs is not None for block in blocks)
+        return blocks
+
+    monkeypatch.setattr(proposer_module.DSparkProposer, "propose", recording)
+    config = AppConfig.model_validate({**bench.app_args(bench.DEFAULT_CONFIG, {}), "policy": "dspark"})
+    ms = bench.drafter_alone(config, ["What is 12 times 7?"], SamplingParams(max_tokens=16, temperature=temperature),
+                             calls=3)
+    assert ms > 0 and sampled and set(sampled) == {temperature > 0}

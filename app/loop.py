@@ -147,7 +147,8 @@ class Scheduler(Protocol):
     def should_draft(self, requests: Sequence[str], *, draft_ms: float | None, verify_scale: float,
                      temperatures: Sequence[float]) -> bool: ...
 
-    def schedule(self, *, confidences: torch.Tensor, min_len: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor: ...
+    def schedule(self, *, confidences: torch.Tensor, min_len: torch.Tensor, max_len: torch.Tensor,
+                 sampled: torch.Tensor | None, with_draft: bool) -> torch.Tensor: ...
 
     def observe(self, requests: Sequence[str], num_draft: Sequence[int], num_accepted: Sequence[int]) -> None: ...
 
@@ -201,6 +202,8 @@ class Round:
         drafted: draft tokens the round chose (drafter or lookup), before verify lengths cut them.
         lookup: requests that verified a prompt-lookup draft.
         verify_ms: the engine's verify call (ms).
+        sampled: the fraction of the step's rows (1 + verify length per request) that were sampled
+            (``SamplingParams.full_logits``), as the throughput profile prices them.
     """
 
     outputs: list[StepOutput]
@@ -211,6 +214,7 @@ class Round:
     drafted: int
     lookup: int
     verify_ms: float
+    sampled: float
 
 
 class SpecLoop:
@@ -340,7 +344,9 @@ class SpecLoop:
         blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
         drafts, confidences, from_lookup = self._choose(self.speculating() if speculate else [], drafted)
         if drafts:
-            blocks.update(self._lengths(drafts, confidences))
+            blocks.update(self._lengths(drafts, confidences, with_draft=drafted is not None and bool(drafted.blocks)))
+        rows = {rid: 1 + blocks[rid].length for rid in ids}
+        sampled_rows = sum(n for rid, n in rows.items() if self.active[rid].params.full_logits)
         t0 = time.perf_counter()
         outputs = self.engine.verify([blocks[rid] for rid in ids])
         verify_ms = (time.perf_counter() - t0) * 1000
@@ -376,7 +382,8 @@ class SpecLoop:
             self.lookup.update(speculated)
         return Round(outputs=outputs, committed=committed, verified=verified, accepted=accepted,
                      longest=max((out.num_draft for out in outputs), default=0),
-                     drafted=sum(int(b.tokens.shape[0]) for b in drafts), lookup=lookup, verify_ms=verify_ms)
+                     drafted=sum(int(b.tokens.shape[0]) for b in drafts), lookup=lookup, verify_ms=verify_ms,
+                     sampled=sampled_rows / sum(rows.values()))
 
     def _choose(self, speculative: list[str], drafted: DraftRound | None
                 ) -> tuple[list[DraftBlock], torch.Tensor, set[str]]:
@@ -407,23 +414,33 @@ class SpecLoop:
         order = [rid for rid in self.active if rid in chosen]
         return [chosen[rid][0] for rid in order], torch.stack([chosen[rid][1] for rid in order]), from_lookup
 
-    def _lengths(self, drafts: list[DraftBlock], confidences: torch.Tensor) -> dict[str, DraftBlock]:
-        """Verify lengths for the drafted requests under the policy over the drafted batch, each capped by K and the
-        request's max_tokens left; without a scheduler the blocks as proposed.
+    def _lengths(self, drafts: list[DraftBlock], confidences: torch.Tensor, *, with_draft: bool
+                 ) -> dict[str, DraftBlock]:
+        """Verify lengths for the drafted requests under the policy, each capped by K and the request's max_tokens
+        left; without a scheduler the blocks as proposed. The policy sees the whole verify step: every active
+        request (one without a draft: confidences 0, max_len 0), which are sampled (``SamplingParams.full_logits``),
+        and whether the drafter ran this round (``with_draft``).
 
         Args:
-            drafts: one block per drafted request; confidences: [n, K] their per-position confidences.
+            drafts: one block per drafted request, in the order of ``self.active``; confidences: [n, K] theirs.
         """
         if self.scheduler is None:
             return {b.request_id: b for b in drafts}
-        max_len = torch.tensor([
+        ids = list(self.active)
+        position = {rid: i for i, rid in enumerate(ids)}
+        rows = torch.tensor([position[b.request_id] for b in drafts], dtype=torch.long)
+        conf = torch.zeros(len(ids), confidences.shape[1])
+        conf[rows] = confidences.clamp(0, 1)
+        max_len = torch.zeros(len(ids), dtype=torch.long)
+        max_len[rows] = torch.tensor([
             min(b.tokens.shape[0], self.gamma,
                 self.active[b.request_id].params.max_tokens - len(self.active[b.request_id].token_ids) - 1)
             for b in drafts
         ], dtype=torch.long).clamp(min=0)
-        lengths = self.scheduler.schedule(confidences=confidences.clamp(0, 1), min_len=torch.zeros_like(max_len),
-                                          max_len=max_len)
-        return {b.request_id: replace(b, verify_len=int(n)) for b, n in zip(drafts, lengths.tolist())}
+        sampled = torch.tensor([self.active[rid].params.full_logits for rid in ids], dtype=torch.bool)
+        lengths = self.scheduler.schedule(confidences=conf, min_len=torch.zeros_like(max_len), max_len=max_len,
+                                          sampled=sampled, with_draft=with_draft)
+        return {b.request_id: replace(b, verify_len=int(lengths[r])) for b, r in zip(drafts, rows.tolist())}
 
     # ------------------------------------------------------------------ ending requests early
 

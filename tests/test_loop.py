@@ -184,3 +184,36 @@ def test_a_plain_round_verifies_no_draft_not_even_a_lookup_one():
     with pytest.raises(ValueError, match="takes no drafter answer"):
         loop.step(DraftRound(blocks=[], confidences=torch.zeros(0, GAMMA)), speculate=False)
     assert record.token_ids == cycle  # plain and lookup rounds: the mock model's own sequence
+
+
+def test_verify_lengths_are_priced_over_the_whole_step():
+    """Only one of two requests has a draft (prompt lookup, no drafter call): the policy still sees both requests of
+    the verify step (the other with nothing to verify), which of them sample, and that the drafter did not run."""
+    from app.drafters.lookup import PromptLookup
+
+    class Rates:
+        max_ngram = 3
+
+        def confidences(self, n, length, mode, gamma):
+            return torch.full((gamma,), 0.99) * (torch.arange(gamma) < length)
+
+    class Recording(VerifyScheduler):
+        def schedule(self, **kw):
+            calls.append(kw)
+            return super().schedule(**kw)
+
+    calls: list[dict] = []
+    config = AppConfig(mock_engine=True, drafter="mock", policy="dspark", gamma=GAMMA)
+    recording = Recording(make_policy("dspark"), load_profile(config.profile_path()), max_batch=4, gamma=GAMMA)
+    engine = mock_engine()
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, scheduler=recording, lookup=PromptLookup(Rates(), GAMMA))
+    cycle = expected_tokens(1, 8, engine.vocab_size)
+    loop.admit([NewRequest("rep", [1] + cycle + [1], SamplingParams(max_tokens=8, ignore_eos=True)),
+                NewRequest("new", [7], SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0))])
+    loop.take_call()
+    result = loop.step(None)
+    assert result.lookup == 1
+    (call,) = calls
+    assert call["confidences"].shape == (2, GAMMA) and call["max_len"].tolist()[1] == 0
+    assert call["sampled"].tolist() == [False, True] and call["with_draft"] is False
+    assert result.sampled == pytest.approx(1 / (2 + result.verified))  # one sampled row of the step

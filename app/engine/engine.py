@@ -58,7 +58,7 @@ class _Request:
     @property
     def screened(self) -> bool:
         """Whether the greedy screen may pick this request's tokens (plain greedy: no control, no logprobs)."""
-        return self.params.greedy and self.controls is None
+        return not self.params.full_logits
 
     @property
     def plain_sampled(self) -> bool:

@@ -40,16 +40,17 @@ def timing_tokens(engine: TargetEngine, length: int) -> list[int]:
 
 @contextmanager
 def timing_requests(
-    engine: TargetEngine, *, contexts: list[int], max_tokens: int, prefix: str
+    engine: TargetEngine, *, contexts: list[int], max_tokens: int, prefix: str, temperature: float = 0.0
 ) -> Iterator[list[tuple[list[int], StepOutput]]]:
     """Add one request per entry of ``contexts``, request i with the prompt ``timing_tokens(engine, contexts[i])``,
-    one at a time (into the lowest free slots); release whatever is left on exit.
+    one at a time (into the lowest free slots), greedy or sampled at ``temperature`` (unseeded, no other control);
+    release whatever is left on exit.
 
     Yields:
         Each request's prompt and prefill output (request ids are ``f"{prefix}-{i}"``).
     """
     text = timing_tokens(engine, max(contexts))
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature)
     ids = [f"{prefix}-{i}" for i in range(len(contexts))]
     try:
         yield [(text[:c], engine.add_request(rid, text[:c], params)) for rid, c in zip(ids, contexts)]
@@ -67,9 +68,11 @@ def time_verify_step(
     context: int = 200,
     repeats: int = 7,
     warmup: int = 2,
+    temperature: float = 0.0,
 ) -> float:
     """Median wall time (ms) of one verify step: ``batch`` requests, each its pending token plus
-    ``tokens_per_request - 1`` draft tokens, over a KV cache of ``context`` tokens per request.
+    ``tokens_per_request - 1`` draft tokens, over a KV cache of ``context`` tokens per request, greedy or sampled at
+    ``temperature`` (the drafts are deterministic proposals, as prompt lookup's).
 
     Drafts continue the prompt's text (module docstring), so the step is timed including acceptance; the cache
     grows by at most ``tokens_per_request`` tokens per repeat (``max_tokens`` is sized so no request ends early).
@@ -78,15 +81,16 @@ def time_verify_step(
         ValueError: ``tokens_per_request - 1`` exceeds the engine's max_draft_len, or batch exceeds its slots.
     """
     return time_mixed_step(engine, contexts=[context] * batch, tokens=[tokens_per_request] * batch, repeats=repeats,
-                           warmup=warmup)
+                           warmup=warmup, temperature=temperature)
 
 
 def time_mixed_step(
-    engine: TargetEngine, *, contexts: list[int], tokens: list[int], repeats: int = 7, warmup: int = 2
+    engine: TargetEngine, *, contexts: list[int], tokens: list[int], repeats: int = 7, warmup: int = 2,
+    temperature: float = 0.0,
 ) -> float:
     """Median wall time (ms) of one verify step of requests with different contexts and verify lengths: request i
     holds ``contexts[i]`` tokens of cache and brings its pending token plus ``tokens[i] - 1`` drafts (continuing its
-    prompt's text, as ``time_verify_step``), prefilled by ``timing_requests``.
+    prompt's text, as ``time_verify_step``), prefilled by ``timing_requests``, greedy or sampled at ``temperature``.
 
     Raises:
         ValueError: the lists differ in length, a verify length is outside [1, max_draft_len + 1], more requests
@@ -101,7 +105,8 @@ def time_mixed_step(
     max_tokens = (warmup + repeats) * step + 2
     text = timing_tokens(engine, max(contexts) + max_tokens)  # each prompt is its first contexts[i] tokens
     times = []
-    with timing_requests(engine, contexts=contexts, max_tokens=max_tokens, prefix="timing") as added:
+    with timing_requests(engine, contexts=contexts, max_tokens=max_tokens, prefix="timing",
+                         temperature=temperature) as added:
         ids = [first.request_id for _, first in added]
         for i in range(warmup + repeats):
             blocks = [DraftBlock(rid, torch.tensor(text[c + 1 + i * step : c + i * step + t], dtype=torch.long))

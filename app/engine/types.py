@@ -164,6 +164,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def full_logits(self) -> bool:
+        """Whether the target computes this request's logits over the whole vocabulary (float32 LM head): sampled,
+        or greedy with a control or logprobs. Plain greedy rows take the greedy screen instead
+        (``app/engine/greedy_head.py``), and a verify step prices the two apart (``ThroughputProfile``)."""
+        return not self.greedy or bool(self.controls())
+
     def controls(self) -> list[str]:
         """Names of the sampling controls set away from their neutral value (penalties, biases, truncations,
         ``min_tokens``, ``stop_token_ids``, ``logprobs``, ``guided``)."""

@@ -25,6 +25,7 @@ def best_uniform_length(
     profile: ThroughputProfile,
     draft_ms: float | None = None,
     verify_scale: float = 1.0,
+    sampled: float = 0.0,
 ) -> tuple[int, float]:
     """The verify length l* that maximises expected tokens/s when each of B requests verifies l drafts.
 
@@ -43,11 +44,12 @@ def best_uniform_length(
         draft_ms: drafter time per round (ms); None takes the profile's ``draft_time_ms(B)``.
         verify_scale: measured / profiled verify time on this replica (> 0): a served step also pays the
             serving loop, so measured drafter times are only comparable with verify times scaled alike.
+        sampled: the fraction of the requests that sample (their rows priced as sampled, ``ThroughputProfile``).
     Returns:
         (l*, Theta(l*) / Theta(0)): l* in [0, K] (0: do not draft), the expected speed-up over plain decoding.
     Raises:
-        ValueError: ``batch`` < 1, ``verify_scale`` not finite and > 0, ``draft_ms`` not finite and >= 0, or
-            acceptance not a [K] or [R >= 1, K] array (K >= 1) in [0, 1].
+        ValueError: ``batch`` < 1, ``verify_scale`` not finite and > 0, ``draft_ms`` not finite and >= 0,
+            ``sampled`` outside [0, 1], or acceptance not a [K] or [R >= 1, K] array (K >= 1) in [0, 1].
     """
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
@@ -64,7 +66,7 @@ def best_uniform_length(
     if survival.ndim == 2:
         survival = survival.mean(0)
     tau = np.concatenate([[1.0], 1.0 + np.cumsum(survival)])  # [K + 1]
-    ms = verify_scale * profile.verify_time_ms(b * np.arange(1, gamma + 2), batch=b)
+    ms = verify_scale * profile.verify_time_ms(b * np.arange(1, gamma + 2), batch=b, sampled=sampled)
     ms[1:] += profile.draft_time_ms(b) if draft_ms is None else draft_ms
     theta = tau / ms
     best = int(np.argmax(theta))

@@ -12,7 +12,9 @@ Definitions (DSpark, arXiv 2607.05147, Sec. 3):
     a_{r,j}   prefix survival, a_{r,j} = c_{r,1} * ... * c_{r,j}; non-increasing in j.
     l_r       verify length of request r, min_r <= l_r <= max_r <= K.
     tau       expected committed tokens, tau = sum_r (1 + sum_{j <= l_r} a_{r,j}).
-    Theta     expected tokens per second, Theta = tau * SPS(N), SPS from the profile.
+    Theta     expected tokens per second, Theta = tau * SPS(N), SPS from the profile: the verify step of the round's
+              B requests (its sampled rows priced as sampled, ``ThroughputProfile`` "Sampled rows") plus the
+              drafter step when the round called the drafter.
 
 Policies:
     none           l = 0, plain decoding (the round does not draft).
@@ -54,6 +56,8 @@ class ScheduleInput:
     min_len: torch.Tensor  # [B] int64, smallest allowed l_r
     max_len: torch.Tensor  # [B] int64, largest allowed l_r (already capped by max_tokens left)
     capacity: int | None = None  # slots beyond min_len; dspark-async only, from an earlier round
+    sampled: torch.Tensor | None = None  # [B] bool, requests whose rows are sampled (None: all greedy)
+    with_draft: bool = True  # whether the round called the drafter (its step is part of the round's time)
 
     def __post_init__(self) -> None:
         c = self.confidences
@@ -63,6 +67,9 @@ class ScheduleInput:
         for name, t in (("min_len", self.min_len), ("max_len", self.max_len)):
             if t.shape != (batch,) or t.is_floating_point():
                 raise ValueError(f"{name} must be an integer [B={batch}] tensor, got {t.dtype} {tuple(t.shape)}")
+        if self.sampled is not None and (self.sampled.shape != (batch,) or self.sampled.dtype != torch.bool):
+            raise ValueError(f"sampled must be a bool [B={batch}] tensor, got {self.sampled.dtype} "
+                             f"{tuple(self.sampled.shape)}")
         if batch == 0:
             return
         if not bool(((c >= 0) & (c <= 1)).all()):
@@ -139,7 +146,8 @@ def _lengths_from_slots(order: torch.Tensor, *, min_len: torch.Tensor, gamma: in
 
 
 def theta_greedy_lengths(
-    survival: torch.Tensor, *, min_len: torch.Tensor, max_len: torch.Tensor, profile: ThroughputProfile
+    survival: torch.Tensor, *, min_len: torch.Tensor, max_len: torch.Tensor, profile: ThroughputProfile,
+    sampled: torch.Tensor | None = None, with_draft: bool = True,
 ) -> torch.Tensor:
     """DSpark's Theta-greedy with early stop (Sec. 3, Alg. 1), vectorised over all slots.
 
@@ -154,8 +162,14 @@ def theta_greedy_lengths(
     whole step. The early stop can then halt at a bucket edge that later slots would have paid for; stopping
     there keeps the rule lossless (no slot's inclusion looks at deeper slots of its own request).
 
+    Sampled rows cost more than greedy ones (``ThroughputProfile`` "Sampled rows"): after i slots the step's sampled
+    fraction is (sampled rows) / N_i, so a slot of a sampled request costs more than one of a greedy request (the
+    slot order stays by a).
+
     Args:
         survival: a [B, K]; min_len, max_len: [B] int64.
+        sampled: [B] bool, the sampled requests (None: all greedy).
+        with_draft: whether the round called the drafter (its step time is part of the round's).
     Returns:
         l: [B] int64.
     Raises:
@@ -168,13 +182,19 @@ def theta_greedy_lengths(
     tau0 = batch + float((survival.double() * forced).sum())
     n0 = batch + int(min_len.sum())
     tau = torch.cat([torch.tensor([tau0], dtype=torch.float64), tau0 + torch.cumsum(values, dim=0)])
+    is_sampled = torch.zeros(batch, dtype=torch.bool) if sampled is None else sampled
     if profile.padded:  # N_i = B (1 + longest run after i slots); slot (r, j) at flat index r * K + j - 1
         floor = int(min_len.max())
         longest = torch.cummax(order % gamma + 1, dim=0).values.clamp(min=floor)
         tokens = batch * (1.0 + torch.cat([torch.tensor([floor]), longest]).double())
+        fraction = torch.full_like(tokens, float(is_sampled.sum()) / batch)  # every run is padded alike
     else:
         tokens = torch.arange(n0, n0 + values.numel() + 1, dtype=torch.float64)
-    theta = tau * torch.from_numpy(profile.steps_per_second(tokens, batch=batch, with_draft=True))
+        rows0 = float(((1 + min_len) * is_sampled).sum())
+        sampled_rows = rows0 + torch.cat([torch.zeros(1), torch.cumsum(is_sampled[order // gamma].double(), 0)])
+        fraction = sampled_rows / tokens
+    sps = profile.steps_per_second(tokens, batch=batch, with_draft=with_draft, sampled=fraction.numpy())
+    theta = tau * torch.from_numpy(sps)
     admitted = int(torch.cumprod((theta[1:] > theta[:-1]).long(), dim=0).sum())
     return _lengths_from_slots(order[:admitted], min_len=min_len, gamma=gamma)
 
@@ -254,7 +274,8 @@ class ThetaGreedy:
 
     def __call__(self, inputs: ScheduleInput, profile: ThroughputProfile) -> torch.Tensor:
         survival = prefix_survival(inputs.confidences)
-        return theta_greedy_lengths(survival, min_len=inputs.min_len, max_len=inputs.max_len, profile=profile)
+        return theta_greedy_lengths(survival, min_len=inputs.min_len, max_len=inputs.max_len, profile=profile,
+                                    sampled=inputs.sampled, with_draft=inputs.with_draft)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,13 @@ Dummy weights. A profile timed on random weights (the profiler's ``--load-format
 ``<name>-dummy``; a step's cost does not depend on the weight values, so it stands for the model ``<name>`` in
 every model check (:func:`model_matches`), after any profile of ``<name>`` measured on its real weights.
 
+Sampled rows. A row of a sampled request (or of a greedy one with a logits control or logprobs) needs its logits
+over the whole vocabulary from the float32 LM head, where a plain greedy row takes the greedy screen
+(``app/engine/greedy_head.py``); on a CPU that makes an all-sampled step of many rows 10-20% dearer. A profile may
+carry ``sampled_verify_ms``, the same grid timed with every request sampled; a step whose fraction f of rows is
+sampled then costs ``greedy + f (sampled - greedy)`` at its cell (the surcharge is about proportional to the sampled
+rows). Without that table sampled rows are priced as greedy ones (``has_sampled``).
+
 SPS (steps per second) is the quantity the DSpark objective ``Theta = tau * SPS(N)`` uses
 (DSpark, arXiv 2607.05147, Sec. 3, "throughput-aware verification").
 """
@@ -101,6 +108,11 @@ class ThroughputProfile(BaseModel):
         description="Median verify-step time in ms, [len(batch_sizes)][len(tokens_per_request)]; the cell "
         "(i, j) times batch_sizes[i] requests of tokens_per_request[j] tokens each."
     )
+    sampled_verify_ms: list[list[float]] | None = Field(
+        default=None, description="The grid of verify_ms timed with every request sampled (temperature 1, rows "
+        "with float32 logits over the whole vocabulary), or null where not measured (module docstring, 'Sampled "
+        "rows')."
+    )
     draft_ms: list[float] = Field(
         description="Median drafter-step time in ms per grid batch size (one block of draft_gamma tokens)."
     )
@@ -118,24 +130,36 @@ class ThroughputProfile(BaseModel):
         if self.tokens_per_request[0] != 1:
             raise ValueError(f"tokens_per_request must start at 1 (plain decoding), got {self.tokens_per_request[0]}")
         n_b, n_t = len(self.batch_sizes), len(self.tokens_per_request)
-        if len(self.verify_ms) != n_b or any(len(row) != n_t for row in self.verify_ms):
-            shape = [len(row) for row in self.verify_ms]
-            raise ValueError(f"verify_ms must be [{n_b}][{n_t}] (batch_sizes x tokens_per_request), got rows {shape}")
+        tables = [("verify_ms", self.verify_ms)]
+        if self.sampled_verify_ms is not None:
+            tables.append(("sampled_verify_ms", self.sampled_verify_ms))
+        for name, table in tables:
+            if len(table) != n_b or any(len(row) != n_t for row in table):
+                shape = [len(row) for row in table]
+                raise ValueError(f"{name} must be [{n_b}][{n_t}] (batch_sizes x tokens_per_request), got rows {shape}")
+            for b, row in zip(self.batch_sizes, table, strict=True):
+                if any(not t > 0 for t in row):
+                    raise ValueError(f"{name} must be > 0 ms, got {row} at batch size {b}")
+                if any(t1 < t0 for t0, t1 in zip(row, row[1:])):
+                    raise ValueError(f"{name} must not decrease with tokens per request, got {row} at batch size {b}")
         if len(self.draft_ms) != n_b:
             raise ValueError(f"draft_ms must have {n_b} entries (one per batch size), got {len(self.draft_ms)}")
-        for b, row in zip(self.batch_sizes, self.verify_ms, strict=True):
-            if any(not t > 0 for t in row):
-                raise ValueError(f"verify_ms must be > 0 ms, got {row} at batch size {b}")
-            if any(t1 < t0 for t0, t1 in zip(row, row[1:])):
-                raise ValueError(f"verify_ms must not decrease with tokens per request, got {row} at batch size {b}")
         if any(not t >= 0 for t in self.draft_ms):
             raise ValueError(f"draft_ms must be >= 0 ms, got {self.draft_ms}")
         return self
 
     @functools.cached_property
-    def _tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """Grid as float64 arrays: tokens per request [nT], verify ms [nB, nT]."""
-        return np.array(self.tokens_per_request, dtype=np.float64), np.array(self.verify_ms, dtype=np.float64)
+    def _tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Grid as float64 arrays: tokens per request [nT], verify ms [nB, nT], sampled verify ms [nB, nT] (the
+        greedy table where none was measured)."""
+        sampled = self.verify_ms if self.sampled_verify_ms is None else self.sampled_verify_ms
+        return (np.array(self.tokens_per_request, dtype=np.float64), np.array(self.verify_ms, dtype=np.float64),
+                np.array(sampled, dtype=np.float64))
+
+    @property
+    def has_sampled(self) -> bool:
+        """Whether sampled rows have their own timing (``sampled_verify_ms``); without it they are priced as greedy."""
+        return self.sampled_verify_ms is not None
 
     @property
     def padded(self) -> bool:
@@ -169,8 +193,9 @@ class ThroughputProfile(BaseModel):
         i0 = i1 - 1
         return i0, i1, (batch - sizes[i0]) / (sizes[i1] - sizes[i0])
 
-    def verify_row(self, batch: int) -> np.ndarray:
-        """Verify-step time at ``batch`` requests for each grid tokens-per-request value.
+    def verify_row(self, batch: int, *, sampled: bool = False) -> np.ndarray:
+        """Verify-step time at ``batch`` requests for each grid tokens-per-request value, every request greedy (or
+        with ``sampled``, every request sampled: ``sampled_verify_ms``, the greedy row where not measured).
 
         Returns:
             ms: [nT] float64 array, linear in batch size between grid rows (padded: the row at or above ``batch``).
@@ -178,10 +203,10 @@ class ThroughputProfile(BaseModel):
             ProfileRangeError: ``batch`` outside ``[batch_sizes[0], batch_sizes[-1]]``.
         """
         i0, i1, w = self._batch_weights(batch, ceiling=self.padded)
-        table = self._tables[1]
+        table = self._tables[2 if sampled else 1]
         return (1.0 - w) * table[i0] + w * table[i1]
 
-    def verify_time_ms(self, tokens: ArrayLike, *, batch: int) -> np.ndarray:
+    def verify_time_ms(self, tokens: ArrayLike, *, batch: int, sampled: ArrayLike = 0.0) -> np.ndarray:
         """Verify-step time of ``tokens`` total tokens over ``batch`` requests (ms).
 
         Args:
@@ -189,11 +214,17 @@ class ThroughputProfile(BaseModel):
                 (``batch <= N <= batch * tokens_per_request[-1]``; for a padded profile ``B (1 + max l)``, as
                 :meth:`step_tokens` gives it).
             batch: B, requests in the step.
+            sampled: f in [0, 1], the fraction of the step's rows that are sampled (module docstring, "Sampled
+                rows"), a number or an array broadcastable against ``tokens``.
         Returns:
-            ms: float64 array of the shape of ``tokens``; interpolated (ragged) or the cell at or above (padded).
+            ms: float64 array of the broadcast shape; interpolated (ragged) or the cell at or above (padded).
         Raises:
             ProfileRangeError: batch or N / B outside the grid.
+            ValueError: ``sampled`` outside [0, 1].
         """
+        f = np.asarray(sampled, dtype=np.float64)
+        if f.size and not ((f >= 0) & (f <= 1)).all():
+            raise ValueError(f"sampled must be a fraction in [0, 1], got {f.min()}..{f.max()}")
         n = np.asarray(tokens, dtype=np.float64)
         per_request = n / batch
         low, high = float(per_request.min()), float(per_request.max())
@@ -202,10 +233,14 @@ class ThroughputProfile(BaseModel):
                 f"tokens per request {low:.3g}..{high:.3g} (N={n.min():.0f}..{n.max():.0f}, "
                 f"B={batch}) outside the profile grid [1, {self.tokens_per_request[-1]}]"
             )
+        greedy, sampled_row = self.verify_row(batch), self.verify_row(batch, sampled=True)
         if self.padded:  # the first grid column at or above (a hair of slack for N / B's rounding)
             column = np.searchsorted(self._tables[0], per_request - 1e-9, side="left")
-            return np.asarray(self.verify_row(batch)[column])
-        return np.asarray(np.interp(per_request, self._tables[0], self.verify_row(batch)))
+            low_ms, high_ms = greedy[column], sampled_row[column]
+        else:
+            low_ms = np.interp(per_request, self._tables[0], greedy)
+            high_ms = np.interp(per_request, self._tables[0], sampled_row)
+        return np.asarray(low_ms + f * (high_ms - low_ms))
 
     def draft_time_ms(self, batch: int) -> float:
         """Drafter-step time for ``batch`` requests (ms), linear in batch size between grid rows.
@@ -216,18 +251,21 @@ class ThroughputProfile(BaseModel):
         i0, i1, w = self._batch_weights(batch)
         return (1.0 - w) * self.draft_ms[i0] + w * self.draft_ms[i1]
 
-    def step_time_ms(self, tokens: ArrayLike, *, batch: int, with_draft: bool = True) -> np.ndarray:
-        """One decoding round: verify step, plus the drafter step when the round speculates (ms).
+    def step_time_ms(self, tokens: ArrayLike, *, batch: int, with_draft: bool = True,
+                     sampled: ArrayLike = 0.0) -> np.ndarray:
+        """One decoding round: verify step (``sampled`` as in :meth:`verify_time_ms`), plus the drafter step when the
+        round runs the drafter (ms).
 
-        The drafter runs before the verify lengths are known, so a speculating round pays it whatever
-        lengths the policy picks; plain decoding (policy ``none``) does not draft.
+        The drafter runs before the verify lengths are known, so a round that called it pays it whatever
+        lengths the policy picks; plain decoding (policy ``none``) and a round of prompt-lookup drafts do not.
         """
-        ms = self.verify_time_ms(tokens, batch=batch)
+        ms = self.verify_time_ms(tokens, batch=batch, sampled=sampled)
         return ms + self.draft_time_ms(batch) if with_draft else ms
 
-    def steps_per_second(self, tokens: ArrayLike, *, batch: int, with_draft: bool = True) -> np.ndarray:
+    def steps_per_second(self, tokens: ArrayLike, *, batch: int, with_draft: bool = True,
+                         sampled: ArrayLike = 0.0) -> np.ndarray:
         """SPS(N) = 1000 / step_time_ms(N) (steps/s), the throughput term of ``Theta = tau * SPS`` (DSpark Sec. 3)."""
-        return 1000.0 / self.step_time_ms(tokens, batch=batch, with_draft=with_draft)
+        return 1000.0 / self.step_time_ms(tokens, batch=batch, with_draft=with_draft, sampled=sampled)
 
     def ensure_covers(self, *, max_batch: int, gamma: int) -> None:
         """Raise unless every step of up to ``max_batch`` requests verifying up to ``gamma`` tokens is on the grid.
@@ -326,11 +364,12 @@ def load_profile(path: str | Path) -> ThroughputProfile:
 
 def save_profile(profile: ThroughputProfile, path: str | Path) -> Path:
     """Write ``profile`` as indented JSON to ``path`` (parent folders created; written beside it, then renamed, so a
-    concurrent reader never sees half a file); returns the path."""
+    concurrent reader never sees half a file; a table not measured is left out, not written as null); returns the
+    path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(profile.model_dump(mode="json"), indent=1) + "\n")
+    tmp.write_text(json.dumps(profile.model_dump(mode="json", exclude_none=True), indent=1) + "\n")
     os.replace(tmp, path)
     return path
 
@@ -345,6 +384,7 @@ def write_profile(
     draft_ms: list[float],
     draft_gamma: int,
     verify_step: VerifyStep = "ragged",
+    sampled_verify_ms: list[list[float]] | None = None,
 ) -> Path:
     """Validate measured (or derived) step times and write ``directory/<engine>-<model>-<hardware>.json``
     (``profile_filename``: padded engines' profiles get their ``verify_step`` appended).
@@ -361,6 +401,7 @@ def write_profile(
         batch_sizes=batch_sizes,
         tokens_per_request=tokens_per_request,
         verify_ms=verify_ms,
+        sampled_verify_ms=sampled_verify_ms,
         draft_ms=draft_ms,
         draft_gamma=draft_gamma,
         verify_step=verify_step,

@@ -5,12 +5,13 @@ Usage::
     python -m app.scheduling.profiler [--model smollm2-135m] [--load-format auto|dummy]
         [--drafter checkpoints/dspark-smollm2-135m | --dummy-drafter]
         [--batch-sizes 1,2,4,8,16,32] [--tokens-per-request 1,2,3,4,5,6,7,8,10,12,16] [--out profiles]
-        [--verify-step ragged|bucketed|cuda_graphs]
+        [--verify-step ragged|bucketed|cuda_graphs] [--no-sampled]
 
 For each (batch size B, tokens per request t) it times one verify step of B requests each bringing their
-pending token plus ``t - 1`` drafts (median of repeats after warm-up, ``app/engine/timing.py``), and for each
-B one drafter step (``propose`` for B requests; 0 ms without a drafter). Measured rows may wiggle by a
-few percent on a shared machine; each row is made non-decreasing in t (a running maximum) before it is
+pending token plus ``t - 1`` drafts (median of repeats after warm-up, ``app/engine/timing.py``), greedy and, unless
+``--no-sampled``, sampled (every request at temperature 1: ``sampled_verify_ms``, how the policies price sampled
+rows), and for each B one drafter step (``propose`` for B requests; 0 ms without a drafter). Measured rows may
+wiggle by a few percent on a shared machine; each row is made non-decreasing in t (a running maximum) before it is
 written, since a verify step never gets cheaper by adding tokens and the schema rejects rows that do.
 
 With ``--verify-step bucketed`` or ``cuda_graphs`` every step is padded to the engine's buckets; the profile records
@@ -49,6 +50,7 @@ from app.engine.contract import Proposer
 from app.scheduling.profile import DUMMY_SUFFIX, Provenance, ThroughputProfile, write_profile
 
 ENGINE_NAME = "dspark-engine"
+SAMPLED_TEMPERATURE = 1.0  # of the sampled table's requests (a sampled row's cost does not depend on it)
 
 
 def dummy_proposer(engine: TargetEngine) -> DSparkProposer:
@@ -78,31 +80,40 @@ def measure_profile(
     provenance: Provenance,
     context: int,
     repeats: int,
+    sampled: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> ThroughputProfile:
-    """Time the verify grid (and one drafter step per batch size with ``proposer``; 0 ms without) on ``engine``.
+    """Time the verify grid, greedy and with ``sampled`` also every request sampled (``SAMPLED_TEMPERATURE``), and
+    one drafter step per batch size with ``proposer`` (0 ms without) on ``engine``.
 
-    Each row is made non-decreasing in tokens per request (a running maximum, module docstring). ``progress`` is
-    called with (cells done, cells in all) after each cell.
+    Each row is made non-decreasing in tokens per request (a running maximum, module docstring), a sampled cell at
+    least its greedy one. ``progress`` is called with (cells done, cells in all) after each cell.
 
     Raises:
         ValueError: the grid needs more slots or draft tokens than ``engine`` has (``time_verify_step``).
     """
-    verify_ms, draft_ms = [], []
-    cells, done = len(batch_sizes) * len(tokens_per_request), 0
+    temperatures = [0.0, SAMPLED_TEMPERATURE] if sampled else [0.0]
+    tables: list[list[list[float]]] = [[] for _ in temperatures]
+    draft_ms = []
+    cells, done = len(batch_sizes) * len(tokens_per_request) * len(temperatures), 0
     for b in batch_sizes:
-        row = []
-        for t in tokens_per_request:
-            row.append(time_verify_step(engine, batch=b, tokens_per_request=t, context=context, repeats=repeats))
-            done += 1
-            if progress is not None:
-                progress(done, cells)
-        verify_ms.append(np.maximum.accumulate(np.array(row)).round(3).tolist())
+        for table, temperature in zip(tables, temperatures):
+            row = []
+            for t in tokens_per_request:
+                row.append(time_verify_step(engine, batch=b, tokens_per_request=t, context=context, repeats=repeats,
+                                            temperature=temperature))
+                done += 1
+                if progress is not None:
+                    progress(done, cells)
+            table.append(np.maximum.accumulate(np.array(row)))
+        if sampled:
+            tables[1][-1] = np.maximum(tables[1][-1], tables[0][-1])
         draft_ms.append(round(time_draft_step(engine, proposer, batch=b, context=context), 3) if proposer else 0.0)
+    verify_ms, *sampled_ms = [[row.round(3).tolist() for row in table] for table in tables]
     gamma = getattr(proposer, "gamma", None) or tokens_per_request[-1] - 1
     return ThroughputProfile(provenance=provenance, batch_sizes=batch_sizes, tokens_per_request=tokens_per_request,
-                             verify_ms=verify_ms, draft_ms=draft_ms, draft_gamma=gamma,
-                             verify_step=engine.config.verify_step)
+                             verify_ms=verify_ms, sampled_verify_ms=sampled_ms[0] if sampled_ms else None,
+                             draft_ms=draft_ms, draft_gamma=gamma, verify_step=engine.config.verify_step)
 
 
 def engine_provenance(
@@ -134,6 +145,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--tokens-per-request", default="1,2,3,4,5,6,7,8,10,12,16")
     ap.add_argument("--context", type=int, default=200, help="KV cache tokens per request while timing")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time every request sampled (sampled_verify_ms; --no-sampled: greedy only)")
     ap.add_argument("--out", default="profiles")
     args = ap.parse_args(argv)
     batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -157,19 +170,22 @@ def main(argv: list[str] | None = None) -> Path:
         + (f"weights: dummy (random, --load-format dummy) on the config of {args.model}; " if dummy else "")
         + f"drafter: {drafter_note}; verify step: {args.verify_step}",
     )
-    cells = tqdm(total=len(batch_sizes) * len(tokens), desc="profiling verify steps")
+    cells = tqdm(total=len(batch_sizes) * len(tokens) * (2 if args.sampled else 1), desc="profiling verify steps")
     profile = measure_profile(engine, batch_sizes=batch_sizes, tokens_per_request=tokens, proposer=proposer,
-                              provenance=provenance, context=args.context, repeats=args.repeats,
+                              provenance=provenance, context=args.context, repeats=args.repeats, sampled=args.sampled,
                               progress=lambda done, total: cells.update())
     cells.close()
-    verify_ms, draft_ms = profile.verify_ms, profile.draft_ms
+    verify_ms, sampled_ms, draft_ms = profile.verify_ms, profile.sampled_verify_ms, profile.draft_ms
     path = write_profile(directory=args.out, provenance=provenance, batch_sizes=batch_sizes,
-                         tokens_per_request=tokens, verify_ms=verify_ms, draft_ms=draft_ms,
-                         draft_gamma=profile.draft_gamma, verify_step=profile.verify_step)
+                         tokens_per_request=tokens, verify_ms=verify_ms, sampled_verify_ms=sampled_ms,
+                         draft_ms=draft_ms, draft_gamma=profile.draft_gamma, verify_step=profile.verify_step)
     print(f"{'batch':>6}" + "".join(f"{t:>8}" for t in tokens) + f"{'draft':>8}")
-    for b, row, d in zip(batch_sizes, verify_ms, draft_ms):
+    for i, (b, row, d) in enumerate(zip(batch_sizes, verify_ms, draft_ms)):
         print(f"{b:>6}" + "".join(f"{ms:>8.1f}" for ms in row) + f"{d:>8.1f}")
-    print(json.dumps({"profile": str(path), "verify_ms": verify_ms, "draft_ms": draft_ms}))
+        if sampled_ms is not None:
+            print(f"{'T1':>6}" + "".join(f"{ms:>8.1f}" for ms in sampled_ms[i]))
+    print(json.dumps({"profile": str(path), "verify_ms": verify_ms, "sampled_verify_ms": sampled_ms,
+                      "draft_ms": draft_ms}))
     return path
 
 

@@ -29,6 +29,7 @@ on earlier rounds only, and a round that verifies no drafts is plain decoding: l
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
 
@@ -38,6 +39,8 @@ from app.drafters.calibration import prefix_survival
 from app.scheduling.gain import best_uniform_length
 from app.scheduling.policies import ScheduleInput, VerifyPolicy, theta_greedy_lengths
 from app.scheduling.profile import ThroughputProfile
+
+log = logging.getLogger(__name__)
 
 EMA_SMOOTHING = 0.5  # weight of the newest observation in the capacity EMA (1.0: no smoothing)
 HYSTERESIS = 0.25  # slots per request the EMA must move before the capacity in use changes
@@ -172,8 +175,9 @@ class DraftGate:
             draft_ms: the measured drafter time per round (None: the profile's).
             verify_scale: measured / profiled verify time (see ``best_uniform_length``).
             temperatures: [B] the requests' temperatures: a new request starts from its class's pooled acceptance
-                (``temperature_class``), and this round's outcomes feed its class (None: every new request starts
-                from ``GATE_PRIOR``, no class learns).
+                (``temperature_class``), this round's outcomes feed its class, and the sampled ones' rows are priced
+                as sampled (``ThroughputProfile``; a greedy request with a logits control as greedy) (None: every new
+                request starts from ``GATE_PRIOR``, no class learns, every row is priced as greedy).
         Raises:
             ValueError: an id given twice, or temperatures not one per request.
         """
@@ -183,8 +187,10 @@ class DraftGate:
         joined = self._align(requests)
         if not self._requests:
             return False
+        sampled = 0.0 if not temperatures else sum(t > 0 for t in temperatures) / len(temperatures)
         _, self.last_gain = best_uniform_length(self._accepted / self._tried, batch=len(self._requests),
-                                                profile=self.profile, draft_ms=draft_ms, verify_scale=verify_scale)
+                                                profile=self.profile, draft_ms=draft_ms, verify_scale=verify_scale,
+                                                sampled=sampled)
         if joined:  # a new request brings no evidence against drafting: decide now, restart the back-off
             self._wait, self._closed_rounds = self.probe_every, 0
         # A closed gate reopens on new outcomes (a probe's) or a new request, not on counts that merely faded.
@@ -309,6 +315,7 @@ class VerifyScheduler:
         self.hysteresis = hysteresis
         self._ema: float | None = None
         self._held: float | None = None
+        self._warned_sampled = False
         self.gate = DraftGate(profile, gamma=gamma) if draft_gate and policy.adaptive else None
 
     def should_draft(
@@ -337,21 +344,31 @@ class VerifyScheduler:
         """Capacity in use, slots per request (dspark-async; None before the first round)."""
         return self._held
 
-    def schedule(self, *, confidences: torch.Tensor, min_len: torch.Tensor, max_len: torch.Tensor) -> torch.Tensor:
-        """Verify lengths for this round.
+    def schedule(self, *, confidences: torch.Tensor, min_len: torch.Tensor, max_len: torch.Tensor,
+                 sampled: torch.Tensor | None = None, with_draft: bool = True) -> torch.Tensor:
+        """Verify lengths for this round, over every request of its verify step (one that drafted nothing: its
+        confidences zero and max_len 0; the step's cost counts its row).
 
         Args:
             confidences: c [B, K] in [0, 1]; min_len, max_len: [B] int64 (max capped by max_tokens left).
+            sampled: [B] bool, the requests whose rows are sampled (priced with the profile's sampled table; a
+                profile without one prices them as greedy, logged once); None: all greedy.
+            with_draft: whether this round called the drafter (a round of prompt-lookup drafts did not).
         Returns:
             l: [B] int64.
         Raises:
             ValueError: invalid inputs (see :class:`ScheduleInput`).
         """
-        inputs = ScheduleInput(confidences, min_len, max_len)
+        inputs = ScheduleInput(confidences, min_len, max_len, sampled=sampled, with_draft=with_draft)
+        if sampled is not None and not self.profile.has_sampled and not self._warned_sampled and bool(sampled.any()):
+            self._warned_sampled = True
+            log.warning("profile of %s has no sampled_verify_ms: sampled rows are priced as greedy ones (measure it "
+                        "with python -m app.scheduling.profiler)", self.profile.provenance.model)
         if not self.policy.needs_capacity:
             return self.policy(inputs, self.profile)
         survival = prefix_survival(confidences)
-        greedy = theta_greedy_lengths(survival, min_len=min_len, max_len=max_len, profile=self.profile)
+        greedy = theta_greedy_lengths(survival, min_len=min_len, max_len=max_len, profile=self.profile,
+                                      sampled=sampled, with_draft=with_draft)
         if self._held is None:
             lengths = greedy
         else:

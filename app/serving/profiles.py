@@ -3,9 +3,10 @@
 Owns: resolving ``AppConfig.profile`` on a target replica once its engine is loaded. A profile named explicitly is
 loaded as it is (``AppConfig.check_files`` has already checked it against the model and dtype). ``auto`` takes, in
 order: the measured profile in ``profiles/`` of this model on this hardware; a profile this host measured before,
-cached under ``<cache_dir>/profiles`` keyed by model, dtype, hardware, torch version and drafter; else it measures
-one now with timing steps on the loaded engine over the batch sizes and verify lengths the config can
-reach, within about ``profile_budget_s``, and caches it.
+cached under ``<cache_dir>/profiles`` keyed by model, dtype, hardware, torch version and drafter (one cached
+before the profile had a sampled table is measured again); else it measures one now with timing steps on the
+loaded engine over the batch sizes and verify lengths the config can reach, greedy and sampled, within about
+``profile_budget_s``, and caches it.
 
 Does not own: the profile schema and interpolation (``app/scheduling/profile.py``), the timing of one step
 (``app/engine/timing.py``).
@@ -68,11 +69,11 @@ def serving_profile(config: AppConfig, engine) -> ThroughputProfile:
         covers = profile.max_batch_size >= config.max_num_seqs and profile.max_verify_len >= config.gamma
         if profile.padded:  # its cells are the buckets it was padded to: only the same buckets read them right
             covers = (profile.batch_sizes, profile.tokens_per_request) == padded_grid(config)
-        if covers:
+        if covers and profile.has_sampled:
             log.info("profile: reusing %s, measured at start-up on %s on %s", path, hardware, profile.provenance.date)
             return profile
-        log.info("profile: %s does not cover %d requests x gamma %d; measuring again", path, config.max_num_seqs,
-                 config.gamma)
+        log.info("profile: %s does not cover %d requests x gamma %d%s; measuring again", path, config.max_num_seqs,
+                 config.gamma, "" if profile.has_sampled else " with sampled requests")
     profile = measure_startup_profile(config, engine, hardware=hardware)
     save_profile(profile, path)
     log.info("profile: cached at %s", path)
@@ -86,8 +87,8 @@ def padded_grid(config: AppConfig) -> tuple[list[int], list[int]]:
 
 
 def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> ThroughputProfile:
-    """Time a grid of ``default_grid(max_batch=max_num_seqs, gamma=gamma)`` on ``engine`` within about
-    ``profile_budget_s``, a progress line per batch size.
+    """Time a grid of ``default_grid(max_batch=max_num_seqs, gamma=gamma)`` on ``engine``, greedy and sampled
+    (``measure_profile``), within about ``profile_budget_s``, a progress line per row of cells.
 
     After one warm-up step, a probe of the largest cell (its prefill and two steps) bounds what one cell costs;
     when all cells do not fit the budget, the verify lengths are thinned to evenly spaced ones (always 1 and
@@ -111,10 +112,11 @@ def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> Thro
                                repeats=1, warmup=1)
     cell_s = time.perf_counter() - probe  # prefill + 2 steps of the largest cell: a bound on any cell at 1 repeat
     drafting = config.speculates and config.drafter in ("ngram", "dspark")
-    per_row = max(2, int(config.profile_budget_s / cell_s / len(batches)) - drafting)
+    tables = 2  # greedy and sampled verify steps (``measure_profile``)
+    per_row = max(2, int((config.profile_budget_s / cell_s / len(batches) - drafting) / tables))
     if not padded and per_row < len(tokens):
         tokens = sorted({tokens[round(i * (len(tokens) - 1) / (per_row - 1))] for i in range(per_row)})
-    cells = len(batches) * (len(tokens) + drafting)
+    cells = len(batches) * (tables * len(tokens) + drafting)
     spare_s = config.profile_budget_s / cells - cell_s
     repeats = max(1, min(MAX_REPEATS, int(spare_s * 1000 / largest)))
     estimate_s = cells * (cell_s + repeats * largest / 1000)

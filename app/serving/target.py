@@ -509,7 +509,7 @@ class TargetReplica:
         profile = self.scheduler.profile
         b = min(batch, profile.max_batch_size)
         tokens = profile.step_tokens(batch=batch, verified=result.verified, longest=result.longest)
-        profiled = float(profile.verify_time_ms(tokens * b / batch, batch=b))
+        profiled = float(profile.verify_time_ms(tokens * b / batch, batch=b, sampled=result.sampled))
         self.stats.verify_scale = _ema(ms / profiled, self.stats.verify_scale, seed_with_first=False)
 
     async def _report_loop(self) -> None:

@@ -23,13 +23,17 @@ def make_profile(
     tokens_per_request: tuple[int, ...] = tuple(range(1, 9)),
     draft: float = 0.0,
     verify_step: str = "ragged",
+    sampled: Callable[[int, int], float] | None = None,
 ) -> ThroughputProfile:
-    """Profile whose cell (B, t) costs verify(B, N = B * t) ms; draft ms constant; ``verify_step`` as measured."""
+    """Profile whose cell (B, t) costs verify(B, N = B * t) ms (all sampled: ``sampled(B, N)``, no sampled table
+    without it); draft ms constant; ``verify_step`` as measured."""
     return ThroughputProfile(
         provenance=provenance(),
         batch_sizes=list(batch_sizes),
         tokens_per_request=list(tokens_per_request),
         verify_ms=[[verify(b, b * t) for t in tokens_per_request] for b in batch_sizes],
+        sampled_verify_ms=None if sampled is None else [[sampled(b, b * t) for t in tokens_per_request]
+                                                        for b in batch_sizes],
         draft_ms=[draft] * len(batch_sizes),
         draft_gamma=7,
         verify_step=verify_step,

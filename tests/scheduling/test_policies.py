@@ -109,6 +109,32 @@ def test_greedy_gap_bounded_on_concave_costs():
     assert min(ratios) >= 0.9, f"worst greedy / optimum ratio {min(ratios):.3f}"
 
 
+def test_sampled_rows_and_the_drafter_step_enter_the_price():
+    """Sampled rows cost what the profile's sampled table says, so a sampled request verifies no more than a greedy
+    one with the same confidences; a round that did not call the drafter (prompt-lookup drafts) does not count the
+    drafter's step, which makes a verified slot dearer relative to the round. (Slots stay ordered by a: between a
+    sampled and a greedy slot of equal a the greedy picks in request order, not the cheaper.)"""
+    profile = make_profile(lambda b, n: 10.0 + n, sampled=lambda b, n: 10.0 + 2 * n, draft=20.0)
+    survival = prefix_survival(torch.tensor([[0.9, 0.3, 0.1]], dtype=torch.float64))
+    lo, hi = torch.zeros(1, dtype=torch.long), torch.full((1,), 3)
+
+    def lengths(c, **kw):
+        return theta_greedy_lengths(prefix_survival(torch.tensor(c, dtype=torch.float64)), min_len=lo.repeat(len(c)),
+                                    max_len=hi.repeat(len(c)), profile=profile, **kw).tolist()
+
+    # greedy, no draft step: 1/11, 1.9/12, 2.17/13, 2.197/14 -> 2; sampled rows: 1/12, 1.9/14, 2.17/16 -> 1
+    assert lengths([[0.9, 0.3, 0.1]], with_draft=False) == [2]
+    assert lengths([[0.9, 0.3, 0.1]], with_draft=False, sampled=torch.tensor([True])) == [1]
+    assert make_policy("dspark")(ScheduleInput(survival.new_tensor([[0.9, 0.3, 0.1]]), lo, hi, with_draft=False,
+                                               sampled=torch.tensor([True])), profile).tolist() == [1]
+    # a = [.9, .27, .081]: without the drafter's 20 ms the third slot does not pay (2.251/14 < 2.17/13), with it it
+    # does (2.251/34 > 2.17/33)
+    assert lengths([[0.9, 0.3, 0.3]], with_draft=False) == [2]
+    assert lengths([[0.9, 0.3, 0.3]], with_draft=True) == [3]
+    with pytest.raises(ValueError, match="sampled must be a bool"):
+        ScheduleInput(survival, lo, hi, sampled=torch.tensor([1]))
+
+
 def padded_theta(survival: torch.Tensor, lengths: torch.Tensor, profile) -> float:
     """Theta of a length vector on an engine that pads every run to the longest."""
     b, k = survival.shape

@@ -113,6 +113,38 @@ def test_padded_profiles_look_up_by_ceiling(tmp_path):
         make_profile(linear, verify_step="padded")
 
 
+def test_sampled_rows_are_priced_from_their_own_table(tmp_path):
+    """A step whose fraction f of rows is sampled costs greedy + f (sampled - greedy) at its cell; without a sampled
+    table every row is priced as greedy; the table travels with the file and is checked like verify_ms."""
+    grid = dict(batch_sizes=(1, 4), tokens_per_request=(1, 2, 8))
+    profile = make_profile(linear, sampled=lambda b, n: linear(b, n) + 0.25 * n, **grid)
+    assert profile.has_sampled and not make_profile(linear, **grid).has_sampled
+    greedy, all_sampled = profile.verify_time_ms(20, batch=4).item(), 28.0 + 0.25 * 20
+    assert greedy == pytest.approx(28.0)
+    assert profile.verify_time_ms(20, batch=4, sampled=1.0).item() == pytest.approx(all_sampled)
+    np.testing.assert_allclose(profile.verify_time_ms(np.array([20, 20]), batch=4, sampled=np.array([0.0, 0.5])),
+                               [greedy, (greedy + all_sampled) / 2])
+    assert profile.step_time_ms(4, batch=4, with_draft=False, sampled=1.0).item() == pytest.approx(20.0 + 1.0)
+    assert make_profile(linear, **grid).verify_time_ms(20, batch=4, sampled=1.0).item() == pytest.approx(greedy)
+    padded = make_profile(linear, sampled=lambda b, n: linear(b, n) + 1.0, verify_step="bucketed", **grid)
+    assert padded.verify_time_ms(12, batch=4, sampled=0.5).item() == pytest.approx(linear(4, 32) + 0.5)
+    with pytest.raises(ValueError, match="sampled must be a fraction"):
+        profile.verify_time_ms(20, batch=4, sampled=1.5)
+    path = write_profile(
+        directory=tmp_path, provenance=profile.provenance, batch_sizes=profile.batch_sizes,
+        tokens_per_request=profile.tokens_per_request, verify_ms=profile.verify_ms,
+        sampled_verify_ms=profile.sampled_verify_ms, draft_ms=profile.draft_ms, draft_gamma=7,
+    )
+    assert load_profile(path) == profile
+    unsampled = make_profile(linear, **grid)
+    path = save_profile(unsampled, tmp_path / "greedy.json")
+    assert "sampled_verify_ms" not in json.loads(path.read_text())  # not measured: left out, not null
+    for table, message in [([[1.0, 2.0]], "sampled_verify_ms must be"),
+                           ([[3.0, 2.0, 4.0], [3.0, 4.0, 5.0]], "sampled_verify_ms must not decrease")]:
+        with pytest.raises(pydantic.ValidationError, match=message):
+            ThroughputProfile(**{**unsampled.model_dump(), "sampled_verify_ms": table})
+
+
 def test_range_errors():
     profile = make_profile(linear)
     with pytest.raises(ProfileRangeError, match="batch size 9"):

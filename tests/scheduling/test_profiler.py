@@ -19,6 +19,8 @@ def test_profiler_writes_valid_measured_profile(tmp_path):
     assert profile.provenance.source == "measured" and profile.provenance.context_tokens == 32
     assert profile.batch_sizes == [1, 2] and profile.tokens_per_request == [1, 2, 4]
     assert all(t > 0 for row in profile.verify_ms for t in row)
+    assert profile.has_sampled and all(s >= g for s_row, g_row in zip(profile.sampled_verify_ms, profile.verify_ms)
+                                       for s, g in zip(s_row, g_row))
     profile.ensure_matches("smollm2-135m", dtype=AUTO_DTYPE, engine="dspark-engine")
     with pytest.raises(ProfileMismatchError, match="model"):
         profile.ensure_matches("Qwen3-8B")
@@ -41,8 +43,9 @@ def test_profiler_on_dummy_weights_with_a_dummy_drafter(tmp_path, tiny_llama_dir
 def test_profiler_records_padded_verify_steps(tmp_path, tiny_llama_dir):
     path = main(["--model", str(tiny_llama_dir), "--load-format", "dummy", "--verify-step", "bucketed",
                  "--batch-sizes", "1,2", "--tokens-per-request", "1,2,4", "--repeats", "1", "--context", "16",
-                 "--out", str(tmp_path)])
+                 "--no-sampled", "--out", str(tmp_path)])
     profile = load_profile(path)
+    assert not profile.has_sampled  # --no-sampled: greedy steps only
     assert profile.verify_step == "bucketed" and profile.padded and "verify step: bucketed" in profile.provenance.notes
     assert measured_profiles(tmp_path, model="tiny-llama", verify_step="ragged") == []
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.engine.engine import TargetEngine
+from app.scheduling.profile import save_profile
 from app.serving import profiles
 from app.serving.config import AppConfig
 
@@ -20,6 +21,7 @@ def test_startup_profile_is_measured_cached_and_reused(tmp_path, monkeypatch, ti
     profile = profiles.serving_profile(config, engine)
     assert profile.batch_sizes == [1, 2] and profile.tokens_per_request == [1, 2, 3]
     assert profile.provenance.model == str(tiny_llama_dir) and "measured at start-up" in profile.provenance.notes
+    assert profile.has_sampled  # sampled rows priced from their own steps
     assert config.profile_path() is not None
 
     def no_measuring(*args, **kwargs):
@@ -31,6 +33,11 @@ def test_startup_profile_is_measured_cached_and_reused(tmp_path, monkeypatch, ti
         wider = AppConfig.model_validate({**args, "gamma": 3})  # verify lengths the cached grid does not reach
         with pytest.raises(AssertionError, match="measured again"):
             profiles.serving_profile(wider, TargetEngine(wider.engine_config()))
+        greedy_only = profile.model_copy(update={"sampled_verify_ms": None})  # cached before the sampled table
+        save_profile(greedy_only, profiles.profile_cache_path(config, hardware=profile.provenance.hardware,
+                                                                dtype=profile.provenance.dtype))
+        with pytest.raises(AssertionError, match="measured again"):
+            profiles.serving_profile(config, engine)
 
 
 def test_a_small_budget_thins_the_verify_lengths(tmp_path, monkeypatch, tiny_llama_dir, caplog):

@@ -145,7 +145,7 @@ class Scheduler(Protocol):
     """The draft gate and verify-length policy a loop consults (``app.scheduling.scheduler.VerifyScheduler``)."""
 
     def should_draft(self, requests: Sequence[str], *, draft_ms: float | None, verify_scale: float,
-                     temperatures: Sequence[float]) -> bool: ...
+                     temperatures: Sequence[float], sampled: Sequence[bool]) -> bool: ...
 
     def schedule(self, *, confidences: torch.Tensor, min_len: torch.Tensor, max_len: torch.Tensor,
                  sampled: torch.Tensor | None, with_draft: bool) -> torch.Tensor: ...
@@ -202,8 +202,8 @@ class Round:
         drafted: draft tokens the round chose (drafter or lookup), before verify lengths cut them.
         lookup: requests that verified a prompt-lookup draft.
         verify_ms: the engine's verify call (ms).
-        sampled: the fraction of the step's rows (1 + verify length per request) that were sampled
-            (``SamplingParams.full_logits``), as the throughput profile prices them.
+        sampled: per output, whether its request samples (``SamplingParams.full_logits``): the throughput profile
+            prices those rows apart (``ThroughputProfile.sampled_fraction``).
     """
 
     outputs: list[StepOutput]
@@ -214,7 +214,7 @@ class Round:
     drafted: int
     lookup: int
     verify_ms: float
-    sampled: float
+    sampled: tuple[bool, ...]
 
 
 class SpecLoop:
@@ -314,9 +314,10 @@ class SpecLoop:
             return False
         if self.scheduler is None:
             return True
-        temperatures = [self.active[rid].params.temperature for rid in request_ids]
+        params = [self.active[rid].params for rid in request_ids]
         return self.scheduler.should_draft(request_ids, draft_ms=draft_ms, verify_scale=verify_scale,
-                                           temperatures=temperatures)
+                                           temperatures=[p.temperature for p in params],
+                                           sampled=[p.full_logits for p in params])
 
     def take_call(self, propose: Sequence[str] = ()) -> DraftCall:
         """The drafter call carrying every hook gathered since the last one, proposing ``propose``."""
@@ -345,8 +346,7 @@ class SpecLoop:
         drafts, confidences, from_lookup = self._choose(self.speculating() if speculate else [], drafted)
         if drafts:
             blocks.update(self._lengths(drafts, confidences, with_draft=drafted is not None and bool(drafted.blocks)))
-        rows = {rid: 1 + blocks[rid].length for rid in ids}
-        sampled_rows = sum(n for rid, n in rows.items() if self.active[rid].params.full_logits)
+        sampled = tuple(self.active[rid].params.full_logits for rid in ids)
         t0 = time.perf_counter()
         outputs = self.engine.verify([blocks[rid] for rid in ids])
         verify_ms = (time.perf_counter() - t0) * 1000
@@ -383,7 +383,7 @@ class SpecLoop:
         return Round(outputs=outputs, committed=committed, verified=verified, accepted=accepted,
                      longest=max((out.num_draft for out in outputs), default=0),
                      drafted=sum(int(b.tokens.shape[0]) for b in drafts), lookup=lookup, verify_ms=verify_ms,
-                     sampled=sampled_rows / sum(rows.values()))
+                     sampled=sampled)
 
     def _choose(self, speculative: list[str], drafted: DraftRound | None
                 ) -> tuple[list[DraftBlock], torch.Tensor, set[str]]:

@@ -5,7 +5,8 @@
 #      sampled distribution by chi-square for the rejection and seeded-coupling rules with top_p, seeded requests).
 #   2. verify-step profiles on dummy weights (app/engine/shapes.py): Llama-3.1-8B (B = 1..64, t = 1..8, context
 #      1024, random DSpark drafter sized for it), verify steps ragged and as bucketed CUDA graphs
-#      (EngineConfig.verify_step), and SmolLM2-135M (the trained drafter's propose step).
+#      (EngineConfig.verify_step), and SmolLM2-135M (the trained drafter's propose step); greedy steps only
+#      (--no-sampled: the sampled table would double each grid's time).
 #   3. served SmolLM2 on the device, none vs dspark single stream, only where Ray and the embedded model are
 #      installed (the lent H200's image has neither, and the device tool carries at most 64 MiB a call).
 #   OUT/summary.md gathers the environment, the test result and the verify times; the logs and profiles lie beside it.
@@ -61,7 +62,7 @@ for profile in "${profiles[@]}"; do
     fi
     timeout "$limit" "$PY" -m app.scheduling.profiler --model "$models/$shape" --load-format dummy "${drafter[@]}" \
         --batch-sizes "$batches" --tokens-per-request "$tokens" --context "$context" --verify-step "$verify" \
-        --out "$out/profiles/$verify" 2>&1 | tee "$out/profile-$shape-$verify.log"
+        --no-sampled --out "$out/profiles/$verify" 2>&1 | tee "$out/profile-$shape-$verify.log"
     [[ ${PIPESTATUS[0]} == 0 ]] || status=1
 done
 rm -rf "$out/models"

@@ -216,4 +216,6 @@ def test_verify_lengths_are_priced_over_the_whole_step():
     (call,) = calls
     assert call["confidences"].shape == (2, GAMMA) and call["max_len"].tolist()[1] == 0
     assert call["sampled"].tolist() == [False, True] and call["with_draft"] is False
-    assert result.sampled == pytest.approx(1 / (2 + result.verified))  # one sampled row of the step
+    assert result.sampled == (False, True)
+    assert recording.profile.sampled_fraction(result.sampled, [o.num_draft for o in result.outputs]) == \
+        pytest.approx(1 / (2 + result.verified))  # one sampled row of the step

@@ -152,7 +152,8 @@ def theta_greedy_lengths(
     """DSpark's Theta-greedy with early stop (Sec. 3, Alg. 1), vectorised over all slots.
 
     Admits eligible slots in descending a_{r,j}; after admitting the i-th slot, tau_i = tau_0 + sum of the
-    admitted a and N_i = N_0 + i, and Theta_i = tau_i * SPS(N_i) with SPS at B requests (drafter included).
+    admitted a and N_i = N_0 + i, and Theta_i = tau_i * SPS(N_i) with SPS at B requests (the drafter step included
+    when ``with_draft``).
     Admission stops before the first i with Theta_i <= Theta_{i-1}. Exact (equal to brute force over all l
     vectors) when the profile's marginal cost per token does not decrease in N.
 

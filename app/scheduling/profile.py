@@ -47,6 +47,7 @@ import functools
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -171,6 +172,21 @@ class ThroughputProfile(BaseModel):
         for one request: ``batch + verified`` ragged, ``batch * (1 + longest)`` padded (every run padded to the
         longest)."""
         return batch * (1 + longest) if self.padded else batch + verified
+
+    def sampled_fraction(self, sampled: Sequence[bool], verified: Sequence[int]) -> float:
+        """The ``sampled`` fraction :meth:`verify_time_ms` prices a step at: of its rows (``1 + verified[r]`` for
+        request r; ``sampled[r]``: whether r samples), the sampled requests' share; on a padded profile, where every
+        run is padded to the longest, the sampled requests' share. 0 for an empty step.
+
+        Raises:
+            ValueError: ``sampled`` and ``verified`` of different lengths.
+        """
+        if len(sampled) != len(verified):
+            raise ValueError(f"need one verify length per request, got {len(verified)} for {len(sampled)}")
+        if not sampled:
+            return 0.0
+        rows = [1] * len(sampled) if self.padded else [1 + v for v in verified]
+        return sum(n for n, s in zip(rows, sampled) if s) / sum(rows)
 
     @property
     def max_batch_size(self) -> int:

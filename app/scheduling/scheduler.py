@@ -8,10 +8,10 @@ Shape symbols: B batch, K gamma.
 
 Stale capacity (DSpark Sec. 3.3). The production variant cuts the batch at a capacity chosen from an
 earlier round's confidences, so the cut carries no information about this round's draft tokens. Here the
-capacity is tracked per request (slots beyond ``min_len`` per request in the batch), smoothed with an
-EMA and held unless the EMA moves by more than a hysteresis band, then scaled by the current batch size
-(requests join and leave between rounds). The first round has no earlier information and runs ``dspark``
-(itself lossless).
+capacity is tracked per drafting request (slots beyond ``min_len`` per request with a draft to verify), smoothed
+with an EMA and held unless the EMA moves by more than a hysteresis band, then scaled by the current number of
+drafting requests (requests join and leave between rounds, and a round of prompt-lookup drafts may draft for a
+few). The first round has no earlier information and runs ``dspark`` (itself lossless).
 
 Draft gate. The drafter's step is paid before any length is chosen, so a round whose best verify lengths
 cannot pay for it should not draft at all (on a CPU with a weak drafter, or under heavy load, plain
@@ -167,7 +167,7 @@ class DraftGate:
 
     def should_draft(
         self, requests: Sequence[Hashable], *, draft_ms: float | None = None, verify_scale: float = 1.0,
-        temperatures: Sequence[float] | None = None,
+        temperatures: Sequence[float] | None = None, sampled: Sequence[bool] | None = None,
     ) -> bool:
         """Decide for a round of ``requests`` (the ids of the requests that would draft; B = their number).
 
@@ -175,22 +175,24 @@ class DraftGate:
             draft_ms: the measured drafter time per round (None: the profile's).
             verify_scale: measured / profiled verify time (see ``best_uniform_length``).
             temperatures: [B] the requests' temperatures: a new request starts from its class's pooled acceptance
-                (``temperature_class``), this round's outcomes feed its class, and the sampled ones' rows are priced
-                as sampled (``ThroughputProfile``; a greedy request with a logits control as greedy) (None: every new
-                request starts from ``GATE_PRIOR``, no class learns, every row is priced as greedy).
+                (``temperature_class``), and this round's outcomes feed its class (None: every new request starts
+                from ``GATE_PRIOR``, no class learns).
+            sampled: [B] whether each request's rows are sampled (``SamplingParams.full_logits``), priced as such
+                (``ThroughputProfile``); None: every row greedy.
         Raises:
-            ValueError: an id given twice, or temperatures not one per request.
+            ValueError: an id given twice, or temperatures or sampled not one per request.
         """
-        if temperatures is not None and len(temperatures) != len(requests):
-            raise ValueError(f"need one temperature per request, got {len(temperatures)} for {len(requests)}")
+        for name, values in (("temperature", temperatures), ("sampled flag", sampled)):
+            if values is not None and len(values) != len(requests):
+                raise ValueError(f"need one {name} per request, got {len(values)} for {len(requests)}")
         self._class = {} if temperatures is None else {r: temperature_class(t) for r, t in zip(requests, temperatures)}
         joined = self._align(requests)
         if not self._requests:
             return False
-        sampled = 0.0 if not temperatures else sum(t > 0 for t in temperatures) / len(temperatures)
+        fraction = sum(sampled) / len(sampled) if sampled else 0.0
         _, self.last_gain = best_uniform_length(self._accepted / self._tried, batch=len(self._requests),
                                                 profile=self.profile, draft_ms=draft_ms, verify_scale=verify_scale,
-                                                sampled=sampled)
+                                                sampled=fraction)
         if joined:  # a new request brings no evidence against drafting: decide now, restart the back-off
             self._wait, self._closed_rounds = self.probe_every, 0
         # A closed gate reopens on new outcomes (a probe's) or a new request, not on counts that merely faded.
@@ -320,14 +322,14 @@ class VerifyScheduler:
 
     def should_draft(
         self, requests: Sequence[Hashable], *, draft_ms: float | None = None, verify_scale: float = 1.0,
-        temperatures: Sequence[float] | None = None,
+        temperatures: Sequence[float] | None = None, sampled: Sequence[bool] | None = None,
     ) -> bool:
-        """Whether the next round of ``requests`` (their ids; ``temperatures`` as in ``DraftGate.should_draft``)
-        should run the drafter (always, without a gate)."""
+        """Whether the next round of ``requests`` (their ids; ``temperatures`` and ``sampled`` as in
+        ``DraftGate.should_draft``) should run the drafter (always, without a gate)."""
         if self.gate is None:
             return True
         return self.gate.should_draft(requests, draft_ms=draft_ms, verify_scale=verify_scale,
-                                      temperatures=temperatures)
+                                      temperatures=temperatures, sampled=sampled)
 
     def observe(
         self,
@@ -369,14 +371,16 @@ class VerifyScheduler:
         survival = prefix_survival(confidences)
         greedy = theta_greedy_lengths(survival, min_len=min_len, max_len=max_len, profile=self.profile,
                                       sampled=sampled, with_draft=with_draft)
+        # capacity is per request that has slots to verify (the step's others bring no draft this round)
+        drafting = int((max_len > min_len).sum())
         if self._held is None:
             lengths = greedy
         else:
-            capacity = round(self._held * inputs.batch)
+            capacity = round(self._held * drafting)
             lengths = self.policy(replace(inputs, capacity=capacity), self.profile)
-        # Off the critical path in a real engine: the greedy on this round's confidences sets the next cut.
-        observed = float((greedy - min_len).sum()) / max(inputs.batch, 1)
-        self._ema, self._held = update_capacity(
-            ema=self._ema, held=self._held, observed=observed, smoothing=self.smoothing, hysteresis=self.hysteresis
-        )
+        if drafting:  # off the critical path in a real engine: the greedy on this round's confidences sets the next cut
+            observed = float((greedy - min_len).sum()) / drafting
+            self._ema, self._held = update_capacity(
+                ema=self._ema, held=self._held, observed=observed, smoothing=self.smoothing,
+                hysteresis=self.hysteresis)
         return lengths

@@ -509,7 +509,8 @@ class TargetReplica:
         profile = self.scheduler.profile
         b = min(batch, profile.max_batch_size)
         tokens = profile.step_tokens(batch=batch, verified=result.verified, longest=result.longest)
-        profiled = float(profile.verify_time_ms(tokens * b / batch, batch=b, sampled=result.sampled))
+        sampled = profile.sampled_fraction(result.sampled, [out.num_draft for out in result.outputs])
+        profiled = float(profile.verify_time_ms(tokens * b / batch, batch=b, sampled=sampled))
         self.stats.verify_scale = _ema(ms / profiled, self.stats.verify_scale, seed_with_first=False)
 
     async def _report_loop(self) -> None:

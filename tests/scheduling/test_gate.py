@@ -242,3 +242,16 @@ def test_a_new_request_starts_from_the_acceptance_of_its_temperature_class():
 
 def test_temperature_classes():
     assert [temperature_class(t) for t in (0.0, 0.7, 0.71, 1.0)] == ["greedy", "T0.7", "T0.7", "T1.0"]
+
+
+def test_sampled_requests_are_priced_from_the_sampled_table():
+    """The same acceptance pays for a drafter call when the batch's rows are greedy and not when they sample on a
+    profile whose sampled rows cost forty times as much; the flags must be one per request."""
+    profile = make_profile(lambda b, n: 40.0 + n, sampled=lambda b, n: 40.0 * n, draft=10.0)
+    for sampled, expected in (([False, False], True), ([True, True], False)):
+        gate = DraftGate(profile, gamma=7)
+        for _ in range(10):
+            gate.observe(["a", "b"], [7, 7], [1, 1])
+        assert gate.should_draft(["a", "b"], sampled=sampled) is expected
+    with pytest.raises(ValueError, match="one sampled flag per request"):
+        DraftGate(profile, gamma=7).should_draft(["a", "b"], sampled=[True])

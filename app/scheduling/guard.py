@@ -1,12 +1,12 @@
 """The speculation guard: speculate unless plain decoding measurably commits tokens faster.
 
 The draft gate and the verify-length policy decide from a model: calibrated acceptance and the throughput profile.
-Where the model is wrong (a ragged verify step costs more than the uniform steps the profile timed, sampled rows pay
-for full-vocabulary logits, a drafter call waits for a core that streaming holds), speculation can fall below plain
-decoding under load, the regime the scheduler exists for. The guard checks the outcome instead of the model: per
-batch-size bucket (the next power of two) it keeps the last ``window`` rates, committed tokens per request per
-millisecond of round time (per request, so batches of 5 and 8 in one bucket compare), of rounds that speculate
-(called the drafter or verified any draft) and of plain rounds.
+Where the model is wrong (a ragged verify step costs more than the uniform steps the profile timed, a profile without
+a sampled table prices sampled rows as greedy, a drafter call waits for a core that streaming holds), speculation can
+fall below plain decoding under load, the regime the scheduler exists for. The guard checks the outcome instead of
+the model: per batch-size bucket (the next power of two) it keeps the last ``window`` rates, committed tokens per
+request per millisecond of round time (per request, so batches of 5 and 8 in one bucket compare), of rounds that
+speculate (called the drafter or verified any draft) and of plain rounds.
 
 It pauses speculation in a bucket only on evidence: plain rounds faster than speculative ones by more than
 ``margin``, by ``z`` standard errors of the difference of the two means (each mode with at least ``min_samples``

@@ -26,6 +26,7 @@ from app.engine.loader import cache_dir
 from app.engine.static_step import bucket_sizes
 from app.scheduling.profile import ThroughputProfile, load_profile, save_profile
 from app.scheduling.profiler import (
+    SAMPLED_TEMPERATURE,
     default_grid,
     dummy_proposer,
     engine_provenance,
@@ -90,8 +91,8 @@ def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> Thro
     """Time a grid of ``default_grid(max_batch=max_num_seqs, gamma=gamma)`` on ``engine``, greedy and sampled
     (``measure_profile``), within about ``profile_budget_s``, a progress line per row of cells.
 
-    After one warm-up step, a probe of the largest cell (its prefill and two steps) bounds what one cell costs;
-    when all cells do not fit the budget, the verify lengths are thinned to evenly spaced ones (always 1 and
+    After one warm-up step, a probe of the largest cell, sampled (its prefill and two steps), bounds what one cell
+    costs; when all cells do not fit the budget, the verify lengths are thinned to evenly spaced ones (always 1 and
     gamma + 1; the profile interpolates linearly between them, never below 2), then each cell gets as many timed
     steps (1 .. ``MAX_REPEATS``) as fit. An engine with padded verify steps (``verify_step`` bucketed or
     cuda_graphs) is timed at its own token buckets (1, 2, 4, ..., gamma + 1) instead, the cells its steps are
@@ -109,7 +110,7 @@ def measure_startup_profile(config: AppConfig, engine, *, hardware: str) -> Thro
     time_verify_step(engine, batch=1, tokens_per_request=1, context=STARTUP_CONTEXT, repeats=1, warmup=1)
     probe = time.perf_counter()
     largest = time_verify_step(engine, batch=batches[-1], tokens_per_request=tokens[-1], context=STARTUP_CONTEXT,
-                               repeats=1, warmup=1)
+                               repeats=1, warmup=1, temperature=SAMPLED_TEMPERATURE)  # sampled: the dearer table
     cell_s = time.perf_counter() - probe  # prefill + 2 steps of the largest cell: a bound on any cell at 1 repeat
     drafting = config.speculates and config.drafter in ("ngram", "dspark")
     tables = 2  # greedy and sampled verify steps (``measure_profile``)

@@ -313,3 +313,17 @@ def test_stale_capacity_counts_the_requests_that_draft():
     # a round with no draft at all leaves the capacity as it was
     scheduler.schedule(confidences=torch.zeros(4, 3), min_len=zero, max_len=zero, with_draft=False)
     assert scheduler.capacity_per_request == 3.0
+
+
+def test_a_profile_without_a_sampled_table_is_logged_once(caplog):
+    """Sampled rows on a greedy-only profile are priced as greedy ones: said once per scheduler, not every round."""
+    scheduler = VerifyScheduler(make_policy("dspark"), LINEAR, max_batch=2, gamma=3)
+    c, lo, hi = torch.full((2, 3), 0.8), torch.zeros(2, dtype=torch.long), torch.full((2,), 3)
+    for _ in range(3):
+        scheduler.schedule(confidences=c, min_len=lo, max_len=hi, sampled=torch.tensor([True, False]))
+    assert caplog.text.count("no sampled_verify_ms") == 1
+    caplog.clear()
+    sampled_profile = make_profile(lambda b, n: 10.0 + n, sampled=lambda b, n: 10.0 + 2 * n)
+    VerifyScheduler(make_policy("dspark"), sampled_profile, max_batch=2, gamma=3).schedule(
+        confidences=c, min_len=lo, max_len=hi, sampled=torch.tensor([True, True]))
+    assert "no sampled_verify_ms" not in caplog.text

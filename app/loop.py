@@ -344,9 +344,10 @@ class SpecLoop:
         ids = list(self.active)
         blocks = {rid: DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in ids}
         drafts, confidences, from_lookup = self._choose(self.speculating() if speculate else [], drafted)
-        if drafts:
-            blocks.update(self._lengths(drafts, confidences, with_draft=drafted is not None and bool(drafted.blocks)))
         sampled = tuple(self.active[rid].params.full_logits for rid in ids)
+        if drafts:
+            blocks.update(self._lengths(drafts, confidences, sampled=sampled,
+                                        with_draft=drafted is not None and bool(drafted.blocks)))
         t0 = time.perf_counter()
         outputs = self.engine.verify([blocks[rid] for rid in ids])
         verify_ms = (time.perf_counter() - t0) * 1000
@@ -414,15 +415,16 @@ class SpecLoop:
         order = [rid for rid in self.active if rid in chosen]
         return [chosen[rid][0] for rid in order], torch.stack([chosen[rid][1] for rid in order]), from_lookup
 
-    def _lengths(self, drafts: list[DraftBlock], confidences: torch.Tensor, *, with_draft: bool
-                 ) -> dict[str, DraftBlock]:
+    def _lengths(self, drafts: list[DraftBlock], confidences: torch.Tensor, *, sampled: tuple[bool, ...],
+                 with_draft: bool) -> dict[str, DraftBlock]:
         """Verify lengths for the drafted requests under the policy, each capped by K and the request's max_tokens
         left; without a scheduler the blocks as proposed. The policy sees the whole verify step: every active
-        request (one without a draft: confidences 0, max_len 0), which are sampled (``SamplingParams.full_logits``),
-        and whether the drafter ran this round (``with_draft``).
+        request (one without a draft: confidences 0, max_len 0), which are sampled, and whether the drafter ran this
+        round (``with_draft``).
 
         Args:
             drafts: one block per drafted request, in the order of ``self.active``; confidences: [n, K] theirs.
+            sampled: [B] per active request, in order, ``SamplingParams.full_logits``.
         """
         if self.scheduler is None:
             return {b.request_id: b for b in drafts}
@@ -437,9 +439,8 @@ class SpecLoop:
                 self.active[b.request_id].params.max_tokens - len(self.active[b.request_id].token_ids) - 1)
             for b in drafts
         ], dtype=torch.long).clamp(min=0)
-        sampled = torch.tensor([self.active[rid].params.full_logits for rid in ids], dtype=torch.bool)
         lengths = self.scheduler.schedule(confidences=conf, min_len=torch.zeros_like(max_len), max_len=max_len,
-                                          sampled=sampled, with_draft=with_draft)
+                                          sampled=torch.tensor(sampled, dtype=torch.bool), with_draft=with_draft)
         return {b.request_id: replace(b, verify_len=int(lengths[r])) for b, r in zip(drafts, rows.tolist())}
 
     # ------------------------------------------------------------------ ending requests early

@@ -22,6 +22,7 @@ This module owns data definitions only; it does no computation.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -164,11 +165,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property
     def full_logits(self) -> bool:
         """Whether the target computes this request's logits over the whole vocabulary (float32 LM head): sampled,
         or greedy with a control or logprobs. Plain greedy rows take the greedy screen instead
-        (``app/engine/greedy_head.py``), and a verify step prices the two apart (``ThroughputProfile``)."""
+        (``app/engine/greedy_head.py``), and a verify step prices the two apart (``ThroughputProfile``). Read for
+        every request of every step: computed once (``controls`` compares every field with its neutral value)."""
         return not self.greedy or bool(self.controls())
 
     def controls(self) -> list[str]:

@@ -31,7 +31,7 @@ import time
 import requests
 from locust import User, constant, events, task
 
-from loadtest.prompts import DEFAULT_PROMPTS, load_prompt_spec, shuffled
+from loadtest.prompts import DEFAULT_PROMPTS, load_prompt_spec, max_tokens_plan, shuffled
 from loadtest.stream import StreamObserver, observe_stream
 
 ROUTE = "/v1/chat/completions"
@@ -45,6 +45,9 @@ def _options(parser) -> None:
                         help="Seed of the prompt order (the same order for every run).")
     parser.add_argument("--model", default="smollm2-135m", env_var="LOADTEST_MODEL", help="Served model name.")
     parser.add_argument("--max-tokens", type=int, default=128, env_var="LOADTEST_MAX_TOKENS")
+    parser.add_argument("--max-tokens-range-ratio", type=float, default=0.0, env_var="LOADTEST_MAX_TOKENS_RANGE_RATIO",
+                        help="Each request's max_tokens uniform in max_tokens x [1 - r, 1 + r] (seeded by "
+                             "--prompt-seed; 0: all the same).")
     parser.add_argument("--temperature", type=float, default=0.0, env_var="LOADTEST_TEMPERATURE")
     parser.add_argument("--ignore-eos", action="store_true", env_var="LOADTEST_IGNORE_EOS",
                         help="Always generate max_tokens (fixed-length answers).")
@@ -85,6 +88,7 @@ _state: dict = {}
 def _init(environment, **_kwargs) -> None:
     options = environment.parsed_options
     _state["prompts"] = itertools.cycle(shuffled(load_prompt_spec(options.prompts), options.prompt_seed))
+    _state["max_tokens"] = max_tokens_plan(options.max_tokens, options.max_tokens_range_ratio, options.prompt_seed)
     _state["records"] = _Records(options.records)
 
 
@@ -134,7 +138,7 @@ class ChatCompletionUser(User):
         options = self.environment.parsed_options
         body = {
             "model": options.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-            "stream_options": {"include_usage": True}, "max_tokens": options.max_tokens,
+            "stream_options": {"include_usage": True}, "max_tokens": next(_state["max_tokens"]),
             "temperature": options.temperature,
         }
         if options.ignore_eos:

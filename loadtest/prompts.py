@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, TRAIN_SETS, PromptSet, load_prompts
@@ -46,6 +47,27 @@ def load_prompt_spec(spec: str) -> list[str]:
     if not prompts:
         raise ValueError(f"prompts: {spec!r} names no prompt")
     return prompts
+
+
+def max_tokens_plan(max_tokens: int, range_ratio: float, seed: int) -> Iterator[int]:
+    """Each request's ``max_tokens``, in request order: ``max_tokens`` every time when ``range_ratio`` is 0, else an
+    integer drawn uniformly from ``[max_tokens (1 - range_ratio), max_tokens (1 + range_ratio)]`` (rounded; at least
+    1) by a generator seeded with ``seed``, so every run and every policy sends the same sequence (vLLM's
+    ``benchmark_serving --random-range-ratio`` draws output lengths the same way).
+
+    Answers of one length that start together also end together: closed-loop users then arrive in cohorts, their
+    prompts prefilled in one forward between decoding steps. Varied lengths spread the arrivals as real traffic does.
+
+    Raises:
+        ValueError: max_tokens < 1, or range_ratio outside [0, 1).
+    """
+    if max_tokens < 1 or not 0 <= range_ratio < 1:
+        raise ValueError(f"need max_tokens >= 1 and 0 <= range_ratio < 1, got {max_tokens}, {range_ratio}")
+    low = max(1, round(max_tokens * (1 - range_ratio)))
+    high = max(low, round(max_tokens * (1 + range_ratio)))
+    rng = random.Random(seed)
+    while True:
+        yield max_tokens if range_ratio == 0 else rng.randint(low, high)
 
 
 def shuffled(prompts: list[str], seed: int) -> list[str]:

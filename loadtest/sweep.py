@@ -81,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompts", default=DEFAULT_PROMPTS, help="evaluation set names or JSONL paths")
     ap.add_argument("--prompt-seed", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens-range-ratio", type=float, default=0.0,
+                    help="each request's max_tokens uniform in --max-tokens x [1 - r, 1 + r], the same sequence for "
+                         "every policy (0: all the same; answers of one length make closed-loop users arrive in "
+                         "cohorts)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     ap.add_argument("--no-spec-stats", action="store_true", help="do not ask for the spec_stats extension")
@@ -94,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.duration <= 0 or args.warmup < 0:
         ap.error("--duration must be > 0 and --warmup >= 0")
+    if not 0 <= args.max_tokens_range_ratio < 1:
+        ap.error(f"--max-tokens-range-ratio must be in [0, 1), got {args.max_tokens_range_ratio}")
     load_prompt_spec(args.prompts)  # fail now, not inside the first Locust process
     args.out = args.out or REPO_ROOT / "runs" / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
     return args
@@ -103,8 +109,10 @@ def locust_env(args: argparse.Namespace, *, model: str, records: Path) -> dict:
     env = dict(os.environ)
     env.update({
         "LOADTEST_PROMPTS": args.prompts, "LOADTEST_PROMPT_SEED": str(args.prompt_seed), "LOADTEST_MODEL": model,
-        "LOADTEST_MAX_TOKENS": str(args.max_tokens), "LOADTEST_TEMPERATURE": str(args.temperature),
-        "LOADTEST_RECORDS": str(records), "LOADTEST_API_KEY": args.api_key,
+        "LOADTEST_MAX_TOKENS": str(args.max_tokens),
+        "LOADTEST_MAX_TOKENS_RANGE_RATIO": str(args.max_tokens_range_ratio),
+        "LOADTEST_TEMPERATURE": str(args.temperature), "LOADTEST_RECORDS": str(records),
+        "LOADTEST_API_KEY": args.api_key,
     })
     for flag, name in ((args.ignore_eos, "LOADTEST_IGNORE_EOS"), (args.no_spec_stats, "LOADTEST_NO_SPEC_STATS")):
         if flag:
@@ -207,7 +215,8 @@ def run_sweep(args: argparse.Namespace, config: dict) -> tuple[list[dict], list[
 
 def run_config(args: argparse.Namespace) -> dict:
     keys = ("concurrency", "duration", "warmup", "drain_timeout", "policies", "url", "model", "overrides",
-            "num_cpus", "prompts", "prompt_seed", "max_tokens", "temperature", "ignore_eos", "label")
+            "num_cpus", "prompts", "prompt_seed", "max_tokens", "max_tokens_range_ratio", "temperature", "ignore_eos",
+            "label")
     config = {k: getattr(args, k) for k in keys}
     config.update(config_file=None if args.url else str(args.config), argv=args.argv,
                   started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), machine=platform.platform(),

@@ -8,11 +8,13 @@ a buffer (TTFT would wait for later bytes, inter-token gaps would collapse to 0)
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 
 import pytest
 
 from loadtest import sweep
+from loadtest.prompts import max_tokens_plan
 from loadtest.server import app_args, parse_overrides
 from tests.loadtest.stub_server import Timeline, stub_server
 
@@ -70,3 +72,31 @@ def test_sweep_reports_a_failed_policy_and_exits_nonzero(tmp_path, capsys):
     assert summary["errors"] == 1 and summary["levels"] == []
     assert "warm-up request failed: HTTP 404" in json.loads((tmp_path / "results.json").read_text())[
         "config"]["errors"][0]["error"]
+
+
+def test_max_tokens_plan_is_seeded_and_in_range():
+    assert list(itertools.islice(max_tokens_plan(128, 0.0, seed=3), 5)) == [128] * 5
+    plan = list(itertools.islice(max_tokens_plan(100, 0.5, seed=3), 400))
+    assert plan == list(itertools.islice(max_tokens_plan(100, 0.5, seed=3), 400))  # every run sends the same
+    assert plan != list(itertools.islice(max_tokens_plan(100, 0.5, seed=4), 400))
+    assert min(plan) >= 50 and max(plan) <= 150 and len(set(plan)) > 50
+    assert 90 <= sum(plan) / len(plan) <= 110
+    assert set(itertools.islice(max_tokens_plan(1, 0.9, seed=0), 50)) == {1, 2}  # never below one token
+    for bad in ((0, 0.0), (16, -0.1), (16, 1.0)):
+        with pytest.raises(ValueError, match="range_ratio"):
+            next(max_tokens_plan(*bad, seed=0))
+
+
+def test_sweep_varies_max_tokens_per_request(tmp_path, capsys):
+    with stub_server(TIMELINE) as url:
+        code = sweep.main(["--url", url, "--policies", "stub", "--concurrency", "2", "--duration", "3",
+                           "--warmup", "0", "--drain-timeout", "10", "--max-tokens", "12",
+                           "--max-tokens-range-ratio", "0.5", "--server-warmup", "1", "--out", str(tmp_path)])
+    assert code == 0
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["max_tokens_range_ratio"] == 0.5
+    records = [json.loads(line) for line in (tmp_path / "records" / "stub-c2.jsonl").read_text().splitlines()]
+    lengths = [r["output_tokens"] for r in records if r["kind"] == "request"]
+    assert all(6 <= n <= 18 for n in lengths) and len(set(lengths)) > 1, lengths
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--max-tokens-range-ratio", "1.0"])
+    assert "--max-tokens-range-ratio must be in [0, 1)" in capsys.readouterr().err

@@ -8,6 +8,7 @@ no prompt a drafter was trained on may be used for that (``shared/datasets/READM
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 from collections.abc import Iterator
@@ -59,15 +60,13 @@ def max_tokens_plan(max_tokens: int, range_ratio: float, seed: int) -> Iterator[
     prompts prefilled in one forward between decoding steps. Varied lengths spread the arrivals as real traffic does.
 
     Raises:
-        ValueError: max_tokens < 1, or range_ratio outside [0, 1).
+        ValueError: max_tokens < 1, or range_ratio outside [0, 1) (at the call, before the first draw).
     """
     if max_tokens < 1 or not 0 <= range_ratio < 1:
         raise ValueError(f"need max_tokens >= 1 and 0 <= range_ratio < 1, got {max_tokens}, {range_ratio}")
-    low = max(1, round(max_tokens * (1 - range_ratio)))
-    high = max(low, round(max_tokens * (1 + range_ratio)))
+    low, high = max(1, round(max_tokens * (1 - range_ratio))), round(max_tokens * (1 + range_ratio))
     rng = random.Random(seed)
-    while True:
-        yield max_tokens if range_ratio == 0 else rng.randint(low, high)
+    return (rng.randint(low, high) for _ in itertools.count())
 
 
 def shuffled(prompts: list[str], seed: int) -> list[str]:

@@ -5,6 +5,7 @@ Uses the session-scoped ``engine`` fixture of ``tests/conftest.py``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -224,6 +225,21 @@ def test_time_budget_fits_the_schedule_after_the_warm_up_steps(engine, seqs):
     assert len(result.history) == 45 and result.stopped is None
     assert len(train(tiny_drafter(engine), seqs, steps=7, batch_seqs=1, anchors_per_seq=2, lr=1e-3, gamma_decay=4.0,
                      seed=0, device=CPU, progress=False).history) == 7
+
+
+def test_time_budget_fits_the_schedule_again_when_steps_speed_up(engine, seqs):
+    """Clock readings 4 s apart up to the first fit (step 25, t = 112 s), 1 s apart after: the first fit, at 4.2
+    s/step, gives a 260 s budget 25 + int(148 / 4.2) = 60 steps; the refit after max(20, 10% of 35) steps, at step 45
+    (t = 133 s), times steps 25..45 at 1.05 s/step and gives 45 + int(127 / 1.05) = 165."""
+    readings = itertools.count()
+
+    def clock() -> float:
+        k = next(readings)
+        return 4.0 * k if k <= 28 else 112.0 + (k - 28)
+
+    result = train(tiny_drafter(engine), seqs, steps=1000, batch_seqs=1, anchors_per_seq=2, lr=1e-3,
+                   gamma_decay=4.0, seed=0, device=CPU, progress=False, max_seconds=260.0, clock=clock)
+    assert len(result.history) == 165 and result.stopped is None
 
 
 RUN = dict(steps=8, batch_seqs=2, anchors_per_seq=4, lr=3e-3, gamma_decay=4.0, seed=0, device=CPU, progress=False,

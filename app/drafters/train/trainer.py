@@ -8,7 +8,8 @@ Every kind trains here on the same data and the same flags: ``--kind dspark`` (D
 Owns: the loss (0.1 x cross-entropy to the target's token + 0.9 x total-variation distance to the target's
 distribution + 1.0 x BCE of the confidence logit against the soft label 1 - TV, positions weighted by
 exp(-(k-1)/gamma_decay); TV against the target's top-k, see ``dspark_loss``), the optimisation loop with a
-progress bar, the held-out split and the final checkpoint (calibrated afterwards by ``calibrate.py``). Device picked automatically (cuda if available).
+progress bar, the held-out split and the final checkpoint (calibrated afterwards by ``calibrate.py``). Device picked
+automatically (cuda if available).
 
 Usage:
     python -m app.drafters.train.trainer --data runs/dspark-data --out runs/dspark-ckpt --steps 600
@@ -40,6 +41,7 @@ from app.engine.loader import load_target, resolve_device
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
 TIMING_SKIP = 5  # warm-up steps left out of the timing
 TIMING_STEPS = 20  # steps timed before a wall-clock budget fixes the schedule's length
+REFIT_FRACTION = 0.1  # the schedule's length is fitted once more after this fraction of the fitted schedule
 HARD_STOP = 1.1  # training ends at this multiple of its wall-clock budget whatever the schedule says
 STATE_FILE = "train-state.pt"  # in the output folder: what --resume continues from (``train``'s state_path)
 RUN_FILE = "train-run.json"  # beside it: the flags of the run it belongs to
@@ -246,7 +248,10 @@ def train(
     schedule is fitted into the budget: steps ``TIMING_SKIP`` .. ``TIMING_SKIP + TIMING_STEPS`` are timed (the first
     ones pay for warm-up: allocator, kernel selection) and the total becomes min(steps, steps done + time left /
     measured step time), so the learning rate still decays to zero when time runs out instead of training stopping
-    mid-schedule; steps that grow slower than timed stop at ``HARD_STOP`` x the budget. ``seqs`` carry the target
+    mid-schedule. Early steps can run several times slower than later ones (warm-up on a GPU outlasts
+    ``TIMING_SKIP``), so after ``REFIT_FRACTION`` of the fitted schedule (at least ``TIMING_STEPS`` steps) the length is
+    fitted once more from the steps since the first fit; the cosine moves little that early. Steps that grow slower
+    than timed stop at ``HARD_STOP`` x the budget. ``seqs`` carry the target
     top-k; ``clock`` (seconds) is replaceable for tests. ``draft_vocab``: train the softmax over the drafter's draft
     vocabulary V' (the one it drafts with; on a CPU the LM head over the full vocabulary is most of a step's cost; see
     ``dspark_loss``). ``heldout``: evaluate every ``heldout.every`` steps (and after the last) and stop on a plateau.
@@ -300,6 +305,16 @@ def train(
                   + " ".join(f"{figures[f'a{j + 1}']:.2f}" for j in range(drafter.config.block_size)))
         return plateaued([e["loss"] for e in result.evals], patience=heldout.patience, min_delta=heldout.min_delta)
 
+    def fit_schedule(timed_from: float, timed_steps: int) -> float:
+        """Fits the schedule's length from the steps since ``timed_from`` (a clock reading) and the time left;
+        returns the clock reading it used."""
+        now = clock()
+        per_step = (now - timed_from) / timed_steps
+        run["total"] = max(len(history) + 1, min(steps, len(history) + int((max_seconds - (now - start)) / per_step)))
+        bar.total = run["total"]
+        bar.refresh()
+        return now
+
     history = result.history
     bar = tqdm(total=run["total"], initial=len(history), desc="train", disable=not progress)
     drafter.train()
@@ -312,13 +327,12 @@ def train(
         if len(history) == timing_from and not run["fitted"]:
             timed_from = clock()
         if len(history) == timing_from + TIMING_STEPS and not run["fitted"]:
-            now = clock()
-            per_step = (now - timed_from) / TIMING_STEPS
-            run["total"] = max(len(history) + 1,
-                               min(steps, len(history) + int((max_seconds - (now - start)) / per_step)))
-            run["fitted"] = True
-            bar.total = run["total"]
-            bar.refresh()
+            run["fitted_s"], run["fitted_at"] = fit_schedule(timed_from, TIMING_STEPS) - start, len(history)
+            run["fitted"], run["refit_at"] = True, len(history) + max(
+                TIMING_STEPS, math.ceil(REFIT_FRACTION * (run["total"] - len(history))))
+        if len(history) == run.get("refit_at"):
+            fit_schedule(start + run["fitted_s"], len(history) - run["fitted_at"])
+            run["refit_at"] = None
         pick = torch.randint(len(seqs), (batch_seqs,), generator=gen).tolist()
         batch = make_batch([seqs[i] for i in pick], block_size=drafter.config.block_size,
                            anchors_per_seq=anchors_per_seq, generator=gen)

@@ -22,9 +22,9 @@ _site_install() {  # pip-install the given wheels into /tmp/dspark-site, on PYTH
 }
 
 gpu_packages() {
-    if ! "$PY" -c 'import pydantic, llguidance' 2>/dev/null; then
+    if ! "$PY" -c 'import pydantic, llguidance, gguf' 2>/dev/null; then
         if ! compgen -G ".whl/*.whl" >/dev/null; then
-            echo "pydantic or llguidance is missing and .whl/ holds no wheels (scripts/gpu_wheels.sh)"
+            echo "pydantic, llguidance or gguf is missing and .whl/ holds no wheels (scripts/gpu_wheels.sh)"
             return 1
         fi
         _site_install .whl/*.whl || return 1

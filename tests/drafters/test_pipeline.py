@@ -87,7 +87,7 @@ def test_pipeline_writes_a_calibrated_checkpoint_and_report(tmp_path):
         "datagen-greedy", "datagen-sampled", "train", "draft-vocab", "calibrate", "lookup-table", "evaluate",
         "evaluate-lookup"]  # V' before calibrating
     assert doc["metadata"]["calibration"]["heldout_seqs"] > 0
-    # --init continues from that checkpoint (scripts/train_gpu.sh runs the pipeline so from the committed one)
+    # --init continues from that checkpoint (continued training, as the committed checkpoint's stages)
     again = tmp_path / "again"
     pipeline.main([
         "--out", str(again), "--model", str(tmp_path / "target"), "--datasets-dir", str(tmp_path / "datasets"),

@@ -3,10 +3,11 @@
 Owns: the position-keyed Gumbel noise of a seeded request, the coupled target token of a row and the accept rule of a
 seeded request's draft block. Pure functions of tensors and integers; no model, no request state.
 
-Noise: ``gumbel_noise(seed, t, V)`` is standard Gumbel noise g_t = -log(-log(u)), u ~ U[0, 1)^V, drawn by a CPU
-generator seeded with a hash of (seed, t), where t is the absolute position of the token being sampled (the number of
-tokens before it: prompt plus output so far). It depends on nothing else: not on how many draws earlier rounds made,
-the batch, the draft, the verify length or the placement.
+Noise: ``gumbel_noise(seed, t, V)`` is standard Gumbel noise g_t = -log(-log(u)), u ~ U[0, 1)^V, drawn by numpy's
+SFC64 generator (float32 draws; several times faster than torch's CPU generator for a row) seeded with a hash of
+(seed, t), where t is the absolute position of the token being sampled (the number of tokens before it: prompt plus
+output so far). It depends on nothing else: not on how many draws earlier rounds made, the batch, the draft, the
+verify length or the placement.
 
 Target token at position t (the Gumbel-max trick; Gumbel 1954, Maddison et al. 2014 "A* Sampling"):
     y_t = argmax_v (log p_t(v) + g_t(v)) = argmax_{v in nucleus} (logits_t(v) / T + g_t(v)),
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 from app.engine.sampling import Acceptance, accept_greedy, target_probs
@@ -44,10 +46,10 @@ def gumbel_noise(seed: int, positions: list[int], vocab_size: int) -> torch.Tens
 
     Row i depends on (seed, positions[i]) only. u = 0 gives -inf (that token is never chosen), u < 1 always.
     """
-    noise = torch.empty(len(positions), vocab_size)
+    noise = np.empty((len(positions), vocab_size), dtype=np.float32)
     for row, t in zip(noise, positions):
-        torch.rand(vocab_size, generator=torch.Generator().manual_seed(noise_key(seed, t)), out=row)
-    return noise.log_().neg_().log_().neg_()  # -log(-log(u)), in place
+        np.random.Generator(np.random.SFC64(noise_key(seed, t))).random(vocab_size, dtype=np.float32, out=row)
+    return torch.from_numpy(noise).log_().neg_().log_().neg_()  # -log(-log(u)), in place
 
 
 class NoiseRows:

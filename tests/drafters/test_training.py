@@ -20,9 +20,10 @@ from app.drafters.dspark import DSparkDrafter
 from app.drafters.eagle import EagleDrafter
 from app.drafters.train.calibrate import collect_outcomes
 from app.drafters.train.data import Sequence_, TargetTopK, load_shards, make_batch
+from app.drafters.train import trainer
 from app.drafters.train.datagen import generate_shard
-from app.drafters.train.trainer import (BlockOutputs, HeldOutEval, dspark_loss, forward_batch, heldout_batches,
-                                        plateaued, split_heldout, train, vocab_columns)
+from app.drafters.train.trainer import (BlockOutputs, HeldOutEval, dspark_loss, evaluate_heldout, forward_batch,
+                                        heldout_batches, plateaued, split_heldout, train, vocab_columns)
 from app.engine.engine import TargetEngine
 from app.engine.types import SamplingParams
 
@@ -229,8 +230,8 @@ def test_time_budget_fits_the_schedule_after_the_warm_up_steps(engine, seqs):
 
 def test_time_budget_fits_the_schedule_again_when_steps_speed_up(engine, seqs):
     """Clock readings 4 s apart up to the first fit (step 25, t = 112 s), 1 s apart after: the first fit, at 4.2
-    s/step, gives a 260 s budget 25 + int(148 / 4.2) = 60 steps; the refit after max(20, 10% of 35) steps, at step 45
-    (t = 133 s), times steps 25..45 at 1.05 s/step and gives 45 + int(127 / 1.05) = 165."""
+    s/step, gives a 260 s budget 25 + int(148 / 4.2) = 60 steps; the refit after max(10% of 35, min(20, 35 // 2)) = 17
+    steps, at step 42 (t = 130 s), times steps 25..42 at 18 / 17 s/step and gives 42 + int(130 * 17 / 18) = 164."""
     readings = itertools.count()
 
     def clock() -> float:
@@ -239,7 +240,32 @@ def test_time_budget_fits_the_schedule_again_when_steps_speed_up(engine, seqs):
 
     result = train(tiny_drafter(engine), seqs, steps=1000, batch_seqs=1, anchors_per_seq=2, lr=1e-3,
                    gamma_decay=4.0, seed=0, device=CPU, progress=False, max_seconds=260.0, clock=clock)
-    assert len(result.history) == 165 and result.stopped is None
+    assert len(result.history) == 164 and result.stopped is None
+
+
+def test_time_budget_refit_leaves_held_out_evaluations_out(engine, seqs, monkeypatch):
+    """Clock readings 1 s apart; the held-out evaluations at steps 30 and 60 take 100 s more each. The first fit
+    (step 25, t = 28 s, 1.05 s/step) gives a 400 s budget 25 + int(372 / 1.05) = 379 steps and a refit after 36; at
+    step 61 (t = 269 s) the 36 steps since took 241 s, 202 of them evaluating: 39 / 36 s/step and
+    61 + int(131 * 36 / 39) = 181 steps (counting the evaluations would give 61 + int(131 * 36 / 241) = 80)."""
+    now, slow = [0.0], [2]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0] - 1.0
+
+    def slow_evaluation(*args, **kwargs):
+        if slow[0]:
+            slow[0] -= 1
+            now[0] += 100.0
+        return evaluate_heldout(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "evaluate_heldout", slow_evaluation)
+    batches = heldout_batches(seqs, count=1, block_size=4, batch_seqs=1, anchors_per_seq=2, seed=0)
+    result = train(tiny_drafter(engine), seqs, steps=1000, batch_seqs=1, anchors_per_seq=2, lr=1e-3, gamma_decay=4.0,
+                   seed=0, device=CPU, progress=False, max_seconds=400.0, clock=clock,
+                   heldout=HeldOutEval(batches=batches, every=30))
+    assert len(result.history) == 181 and result.stopped is None
 
 
 RUN = dict(steps=8, batch_seqs=2, anchors_per_seq=4, lr=3e-3, gamma_decay=4.0, seed=0, device=CPU, progress=False,

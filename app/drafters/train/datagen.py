@@ -31,7 +31,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, get_args
 
 import torch
 from safetensors import safe_open
@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from app.loop import generate
-from app.engine.config import EngineConfig
+from app.engine.config import EngineConfig, VerifyStep
 from app.engine.engine import TargetEngine
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
 from app.datasets import DEFAULT_DATASETS_DIR, TRAIN_SETS, PromptSet, load_prompts
@@ -140,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="target model reference (EngineConfig.model)")
     ap.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)
+    ap.add_argument("--verify-step", choices=get_args(VerifyStep), default="ragged",
+                    help="the engine's decode steps (EngineConfig.verify_step; cuda_graphs: CUDA only); the answers "
+                         "do not depend on it")
     args = ap.parse_args(argv)
     if args.samples < 1 or (args.samples > 1 and args.temperature <= 0):
         ap.error("--samples must be >= 1, and > 1 only with --temperature > 0 (greedy answers are all the same)")
@@ -162,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         picked = pick_prompts(per_set, seed=args.seed, datasets_dir=args.datasets_dir)
     except (ValueError, FileNotFoundError) as e:
         ap.error(f"--per-set: {e}")
-    engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch, max_model_len=1536))
+    engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch, max_model_len=1536,
+                                       verify_step=args.verify_step))
     args.out.mkdir(parents=True, exist_ok=True)
     ids = [engine.encode_chat([{"role": "user", "content": p}]) for _, p in picked]
     ids = [x for x in ids if len(x) + args.max_tokens + engine.config.max_draft_len <= engine.config.max_model_len]
@@ -202,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
     bar.close()
     meta = {**plan, "sequences": done, "new_tokens": new_tokens, "feature_layers": list(engine.model.feature_layers),
-            "seconds": round(time.perf_counter() - start, 1)}
+            "verify_step": args.verify_step, "seconds": round(time.perf_counter() - start, 1)}
     meta_path.write_text(json.dumps(meta, indent=2))
     print(json.dumps(meta))
 

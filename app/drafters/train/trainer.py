@@ -289,26 +289,32 @@ def train(
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["generator"])
         run, result = state["run"], TrainResult(**state["result"])
-        run["refit_at"] = None  # a new process's first steps are slow again: the first fit stands
+    # Kept by this process only (a resumed process warms up again, so the refit never spans a resume): seconds spent
+    # in held-out evaluations and saves, and the one refit's step with the step, clock reading and pause total of the
+    # first fit it times from.
+    paused, refit_at, fit_step, fit_clock, fit_paused = 0.0, None, 0, 0.0, 0.0
 
     def save_state() -> None:
+        nonlocal paused
         if state_path is None:
             return
-        run["seconds"] = began = clock() - start
+        began = clock()
+        run["seconds"] = began - start
         tmp = Path(state_path).with_suffix(".tmp")
         torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                     "generator": gen.get_state(), "run": run, "result": asdict(result)}, tmp)
         tmp.replace(state_path)  # a run killed while saving keeps the previous state
-        run["paused_s"] = run.get("paused_s", 0.0) + clock() - start - began
+        paused += clock() - began
 
     def evaluate() -> bool:
         """One held-out evaluation; True on a plateau."""
+        nonlocal paused
         began = clock()
         figures = evaluate_heldout(drafter, heldout.batches, gamma_decay=gamma_decay, device=device, columns=columns)
         result.evals.append({"step": len(history), **figures})
         bar.write(f"held-out @ {len(history)}: loss {figures['loss']:.4f} tau {figures['tau']:.3f} "
                   + " ".join(f"{figures[f'a{j + 1}']:.2f}" for j in range(drafter.config.block_size)))
-        run["paused_s"] = run.get("paused_s", 0.0) + clock() - began
+        paused += clock() - began
         return plateaued([e["loss"] for e in result.evals], patience=heldout.patience, min_delta=heldout.min_delta)
 
     def fit_schedule(timed_from: float, timed_steps: int, paused: float = 0.0) -> float:
@@ -333,14 +339,13 @@ def train(
         if len(history) == timing_from and not run["fitted"]:
             timed_from = clock()
         if len(history) == timing_from + TIMING_STEPS and not run["fitted"]:
-            run["fitted_s"], run["fitted_at"] = fit_schedule(timed_from, TIMING_STEPS) - start, len(history)
-            run["fitted_paused_s"], left = run.get("paused_s", 0.0), run["total"] - len(history)
-            run["fitted"], run["refit_at"] = True, len(history) + max(
-                math.ceil(REFIT_FRACTION * left), min(TIMING_STEPS, left // 2))
-        if len(history) == run.get("refit_at"):
-            fit_schedule(start + run["fitted_s"], len(history) - run["fitted_at"],
-                         run.get("paused_s", 0.0) - run["fitted_paused_s"])
-            run["refit_at"] = None
+            fit_step, fit_clock, fit_paused = len(history), fit_schedule(timed_from, TIMING_STEPS), paused
+            left = run["total"] - fit_step
+            run["fitted"] = True
+            refit_at = fit_step + max(math.ceil(REFIT_FRACTION * left), min(TIMING_STEPS, left // 2))
+        if len(history) == refit_at:
+            fit_schedule(fit_clock, len(history) - fit_step, paused - fit_paused)
+            refit_at = None
         pick = torch.randint(len(seqs), (batch_seqs,), generator=gen).tolist()
         batch = make_batch([seqs[i] for i in pick], block_size=drafter.config.block_size,
                            anchors_per_seq=anchors_per_seq, generator=gen)

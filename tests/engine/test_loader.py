@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pydantic
 import pytest
 import torch
@@ -9,7 +11,9 @@ import torch
 from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
-from app.engine.loader import DUMMY_STD, load_target
+from app.engine.greedy_head import SCREEN_MARGIN, SCREEN_TOP
+from app.engine.loader import DUMMY_LOGIT_STD, DUMMY_STD, load_target
+from app.engine.model import KVCache, StepLayout
 from app.engine.types import SamplingParams
 from tests.conftest import TINY_LLAMA, write_model_dir
 
@@ -22,14 +26,34 @@ def test_dummy_weights_follow_the_config(tmp_path, tied):
     assert (a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.vocab_size) == (64, 2, 4, 2, 49152)
     embed = model.embed_tokens.weight
     assert embed.dtype == torch.bfloat16 and embed.shape == (49152, 64)
-    assert embed.float().std().item() == pytest.approx(DUMMY_STD, rel=0.05)
+    head_std = DUMMY_LOGIT_STD / math.sqrt(64)
+    assert embed.float().std().item() == pytest.approx(head_std if tied else DUMMY_STD, rel=0.05)
     assert model.layers[0].qkv.weight.shape == (4 * 16 + 2 * 2 * 16, 64)
     assert torch.equal(model.layers[1].input_norm, torch.ones(64, dtype=torch.bfloat16))
     head = model.lm_head.weight  # the float32 copy of the LM head
     assert head.dtype == torch.float32
     assert torch.equal(head, embed.float()) == tied
+    assert head.std().item() == pytest.approx(head_std, rel=0.05)
     again = load_target(str(src), load_format="dummy", device="cpu", dtype="bfloat16").model
     assert torch.equal(again.layers[1].down_proj.weight, model.layers[1].down_proj.weight)  # seeded
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_dummy_logits_spread_as_a_trained_models(tmp_path, tied):
+    """A dummy model's logits have std DUMMY_LOGIT_STD over the vocabulary and few rows flat for the greedy screen
+    (its SCREEN_TOP best within 2 x SCREEN_MARGIN of the best: the float32 fallback), as on real weights; drawn at
+    DUMMY_STD, every row would be flat."""
+    src = write_model_dir(tmp_path / "m", {**TINY_LLAMA, "tie_word_embeddings": tied})
+    model = load_target(str(src), load_format="dummy", device="cpu", dtype="bfloat16").model
+    cache = KVCache(model.args, num_slots=1, max_len=128, dtype=torch.bfloat16, device="cpu")
+    layout = StepLayout.build(slots=[0], starts=[0], lengths=[100], groups=2, device=torch.device("cpu"),
+                              dtype=torch.bfloat16)
+    with torch.inference_mode():
+        logits, _ = model(torch.arange(100) * 37, cache=cache, layout=layout, logits_index=torch.arange(100))
+    assert logits.std(-1).median().item() == pytest.approx(DUMMY_LOGIT_STD, rel=0.1)
+    top = logits.topk(SCREEN_TOP, dim=-1).values
+    flat = top[:, -1] >= top[:, 0] - 2 * SCREEN_MARGIN
+    assert flat.float().mean().item() <= 0.05
 
 
 def test_dummy_engine_decodes_deterministically(tiny_llama_dir):

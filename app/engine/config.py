@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 LoadFormat = Literal["auto", "dummy"]
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
 VerifyStep = Literal["ragged", "bucketed", "cuda_graphs"]
+Attention = Literal["auto", "sdpa", "flash"]
 
 
 class EngineConfig(BaseModel):
@@ -61,6 +62,13 @@ class EngineConfig(BaseModel):
         "the device from the token grid and cache lengths (app/engine/static_step.py); padding changes no output. "
         "cuda_graphs: bucketed, every shape captured once as a CUDA graph at start-up and replayed (CUDA only). "
         "Prefill stays ragged. Not combined with batch_invariant.",
+    )
+    attention: Attention = Field(
+        "auto", description="flash: a token-major KV cache; steps of one token per request attend by one call of "
+        "FlashAttention-2's variable-length kernel (PyTorch's build; each request reads its own keys, no mask), longer "
+        "runs by scaled_dot_product_attention over the grouped queries with a mask (CUDA, float16 or bfloat16). sdpa: "
+        "scaled_dot_product_attention with a mask for every step. auto: flash where it runs and agrees with math "
+        "attention on a probe at start-up, else sdpa (on CUDA the reason is logged).",
     )
     feature_layers: tuple[int, ...] | None = Field(
         None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."

@@ -18,6 +18,7 @@ overwritten.
 from __future__ import annotations
 
 import heapq
+import logging
 import secrets
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -32,12 +33,14 @@ from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestE
 from app.engine.grammar import GrammarCompiler, RequestGrammar
 from app.engine.greedy_head import ScreenedArgmax
 from app.engine.loader import LoadedTarget, load_target
-from app.engine.model import KVCache, StepLayout
+from app.engine.model import KVCache, StepLayout, flash_varlen_problem
 from app.engine.prepack import PrepackedLinear, prepack_linears, prepack_supported
 from app.engine.logits_process import RequestControls, sampling_probs, token_logprobs
 from app.engine.sampling import Acceptance, accept_greedy, accept_sampled, accept_sampled_batch, target_probs
 from app.engine.static_step import BucketedStep
 from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -94,9 +97,10 @@ class TargetEngine(Engine):
         self.vocab_size = args.vocab_size
         self.feature_dim = self.model.feature_dim
         self.device = self.model.embed_tokens.weight.device
+        self.attention = self._attention_backend()
         self.cache = KVCache(
             args, num_slots=c.max_num_seqs, max_len=c.max_model_len, dtype=self.model.embed_tokens.weight.dtype,
-            device=self.device,
+            device=self.device, token_major=self.attention == "flash",
         )
         self._groups = args.num_heads // args.num_kv_heads
         self._bucketed = None if c.verify_step == "ragged" else BucketedStep(
@@ -116,6 +120,23 @@ class TargetEngine(Engine):
         self._free_slots = list(range(c.max_num_seqs))
         self._requests: dict[str, _Request] = {}
         self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
+
+    def _attention_backend(self) -> str:
+        """``config.attention`` resolved: "flash" or "sdpa" (``EngineConfig.attention``).
+
+        Raises:
+            ValueError: ``attention: flash`` where ``flash_varlen_problem`` names a problem.
+        """
+        if self.config.attention == "sdpa":
+            return "sdpa"
+        problem = flash_varlen_problem(self.model.args, device=self.device, dtype=self.model.embed_tokens.weight.dtype)
+        if problem is None:
+            return "flash"
+        if self.config.attention == "flash":
+            raise ValueError(f"attention 'flash' cannot run here: {problem}")
+        if self.device.type == "cuda":
+            log.warning("attention: SDPA with masks, not FlashAttention: %s", problem)
+        return "sdpa"
 
     def _greedy_screen(self) -> ScreenedArgmax | None:
         """The screened greedy head when ``greedy_screen`` applies (see its description), else None."""
@@ -202,7 +223,7 @@ class TargetEngine(Engine):
         with torch.inference_mode():
             layout = StepLayout.build(
                 slots=[r.slot for r in reqs], starts=[0] * len(reqs), lengths=lengths, groups=self._groups,
-                device=self.device, dtype=self.cache.k.dtype,
+                device=self.device, dtype=self.cache.k.dtype, slot_len=self.cache.slot_len,
             )
             last = torch.cumsum(torch.tensor(lengths), 0) - 1  # [B] each prompt's last row
             hidden, features = self.model.hidden_states(
@@ -387,6 +408,7 @@ class TargetEngine(Engine):
             layout = StepLayout.build(
                 slots=[r.slot for r in reqs], starts=starts, lengths=rows, groups=self._groups, device=self.device,
                 dtype=self.cache.k.dtype, key_len=self.config.max_model_len if fixed else None,
+                slot_len=self.cache.slot_len,
             )
             flat = torch.cat(tokens).to(self.device)
             hidden, features = self.model.hidden_states(

@@ -236,6 +236,85 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype, *, optional: bool) -> t
 
 
 @dataclass(frozen=True)
+class VarlenKeys:
+    """A step's attention as one call of FlashAttention-2's variable-length kernel over a token-major slot cache
+    (``KVCache`` with ``token_major``, read as [S * Tmax, Hkv, Dh] rows): request b's queries are rows
+    ``cu_queries[b] .. cu_queries[b + 1]`` of the step's [N, H, Dh], its keys the first ``key_lens[b]`` rows from
+    row ``key_offsets[b]`` (slot_b * Tmax), causal from the bottom right (query i of a run of n sees keys up to
+    key_lens[b] - n + i: its cache and the run's earlier tokens). No mask; each request reads its own keys only."""
+
+    cu_queries: torch.Tensor  # [B + 1] int32, increasing
+    key_offsets: torch.Tensor  # [B + 1] int32 (the last entry unused)
+    key_lens: torch.Tensor  # [B] int32: cached plus new tokens per request
+    max_queries: int  # the longest run
+    max_keys: int  # at least max(key_lens)
+
+
+# Longest run of new tokens per request a step over a token-major cache attends by ``flash_varlen`` (SDPA with a mask
+# beyond). One token: the kernel packs a key/value head's G query heads into one tile and splits long key ranges
+# over blocks; with runs of t > 1 it gives each query head its own tile of t rows and reads the keys G times. On
+# one H200 at Llama-3.1-8B shapes (G = 4, context 1024) a 64 x 8 step's attention took 468 us a layer there
+# against 202 us for SDPA's memory-efficient kernel over the grouped queries, a 1 x 1 step's 6 us (plus a 6 us
+# combine) against 65 us.
+FLASH_MAX_RUN = 1
+
+
+def flash_varlen(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, varlen: VarlenKeys) -> torch.Tensor:
+    """Causal attention of ``varlen``'s requests by FlashAttention-2's variable-length kernel (PyTorch's own build,
+    ``aten._flash_attention_forward`` with ``seqused_k``), grouped-query natively, scale 1 / sqrt(Dh).
+
+    Args:
+        q: [N, H, Dh] the step's queries, request-major. keys, values: [S * Tmax, Hkv, Dh] a layer's token-major
+            cache rows (a view). varlen: the requests' query runs and key ranges.
+
+    Returns:
+        [N, H, Dh] in q's dtype (float16 or bfloat16, on CUDA).
+    """
+    return torch.ops.aten._flash_attention_forward(
+        q, keys, values, varlen.cu_queries, varlen.key_offsets, varlen.max_queries, varlen.max_keys, 0.0, True,
+        False, seqused_k=varlen.key_lens,
+    )[0]
+
+
+def flash_varlen_problem(args: "ModelArgs", *, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``flash_varlen`` cannot serve this model here (None: it can): it needs CUDA, float16 or bfloat16, a head
+    dim that is a multiple of 8 up to 256, and a kernel that runs and agrees with PyTorch's math attention on a probe
+    of the model's head shapes (two requests in reverse slot order, runs of 3 and 1 tokens over 5 and 9 keys; mean
+    absolute difference under 1e-2)."""
+    if torch.device(device).type != "cuda":
+        return f"FlashAttention's variable-length kernel needs CUDA, the engine runs on {device}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"FlashAttention needs float16 or bfloat16, the model runs in {dtype}"
+    if args.head_dim % 8 or args.head_dim > 256:
+        return f"FlashAttention needs a head dim that is a multiple of 8 up to 256, the model's is {args.head_dim}"
+    h, hkv, dh, slot_len = args.num_heads, args.num_kv_heads, args.head_dim, 16
+    gen = torch.Generator(device).manual_seed(0)
+    q = torch.randn(4, h, dh, device=device, dtype=dtype, generator=gen)
+    keys, values = (torch.randn(2 * slot_len, hkv, dh, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    i32 = dict(device=device, dtype=torch.int32)
+    runs, slots, lens = (3, 1), (1, 0), (5, 9)
+    varlen = VarlenKeys(cu_queries=torch.tensor([0, 3, 4], **i32), key_offsets=torch.tensor([16, 0, 32], **i32),
+                        key_lens=torch.tensor(lens, **i32), max_queries=3, max_keys=9)
+    try:
+        out = flash_varlen(q, keys, values, varlen)
+        torch.cuda.synchronize(device)
+    except (RuntimeError, TypeError, NotImplementedError) as e:
+        return f"FlashAttention's variable-length kernel failed on a probe: {e}"
+    first, worst = 0, 0.0
+    for n, slot, length in zip(runs, slots, lens):
+        k = keys[slot * slot_len : slot * slot_len + length].repeat_interleave(h // hkv, dim=1).transpose(0, 1)
+        v = values[slot * slot_len : slot * slot_len + length].repeat_interleave(h // hkv, dim=1).transpose(0, 1)
+        allowed = torch.arange(length, device=device)[None, :] <= length - n + torch.arange(n, device=device)[:, None]
+        ref = F.scaled_dot_product_attention(q[first : first + n].transpose(0, 1).float(), k.float(), v.float(),
+                                             attn_mask=allowed)
+        worst = max(worst, float((ref.transpose(0, 1) - out[first : first + n].float()).abs().mean()))
+        first += n
+    if not worst < 1e-2:
+        return f"FlashAttention's variable-length kernel disagrees with math attention on a probe (mean |diff| {worst})"
+    return None
+
+
+@dataclass(frozen=True)
 class AttentionCall:
     """One attention call of a step: the queries of the cache rows [lo, lo + rows), padded to Lq per row, over their
     first Tk keys.
@@ -272,18 +351,23 @@ class StepLayout:
     positions: torch.Tensor
     # [N] cache slot of each new token
     token_slots: torch.Tensor
-    # the step's attention calls (``attention_chunks``); together they cover every token once
+    # the step's attention calls (``attention_chunks``); together they cover every token once. Empty with ``varlen``
     calls: tuple[AttentionCall, ...]
+    # set instead of ``calls`` for a step of single tokens over a token-major cache: one FlashAttention call
+    varlen: VarlenKeys | None = None
 
     @classmethod
     def grid(
-        cls, starts: torch.Tensor, *, tokens: int, key_len: int, groups: int, dtype: torch.dtype
+        cls, starts: torch.Tensor, *, tokens: int, key_len: int, groups: int, dtype: torch.dtype,
+        slot_len: int | None = None,
     ) -> "StepLayout":
         """The layout of a static-shape step (``app/engine/static_step.py``): row r is cache slot r, which holds
         ``starts[r]`` tokens and gets ``tokens`` new ones (a request's real tokens first, padding after), flattened
         row-major into [N = R * t], in one attention call. Built from ``starts`` ([R] int64) on its device without a
         host round-trip, so the same code runs inside a captured CUDA graph; only R, t and Tk = ``key_len`` fix the
-        shapes. ``dtype``: the model's (the additive mask's).
+        shapes. ``dtype``: the model's (the additive mask's). ``slot_len``: set for a token-major cache (``KVCache``)
+        of that many positions per slot; a step of one token per row then attends by ``flash_varlen``, no mask
+        (``FLASH_MAX_RUN``).
 
         Query i of row r may see keys j <= starts[r] + i among the first ``key_len``. Padding queries (past a
         request's run, or rows of slots outside the step) are valid too: they see at least key 0, so their output is
@@ -292,25 +376,37 @@ class StepLayout:
         """
         rows, device = starts.shape[0], starts.device
         offsets = torch.arange(tokens, device=device)
+        row_of = torch.arange(rows, device=device)[:, None].expand(rows, tokens).reshape(-1)
+        positions = (starts[:, None] + offsets).reshape(-1)
+        if slot_len is not None and tokens == 1:
+            row = torch.arange(rows + 1, device=device, dtype=torch.int32)
+            # A row's causal offset counts its padding tokens too (query i sees keys up to key_lens - t + i), which
+            # may reach past key_len; a row outside the step (at its slot's tail) reads at most key_len + t keys, its
+            # output dropped.
+            key_lens = (starts + tokens).clamp(max=key_len + tokens).to(torch.int32)
+            varlen = VarlenKeys(cu_queries=row * tokens, key_offsets=row * slot_len, key_lens=key_lens,
+                                max_queries=tokens, max_keys=key_len + tokens)
+            return cls(positions=positions, token_slots=row_of, calls=(), varlen=varlen)
         keys = torch.arange(key_len, device=device)
         allowed = keys[None, None, :] <= starts[:, None, None] + offsets[None, :, None]  # [R, t, Tk]
-        row_of = torch.arange(rows, device=device)[:, None].expand(rows, tokens).reshape(-1)
         mask = _additive(allowed[:, None].repeat(1, 1, groups, 1), dtype, optional=False)
         call = AttentionCall(tokens=None, token_rows=None, token_offsets=None, mask=mask, lo=0, rows=rows,
                              max_len=tokens, key_len=key_len, dense=True)
-        return cls(positions=(starts[:, None] + offsets).reshape(-1), token_slots=row_of, calls=(call,))
+        return cls(positions=positions, token_slots=row_of, calls=(call,))
 
     @classmethod
     def build(
         cls, *, slots: list[int], starts: list[int], lengths: list[int], groups: int, device: torch.device,
-        dtype: torch.dtype, key_len: int | None = None,
+        dtype: torch.dtype, key_len: int | None = None, slot_len: int | None = None,
     ) -> "StepLayout":
         """Compute the layout of a step (see class docstring); ``groups`` is G = H / Hkv, ``dtype`` the model's.
         On a CPU the requests are split into attention calls by ``attention_chunks``, each over its rows' longest
         context; elsewhere one call (its cost model is fitted on a CPU; on a GPU a call's kernel launches cost far
         more keys than that). ``key_len`` (Tk) fixes one call over every row attending over that many cache rows
         (masked beyond each query's position; at least max(starts + lengths)), so the step's shapes do not depend on
-        the other requests' contexts.
+        the other requests' contexts. ``slot_len``: set for a token-major cache (``KVCache``) of that many positions per
+        slot; a step of one token per request then attends in one ``flash_varlen`` call, no mask (``key_len`` then
+        only bounds the keys; ``FLASH_MAX_RUN``).
 
         Raises:
             ValueError: ``key_len`` below max(starts + lengths), or a slot given twice.
@@ -324,8 +420,19 @@ class StepLayout:
         token_req = torch.repeat_interleave(torch.arange(len(slots)), len_t)
         first = torch.cumsum(len_t, 0) - len_t
         offsets = torch.arange(int(len_t.sum())) - first[token_req]
-        order = sorted(range(len(slots)), key=slots.__getitem__)
         ends = [s + n for s, n in zip(starts, lengths)]
+        positions = (torch.tensor(starts, dtype=torch.long)[token_req] + offsets).to(device)
+        token_slots = torch.tensor(slots, dtype=torch.long)[token_req].to(device)
+        if slot_len is not None and max(lengths) <= FLASH_MAX_RUN:
+            cu = [0] + torch.cumsum(len_t, 0).tolist()
+            varlen = VarlenKeys(
+                cu_queries=torch.tensor(cu, dtype=torch.int32).to(device),
+                key_offsets=torch.tensor([s * slot_len for s in slots] + [0], dtype=torch.int32).to(device),
+                key_lens=torch.tensor(ends, dtype=torch.int32).to(device),
+                max_queries=max(lengths), max_keys=key_len if key_len is not None else needed,
+            )
+            return cls(positions=positions, token_slots=token_slots, calls=(), varlen=varlen)
+        order = sorted(range(len(slots)), key=slots.__getitem__)
         on_cpu = torch.device(device).type == "cpu"
         if key_len is None and on_cpu:
             runs = attention_chunks([slots[r] for r in order], [ends[r] for r in order],
@@ -339,11 +446,7 @@ class StepLayout:
                                    token_req=token_req, offsets=offsets, groups=groups, device=device, dtype=dtype,
                                    key_len=key_len if key_len is not None else max(ends[r] for r in members),
                                    whole=len(runs) == 1, on_cpu=on_cpu))
-        return cls(
-            positions=(torch.tensor(starts, dtype=torch.long)[token_req] + offsets).to(device),
-            token_slots=torch.tensor(slots, dtype=torch.long)[token_req].to(device),
-            calls=tuple(calls),
-        )
+        return cls(positions=positions, token_slots=token_slots, calls=tuple(calls))
 
     @staticmethod
     def _call(
@@ -400,12 +503,18 @@ def lazy_zeros(shape: tuple[int, ...], *, dtype: torch.dtype, device) -> torch.T
 
 
 class KVCache(nn.Module):
-    """Slot KV cache: ``k``/``v`` of shape ``[layers, S, Hkv, Tmax, Dh]``, one slot per request, zero at the start
-    (``lazy_zeros``: on the CPU, resident only as slots are written)."""
+    """Slot KV cache, one slot per request, zero at the start (``lazy_zeros``: on the CPU, resident only as slots are
+    written). ``k``/``v`` are head-major, ``[layers, S, Hkv, Tmax, Dh]`` (SDPA reads a slot's [Hkv, Tk, Dh] as it
+    lies), or with ``token_major`` ``[layers, S, Tmax, Hkv, Dh]``: a layer's cache is then [S * Tmax, Hkv, Dh] rows, as
+    FlashAttention's variable-length kernel reads it (``flash_varlen``; steps built with ``slot_len=max_len``), and
+    SDPA reads a slot's keys as a transposed view."""
 
-    def __init__(self, args: ModelArgs, *, num_slots: int, max_len: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, args: ModelArgs, *, num_slots: int, max_len: int, dtype: torch.dtype, device,
+                 token_major: bool = False) -> None:
         super().__init__()
-        shape = (args.num_layers, num_slots, args.num_kv_heads, max_len, args.head_dim)
+        self.token_major = token_major
+        per_slot = (max_len, args.num_kv_heads) if token_major else (args.num_kv_heads, max_len)
+        shape = (args.num_layers, num_slots, *per_slot, args.head_dim)
         self.register_buffer("k", lazy_zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", lazy_zeros(shape, dtype=dtype, device=device), persistent=False)
 
@@ -415,12 +524,18 @@ class KVCache(nn.Module):
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[2 if self.token_major else 3]
+
+    @property
+    def slot_len(self) -> int | None:
+        """What ``StepLayout.build``/``grid`` take as ``slot_len`` for this cache: Tmax when token-major, else None."""
+        return self.max_len if self.token_major else None
 
     def bytes_per_token(self) -> int:
         """KV bytes one cached token costs over all layers (k and v)."""
-        layers, _, hkv, _, dh = self.k.shape
-        return 2 * layers * hkv * dh * self.k.element_size()
+        layers, dh = self.k.shape[0], self.k.shape[-1]
+        kv_heads = self.k.shape[3 if self.token_major else 2]
+        return 2 * layers * kv_heads * dh * self.k.element_size()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -518,9 +633,16 @@ class DecoderLayer(nn.Module):
             k = rms_norm(k, self.k_norm, a.rms_norm_eps)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        cache.k[layer, layout.token_slots, :, layout.positions] = k
-        cache.v[layer, layout.token_slots, :, layout.positions] = v
-        attn = self._attend(q, cache=cache, layer=layer, layout=layout)
+        if cache.token_major:
+            cache.k[layer, layout.token_slots, layout.positions] = k
+            cache.v[layer, layout.token_slots, layout.positions] = v
+        else:
+            cache.k[layer, layout.token_slots, :, layout.positions] = k
+            cache.v[layer, layout.token_slots, :, layout.positions] = v
+        if layout.varlen is not None:
+            attn = flash_varlen(q, cache.k[layer].flatten(0, 1), cache.v[layer].flatten(0, 1), layout.varlen)
+        else:
+            attn = self._attend(q, cache=cache, layer=layer, layout=layout)
         x = x + self.o_proj(attn.reshape(n, q_out))
         h = rms_norm(x, self.post_attn_norm, a.rms_norm_eps)
         gate, up = self.gate_up(h).chunk(2, dim=-1)
@@ -549,8 +671,12 @@ class DecoderLayer(nn.Module):
         # [R, Lq, Hkv, G, Dh] -> [R, Hkv, G * Lq, Dh]: query heads sharing a kv head share one attention call.
         grouped = padded.view(rows, lq, a.num_kv_heads, groups, a.head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(rows, a.num_kv_heads, groups * lq, a.head_dim)
-        keys = cache.k[layer, call.lo : call.lo + rows, :, : call.key_len]
-        values = cache.v[layer, call.lo : call.lo + rows, :, : call.key_len]
+        if cache.token_major:  # [R, Tk, Hkv, Dh] as [R, Hkv, Tk, Dh] views
+            keys = cache.k[layer, call.lo : call.lo + rows, : call.key_len].transpose(1, 2)
+            values = cache.v[layer, call.lo : call.lo + rows, : call.key_len].transpose(1, 2)
+        else:
+            keys = cache.k[layer, call.lo : call.lo + rows, :, : call.key_len]
+            values = cache.v[layer, call.lo : call.lo + rows, :, : call.key_len]
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=call.mask)
         out = out.view(rows, a.num_kv_heads, groups, lq, a.head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(rows, lq, a.num_heads, a.head_dim)

@@ -182,7 +182,7 @@ class BucketedStep:
     def _eager(self, tokens: torch.Tensor, starts: torch.Tensor, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens: [R, t], starts: [R] int64 on the device -> hidden [R * t, Dm], features [R * t, F]."""
         layout = StepLayout.grid(starts, tokens=tokens.shape[1], key_len=key_len, groups=self._groups,
-                                 dtype=self.cache.k.dtype)
+                                 dtype=self.cache.k.dtype, slot_len=self.cache.slot_len)
         return self.model.hidden_states(tokens.reshape(-1), cache=self.cache, layout=layout, index=None)
 
     def _capture(self, shape: tuple[int, int, int]) -> _Graph:

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> Path:
         engine, model=f"{Path(args.model).name}{DUMMY_SUFFIX}" if dummy else args.model, context=args.context,
         notes=f"median of {args.repeats} steps after 2 warm-up steps; rows made non-decreasing (running max); "
         + (f"weights: dummy (random, --load-format dummy) on the config of {args.model}; " if dummy else "")
-        + f"drafter: {drafter_note}; verify step: {args.verify_step}",
+        + f"drafter: {drafter_note}; verify step: {args.verify_step}; attention: {engine.attention}",
     )
     cells = tqdm(total=len(batch_sizes) * len(tokens) * (2 if args.sampled else 1), desc="profiling verify steps")
     profile = measure_profile(engine, batch_sizes=batch_sizes, tokens_per_request=tokens, proposer=proposer,

@@ -105,6 +105,23 @@ def test_seeded_request_reproduces_on_the_device(model_dir, prompts):
     check_seeded_same_or_near_tie(engine, prompts[0], runs[0], batch[0].token_ids, seeded)
 
 
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="FlashAttention runs on CUDA only")
+@pytest.mark.parametrize("step", STEPS)
+def test_flash_attention_decodes_as_sdpa_on_the_device(model_dir, prompts, step):
+    """A bfloat16 engine on CUDA attends by FlashAttention's variable-length kernel by default (``attention: auto``;
+    not a silent fallback to SDPA); with and without drafts its greedy tokens are the SDPA engine's except at
+    near-ties of the target's logits."""
+    flash = device_engine(model_dir, "bfloat16", verify_step=step)
+    assert flash.attention == "flash" and flash.cache.token_major
+    sdpa = TargetEngine(EngineConfig(**{**flash.config.model_dump(), "attention": "sdpa"}), loaded=flash.target)
+    reference = [r.token_ids for r in generate(sdpa, prompts, GREEDY)[0]]
+    for proposer in (None, RandomProposer(flash.vocab_size, RAGGED, seed=1)):
+        results, _ = generate(flash, prompts, GREEDY, proposer=proposer)
+        ties = [t for p, ref, r in zip(prompts, reference, results) if (t := check_greedy_output(flash, p, ref,
+                                                                                                 r.token_ids))]
+        print(f"flash vs sdpa, {step}, {type(proposer).__name__}: {len(ties)} near-tie divergences {ties}")
+
+
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_cuda_graph_replays_equal_the_eager_bucketed_steps(model_dir, prompts, dtype):

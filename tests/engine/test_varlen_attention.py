@@ -1,0 +1,105 @@
+"""``attention: flash``: a token-major KV cache; steps of one token per request attend by FlashAttention-2's
+variable-length kernel (one call, no mask), longer runs by SDPA over transposed views of the cache. The kernel runs on
+CUDA only (tests/gpu checks it there against SDPA); here its layouts and the cache's
+token-major writes are checked on the CPU by running the engine with ``flash_varlen`` replaced by a reference that
+attends each request over its own ``key_lens`` keys with math attention, causal from the bottom right: greedy
+speculation (ragged and bucketed steps) must give the tokens of the SDPA engine, which a key offset, a length or a
+write in the wrong place would change.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import app.engine.engine as engine_module
+import app.engine.model as model_module
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
+from app.engine.model import KVCache, StepLayout, VarlenKeys, flash_varlen_problem
+from app.engine.types import SamplingParams
+from app.loop import generate
+from tests.conftest import load_prompts
+from tests.engine.near_tie import check_greedy_output
+from tests.engine.proposers import OracleProposer, RandomProposer
+
+RAGGED = [0, 1, 3, 5, 7, 2]
+GREEDY = SamplingParams(max_tokens=32)
+
+
+def reference_varlen(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, varlen: VarlenKeys) -> torch.Tensor:
+    """``flash_varlen``'s contract in math attention: request b's queries over its first key_lens[b] cache rows from
+    key_offsets[b], query i of a run of n seeing keys up to key_lens[b] - n + i."""
+    out = torch.empty_like(q)
+    cu, offsets, lens = varlen.cu_queries.tolist(), varlen.key_offsets.tolist(), varlen.key_lens.tolist()
+    groups = q.shape[1] // keys.shape[1]
+    for b, length in enumerate(lens):
+        n = cu[b + 1] - cu[b]
+        assert n <= varlen.max_queries and length <= varlen.max_keys
+        k, v = (t[offsets[b] : offsets[b] + length].repeat_interleave(groups, dim=1).transpose(0, 1)
+                for t in (keys, values))
+        allowed = torch.arange(length)[None, :] <= length - n + torch.arange(n)[:, None]
+        out[cu[b] : cu[b + 1]] = F.scaled_dot_product_attention(
+            q[cu[b] : cu[b + 1]].transpose(0, 1), k, v, attn_mask=allowed).transpose(0, 1)
+    return out
+
+
+def test_varlen_layouts_name_each_requests_queries_and_keys():
+    """Steps of single tokens over a token-major cache attend by one flash_varlen call; longer runs by SDPA calls."""
+    layout = StepLayout.build(slots=[5, 0, 2], starts=[10, 3, 0], lengths=[1, 1, 1], groups=3,
+                              device=torch.device("cpu"), dtype=torch.float32, slot_len=64)
+    v = layout.varlen
+    assert layout.calls == () and v.cu_queries.tolist() == [0, 1, 2, 3]
+    assert v.key_offsets.tolist()[:3] == [320, 0, 128] and v.key_lens.tolist() == [11, 4, 1]
+    assert (v.max_queries, v.max_keys) == (1, 11)
+    assert layout.positions.tolist() == [10, 3, 0] and layout.token_slots.tolist() == [5, 0, 2]
+    longer = StepLayout.build(slots=[5, 0, 2], starts=[10, 3, 0], lengths=[2, 4, 1], groups=3,
+                              device=torch.device("cpu"), dtype=torch.float32, slot_len=64)
+    assert longer.varlen is None and len(longer.calls) >= 1
+    grid = StepLayout.grid(torch.tensor([7, 0, 30]), tokens=1, key_len=128, groups=3, dtype=torch.float32,
+                           slot_len=64)
+    assert grid.varlen.cu_queries.tolist() == [0, 1, 2, 3] and grid.varlen.key_offsets.tolist() == [0, 64, 128, 192]
+    assert grid.varlen.key_lens.tolist() == [8, 1, 31] and grid.varlen.max_keys == 129
+    assert grid.positions.tolist() == [7, 0, 30]
+    wide = StepLayout.grid(torch.tensor([7, 0, 30]), tokens=2, key_len=128, groups=3, dtype=torch.float32,
+                           slot_len=64)
+    assert wide.varlen is None and wide.calls[0].mask.shape == (3, 1, 6, 128)
+
+
+def test_token_major_cache_shape_and_flash_refused_off_cuda(engine):
+    args = engine.model.args
+    cache = KVCache(args, num_slots=3, max_len=40, dtype=torch.float32, device="cpu", token_major=True)
+    assert cache.k.shape == (args.num_layers, 3, 40, args.num_kv_heads, args.head_dim)
+    assert (cache.num_slots, cache.max_len, cache.slot_len) == (3, 40, 40)
+    assert KVCache(args, num_slots=3, max_len=40, dtype=torch.float32, device="cpu").slot_len is None
+    assert "needs CUDA" in flash_varlen_problem(args, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert engine.attention == "sdpa"  # auto on a CPU
+    with pytest.raises(ValueError, match="attention 'flash' cannot run here: .*needs CUDA"):
+        TargetEngine(EngineConfig(attention="flash", max_num_seqs=2, max_model_len=256), loaded=engine.target)
+
+
+@pytest.fixture(scope="module")
+def prompts(engine) -> list[list[int]]:
+    texts = load_prompts("mt-bench", count=2) + load_prompts("humaneval", count=2) + load_prompts(
+        "gsm8k", start=700, count=2)
+    return [engine.encode_chat([{"role": "user", "content": p}]) for p in texts]
+
+
+@pytest.mark.parametrize("step", ["ragged", "bucketed"])
+def test_token_major_steps_decode_as_the_sdpa_engine(engine, prompts, step, monkeypatch):
+    sdpa = TargetEngine(EngineConfig(max_num_seqs=8, max_model_len=512, verify_step=step), loaded=engine.target)
+    reference = [r.token_ids for r in generate(sdpa, prompts, GREEDY)[0]]
+    monkeypatch.setattr(engine_module, "flash_varlen_problem", lambda *a, **k: None)
+    monkeypatch.setattr(model_module, "flash_varlen", reference_varlen)
+    varlen = TargetEngine(EngineConfig(max_num_seqs=8, max_model_len=512, verify_step=step, attention="flash"),
+                          loaded=engine.target)
+    assert varlen.attention == "flash" and varlen.cache.token_major
+    oracle = OracleProposer({f"req-{i}": r for i, r in enumerate(reference)}, gamma=7, lengths=RAGGED)
+    for proposer in (None, RandomProposer(varlen.vocab_size, RAGGED, seed=1), oracle):
+        results, _ = generate(varlen, prompts, GREEDY, proposer=proposer)
+        ties = [t for p, ref, r in zip(prompts, reference, results)
+                if (t := check_greedy_output(varlen, p, ref, r.token_ids))]
+        assert len(ties) <= len(prompts) // 2, ties  # each a near-tie (check_greedy_output raises otherwise)
+    assert max(r.accepted_length for r in results) >= 4.0
+    assert varlen.num_active == 0

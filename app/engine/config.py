@@ -70,6 +70,11 @@ class EngineConfig(BaseModel):
         "scaled_dot_product_attention with a mask for every step. auto: flash where it runs and agrees with math "
         "attention on a probe at start-up, else sdpa (on CUDA the reason is logged).",
     )
+    compile_elementwise: bool = Field(
+        False, description="torch.compile the decoder's elementwise work (norms, rotary embedding, residual, SwiGLU "
+        "gate) into fused kernels (app/engine/model.py Elementwise; CUDA only, compiled at the first steps). "
+        "Lossless like any step shape: greedy speculation stays token-identical to plain decoding on the same engine.",
+    )
     feature_layers: tuple[int, ...] | None = Field(
         None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."
     )

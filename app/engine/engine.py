@@ -33,7 +33,7 @@ from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestE
 from app.engine.grammar import GrammarCompiler, RequestGrammar
 from app.engine.greedy_head import ScreenedArgmax
 from app.engine.loader import LoadedTarget, load_target
-from app.engine.model import KVCache, StepLayout, flash_varlen_problem
+from app.engine.model import EAGER, Elementwise, KVCache, StepLayout, flash_varlen_problem
 from app.engine.prepack import PrepackedLinear, prepack_linears, prepack_supported
 from app.engine.logits_process import RequestControls, sampling_probs, token_logprobs
 from app.engine.sampling import Acceptance, accept_greedy, accept_sampled, accept_sampled_batch, target_probs
@@ -103,8 +103,13 @@ class TargetEngine(Engine):
             device=self.device, token_major=self.attention == "flash",
         )
         self._groups = args.num_heads // args.num_kv_heads
+        if c.compile_elementwise and self.device.type != "cuda":
+            raise ValueError(f"compile_elementwise needs a CUDA device (Inductor's CPU backend needs a C++ compiler), "
+                             f"the engine runs on {self.device}")
+        self._ops = Elementwise.compiled() if c.compile_elementwise else EAGER
         self._bucketed = None if c.verify_step == "ragged" else BucketedStep(
-            self.model, self.cache, max_tokens=c.max_draft_len + 1, cuda_graphs=c.verify_step == "cuda_graphs")
+            self.model, self.cache, max_tokens=c.max_draft_len + 1, cuda_graphs=c.verify_step == "cuda_graphs",
+            ops=self._ops)
         # the decoder only: a tied bfloat16 LM head stays the embedding's tensor; a shared target may come packed
         if c.prepack:
             prepack_linears(self.model.layers)
@@ -227,7 +232,8 @@ class TargetEngine(Engine):
             )
             last = torch.cumsum(torch.tensor(lengths), 0) - 1  # [B] each prompt's last row
             hidden, features = self.model.hidden_states(
-                torch.cat(prompts).to(self.device), cache=self.cache, layout=layout, index=last.to(self.device)
+                torch.cat(prompts).to(self.device), cache=self.cache, layout=layout, index=last.to(self.device),
+                ops=self._ops,
             )
             heads = self._head(hidden, [1] * len(reqs), [r.screened for r in reqs])
         outputs, offset = [], 0
@@ -412,7 +418,7 @@ class TargetEngine(Engine):
             )
             flat = torch.cat(tokens).to(self.device)
             hidden, features = self.model.hidden_states(
-                flat, cache=self.cache, layout=layout, index=torch.arange(len(flat), device=self.device)
+                flat, cache=self.cache, layout=layout, index=torch.arange(len(flat), device=self.device), ops=self._ops
             )
             heads = self._head(hidden, rows, greedy)
         if fixed:

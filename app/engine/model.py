@@ -23,8 +23,10 @@ its key length.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -591,6 +593,52 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rope`` on queries [N, H, Dh] and keys [N, Hkv, Dh] at the same positions (cos/sin [N, 1, Dh])."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual update and the next norm: (x + delta, ``rms_norm(x + delta)``), [N, Dm] each."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: [N, 2 I] (gate, up) -> [N, I] silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """The decoder's work between its matmuls and attention (norms, rotary embedding, residual, SwiGLU gate) as
+    functions: eager PyTorch (``EAGER``), or each compiled by ``torch.compile`` into fused kernels (``compiled``).
+
+    Eager, each is several small kernels (rms_norm alone: upcast, square, mean, add, rsqrt, multiply, downcast, the
+    weight), each a launch and a pass over memory: ~5 ms of a 64 x 8 verify step of Llama-3.1-8B's shapes on an H200
+    (docs/scheduling.md). Compiled, each function is one or two fused kernels of the same math (rounding may differ
+    from eager in the last bit; a row's result does not depend on the other rows: every function works row by row).
+    """
+
+    rms_norm: Callable = rms_norm
+    rope_qk: Callable = rope_qk
+    add_rms_norm: Callable = add_rms_norm
+    silu_mul: Callable = silu_mul
+
+    @classmethod
+    def compiled(cls) -> "Elementwise":
+        """The same functions through ``torch.compile(dynamic=True, fullgraph=True)`` (Inductor's Triton kernels on
+        CUDA); each compiles at its first call (dynamic in the token count, so step shapes do not recompile)."""
+        compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
+        return cls(rms_norm=compile_(rms_norm), rope_qk=compile_(rope_qk), add_rms_norm=compile_(add_rms_norm),
+                   silu_mul=compile_(silu_mul))
+
+
+EAGER = Elementwise()
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm decoder layer with fused qkv and gate/up projections."""
 
@@ -618,21 +666,22 @@ class DecoderLayer(nn.Module):
         layout: StepLayout,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        ops: Elementwise = EAGER,
     ) -> torch.Tensor:
-        """x: [N, Dm] -> [N, Dm]; writes this step's keys/values into ``cache`` at their slots."""
+        """x: [N, Dm] -> [N, Dm]; writes this step's keys/values into ``cache`` at their slots; ``ops`` does the
+        elementwise work."""
         a = self.args
         n = x.shape[0]
-        h = rms_norm(x, self.input_norm, a.rms_norm_eps)
+        h = ops.rms_norm(x, self.input_norm, a.rms_norm_eps)
         qkv = self.qkv(h)
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         q = qkv[:, :q_out].view(n, a.num_heads, a.head_dim)
         k = qkv[:, q_out : q_out + kv_out].view(n, a.num_kv_heads, a.head_dim)
         v = qkv[:, q_out + kv_out :].view(n, a.num_kv_heads, a.head_dim)
         if a.qk_norm:
-            q = rms_norm(q, self.q_norm, a.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, a.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            q = ops.rms_norm(q, self.q_norm, a.rms_norm_eps)
+            k = ops.rms_norm(k, self.k_norm, a.rms_norm_eps)
+        q, k = ops.rope_qk(q, k, cos, sin)
         if cache.token_major:
             cache.k[layer, layout.token_slots, layout.positions] = k
             cache.v[layer, layout.token_slots, layout.positions] = v
@@ -643,10 +692,8 @@ class DecoderLayer(nn.Module):
             attn = flash_varlen(q, cache.k[layer].flatten(0, 1), cache.v[layer].flatten(0, 1), layout.varlen)
         else:
             attn = self._attend(q, cache=cache, layer=layer, layout=layout)
-        x = x + self.o_proj(attn.reshape(n, q_out))
-        h = rms_norm(x, self.post_attn_norm, a.rms_norm_eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        x, h = ops.add_rms_norm(x, self.o_proj(attn.reshape(n, q_out)), self.post_attn_norm, a.rms_norm_eps)
+        return x + self.down_proj(ops.silu_mul(self.gate_up(h)))
 
     def _attend(self, q: torch.Tensor, *, cache: KVCache, layer: int, layout: StepLayout) -> torch.Tensor:
         """The step's attention, one call per ``layout.calls`` entry. q: [N, H, Dh] -> [N, H, Dh]."""
@@ -733,9 +780,10 @@ class TargetModel(nn.Module):
         return self.logits_from_final_hidden(hidden), features
 
     def hidden_states(
-        self, tokens: torch.Tensor, *, cache: KVCache, layout: StepLayout, index: torch.Tensor | None
+        self, tokens: torch.Tensor, *, cache: KVCache, layout: StepLayout, index: torch.Tensor | None,
+        ops: Elementwise = EAGER,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One ragged step as ``forward``, without the LM head.
+        """One ragged step as ``forward``, without the LM head; ``ops`` does the layers' elementwise work.
 
         Returns:
             hidden: [M, Dm] last-layer hidden states (before the final norm) at ``index`` (None: every row,
@@ -748,7 +796,7 @@ class TargetModel(nn.Module):
         backends = sdpa_kernel(CUDA_ATTENTION_BACKENDS) if x.is_cuda else contextlib.nullcontext()
         with backends:
             for i, layer in enumerate(self.layers):
-                x = layer(x, layer=i, cache=cache, layout=layout, cos=cos, sin=sin)
+                x = layer(x, layer=i, cache=cache, layout=layout, cos=cos, sin=sin, ops=ops)
                 if i in self.feature_layers:
                     captured.append(x)
         return (x if index is None else x[index]), torch.cat(captured, dim=-1)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from app.engine.model import KVCache, StepLayout, TargetModel
+from app.engine.model import EAGER, Elementwise, KVCache, StepLayout, TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +91,16 @@ class BucketedStep:
     Attributes:
         row_buckets, token_buckets, key_buckets: the grid sizes R, t and Tk a step is padded up to.
         capture_s: seconds spent capturing CUDA graphs (0 without ``cuda_graphs``).
+        ops: the decoder's elementwise functions (``model.Elementwise``; compiled ones compile in the first capture's
+            warm-up run, outside any graph).
 
     Raises (construction):
         ValueError: ``cuda_graphs`` on a cache that is not on a CUDA device.
     """
 
-    def __init__(self, model: TargetModel, cache: KVCache, *, max_tokens: int, cuda_graphs: bool) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, model: TargetModel, cache: KVCache, *, max_tokens: int, cuda_graphs: bool,
+                 ops: Elementwise = EAGER) -> None:
+        self.model, self.cache, self.ops = model, cache, ops
         self.device = cache.k.device
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"verify_step cuda_graphs needs a CUDA device, the engine runs on {self.device}")
@@ -183,7 +186,7 @@ class BucketedStep:
         """tokens: [R, t], starts: [R] int64 on the device -> hidden [R * t, Dm], features [R * t, F]."""
         layout = StepLayout.grid(starts, tokens=tokens.shape[1], key_len=key_len, groups=self._groups,
                                  dtype=self.cache.k.dtype, slot_len=self.cache.slot_len)
-        return self.model.hidden_states(tokens.reshape(-1), cache=self.cache, layout=layout, index=None)
+        return self.model.hidden_states(tokens.reshape(-1), cache=self.cache, layout=layout, index=None, ops=self.ops)
 
     def _capture(self, shape: tuple[int, int, int]) -> _Graph:
         """Record the step of ``shape`` as a CUDA graph on the engine's device (after one eager warm-up run on a side

@@ -41,6 +41,9 @@ def test_config_rejects_bucketed_steps_with_batch_invariance_and_graphs_off_cuda
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device, the engine runs on cpu"):
         TargetEngine(EngineConfig(device="cpu", verify_step="cuda_graphs", max_num_seqs=2, max_model_len=256),
                      loaded=engine.target)
+    with pytest.raises(ValueError, match="compile_elementwise needs a CUDA device"):
+        TargetEngine(EngineConfig(device="cpu", compile_elementwise=True, max_num_seqs=2, max_model_len=256),
+                     loaded=engine.target)
 
 
 @pytest.fixture(scope="module")

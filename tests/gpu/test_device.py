@@ -122,6 +122,25 @@ def test_flash_attention_decodes_as_sdpa_on_the_device(model_dir, prompts, step)
         print(f"flash vs sdpa, {step}, {type(proposer).__name__}: {len(ties)} near-tie divergences {ties}")
 
 
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="compile_elementwise needs a CUDA device")
+@pytest.mark.parametrize("step", STEPS)
+def test_compiled_elementwise_is_lossless_on_the_device(model_dir, prompts, step):
+    """``compile_elementwise``: greedy speculation (random and perfect drafts) gives the engine's own plain decoding,
+    and plain decoding the eager engine's tokens, near-ties of the target's logits aside."""
+    engine = device_engine(model_dir, "bfloat16", verify_step=step, compile_elementwise=True)
+    eager = TargetEngine(EngineConfig(**{**engine.config.model_dump(), "compile_elementwise": False}),
+                         loaded=engine.target)
+    reference = [r.token_ids for r in generate(engine, prompts, GREEDY)[0]]
+    for prompt, ref, r in zip(prompts, reference, generate(eager, prompts, GREEDY)[0]):
+        check_greedy_output(engine, prompt, r.token_ids, ref)
+    oracle = OracleProposer({f"req-{i}": r for i, r in enumerate(reference)}, gamma=7, lengths=RAGGED)
+    for proposer in (RandomProposer(engine.vocab_size, RAGGED, seed=1), oracle):
+        results, _ = generate(engine, prompts, GREEDY, proposer=proposer)
+        for prompt, ref, r in zip(prompts, reference, results):
+            check_greedy_output(engine, prompt, ref, r.token_ids)
+    assert max(r.accepted_length for r in results) >= 4.0
+
+
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_cuda_graph_replays_equal_the_eager_bucketed_steps(model_dir, prompts, dtype):

@@ -68,7 +68,8 @@ class EngineConfig(BaseModel):
         "FlashAttention-2's variable-length kernel (PyTorch's build; each request reads its own keys, no mask), longer "
         "runs by scaled_dot_product_attention over the grouped queries with a mask (CUDA, float16 or bfloat16). sdpa: "
         "scaled_dot_product_attention with a mask for every step. auto: flash where it runs and agrees with math "
-        "attention on a probe at start-up, else sdpa (on CUDA the reason is logged).",
+        "attention on a probe at start-up, else sdpa (on CUDA the reason is logged); flash where it cannot run is an "
+        "error at start-up.",
     )
     compile_elementwise: bool = Field(
         False, description="torch.compile the decoder's elementwise work (norms, rotary embedding, residual, SwiGLU "

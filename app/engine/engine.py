@@ -79,6 +79,7 @@ class TargetEngine(Engine):
         feature_dim: F, the width of ``StepOutput.features`` rows.
         eos_token_ids: tokens that end a request (unless ``ignore_eos``).
         prepacked: whether the decoder's linear layers run on oneDNN-prepacked weights (``app/engine/prepack.py``).
+        attention: "flash" or "sdpa", ``config.attention`` resolved (``EngineConfig.attention``).
     """
 
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedTarget | None = None) -> None:

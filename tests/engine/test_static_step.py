@@ -75,8 +75,7 @@ def test_padding_changes_no_real_row_and_no_committed_cache(bucketed, prompts):
     step = bucketed._bucketed
     reqs = [bucketed._requests[r] for r in ("r0", "r3", "r5")]
     held = bucketed._requests["r2"]
-    committed = (bucketed.cache.k[:, held.slot, :, : held.num_cached].clone(),
-                 bucketed.cache.v[:, held.slot, :, : held.num_cached].clone())
+    committed = tuple(t.clone() for t in bucketed.cache.slot_tokens(held.slot, held.num_cached))
     gen = torch.Generator().manual_seed(0)
     runs = [torch.cat([torch.tensor([r.pending]), torch.randint(bucketed.vocab_size, (n,), generator=gen)])
             for r, n in zip(reqs, (0, 5, 2))]
@@ -96,8 +95,8 @@ def test_padding_changes_no_real_row_and_no_committed_cache(bucketed, prompts):
             hidden, features = step._run(grid, starts, key_len)
             outputs.append((hidden[index].clone(), features[index].clone()))
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
-    assert torch.equal(bucketed.cache.k[:, held.slot, :, : held.num_cached], committed[0])
-    assert torch.equal(bucketed.cache.v[:, held.slot, :, : held.num_cached], committed[1])
+    keys, values = bucketed.cache.slot_tokens(held.slot, held.num_cached)
+    assert torch.equal(keys, committed[0]) and torch.equal(values, committed[1])
     for rid in ("r0", "r2", "r3", "r5"):
         bucketed.release(rid)
 

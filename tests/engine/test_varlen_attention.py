@@ -9,6 +9,8 @@ write in the wrong place would change.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,8 @@ import app.engine.engine as engine_module
 import app.engine.model as model_module
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
-from app.engine.model import KVCache, StepLayout, VarlenKeys, flash_varlen_problem
+from app.engine.model import (PROBE_TOLERANCE, KVCache, StepLayout, VarlenKeys, flash_varlen_problem,
+                              varlen_probe_error)
 from app.engine.types import SamplingParams
 from app.loop import generate
 from tests.conftest import load_prompts
@@ -62,9 +65,35 @@ def test_varlen_layouts_name_each_requests_queries_and_keys():
     assert grid.varlen.cu_queries.tolist() == [0, 1, 2, 3] and grid.varlen.key_offsets.tolist() == [0, 64, 128, 192]
     assert grid.varlen.key_lens.tolist() == [8, 1, 31] and grid.varlen.max_keys == 129
     assert grid.positions.tolist() == [7, 0, 30]
+    # a row outside the step starts at its slot's tail, past key_len: it reads its first key only
+    tail = StepLayout.grid(torch.tensor([7, 63]), tokens=1, key_len=16, groups=3, dtype=torch.float32, slot_len=64)
+    assert tail.varlen.key_lens.tolist() == [8, 1] and tail.varlen.max_keys == 17
+    with pytest.raises(ValueError, match="at least one token"):
+        StepLayout.build(slots=[0, 1], starts=[3, 4], lengths=[1, 0], groups=3, device=torch.device("cpu"),
+                         dtype=torch.float32, slot_len=64)
     wide = StepLayout.grid(torch.tensor([7, 0, 30]), tokens=2, key_len=128, groups=3, dtype=torch.float32,
                            slot_len=64)
     assert wide.varlen is None and wide.calls[0].mask.shape == (3, 1, 6, 128)
+
+
+def test_the_start_up_probe_catches_a_kernel_that_drops_keys(engine):
+    """``varlen_probe_error``: the math reference agrees; a kernel that reads one key block (128 keys) fewer for the
+    request over 700 keys, or offsets one request's keys by a slot, misses the tolerance."""
+    args, cpu = engine.model.args, torch.device("cpu")
+    assert varlen_probe_error(args, device=cpu, dtype=torch.bfloat16, kernel=reference_varlen) < PROBE_TOLERANCE
+
+    def short(q, keys, values, varlen):
+        lens = varlen.key_lens.clone()
+        lens[0] -= 128
+        return reference_varlen(q, keys, values, replace(varlen, key_lens=lens))
+
+    def shifted(q, keys, values, varlen):
+        offsets = varlen.key_offsets.clone()
+        offsets[2] -= 1024
+        return reference_varlen(q, keys, values, replace(varlen, key_offsets=offsets))
+
+    for wrong in (short, shifted):
+        assert varlen_probe_error(args, device=cpu, dtype=torch.bfloat16, kernel=wrong) > PROBE_TOLERANCE
 
 
 def test_token_major_cache_shape_and_flash_refused_off_cuda(engine):
@@ -74,6 +103,8 @@ def test_token_major_cache_shape_and_flash_refused_off_cuda(engine):
     assert (cache.num_slots, cache.max_len, cache.slot_len) == (3, 40, 40)
     assert KVCache(args, num_slots=3, max_len=40, dtype=torch.float32, device="cpu").slot_len is None
     assert "needs CUDA" in flash_varlen_problem(args, device=torch.device("cpu"), dtype=torch.bfloat16)
+    if engine.device.type != "cpu":
+        pytest.skip("the refusal is a CPU's (tests/gpu checks flash on CUDA)")
     assert engine.attention == "sdpa"  # auto on a CPU
     with pytest.raises(ValueError, match="attention 'flash' cannot run here: .*needs CUDA"):
         TargetEngine(EngineConfig(attention="flash", max_num_seqs=2, max_model_len=256), loaded=engine.target)
@@ -88,6 +119,8 @@ def prompts(engine) -> list[list[int]]:
 
 @pytest.mark.parametrize("step", ["ragged", "bucketed"])
 def test_token_major_steps_decode_as_the_sdpa_engine(engine, prompts, step, monkeypatch):
+    if engine.device.type != "cpu":
+        pytest.skip("the reference kernel stands in for FlashAttention on a CPU (tests/gpu runs the kernel)")
     sdpa = TargetEngine(EngineConfig(max_num_seqs=8, max_model_len=512, verify_step=step), loaded=engine.target)
     reference = [r.token_ids for r in generate(sdpa, prompts, GREEDY)[0]]
     monkeypatch.setattr(engine_module, "flash_varlen_problem", lambda *a, **k: None)

@@ -78,3 +78,25 @@ class TableProposer(_Tracking):
             tok = self.table.get(tuple(self.committed[rid]))
             blocks.append(DraftBlock(rid, torch.tensor([tok] if tok is not None else [], dtype=torch.long)))
         return blocks
+
+
+def check_greedy_speculation(engine, prompts: list[list[int]], reference: list[list[int]], params, lengths: list[int]
+                             ) -> list:
+    """Decode ``prompts`` on ``engine`` with no drafts, random drafts and perfect drafts (per-request draft lengths
+    ``lengths``): each output is ``reference``'s except at near-ties of the target's logits (``check_greedy_output``
+    raises otherwise), at most half the prompts diverging, and perfect drafts are accepted in whole blocks.
+
+    Returns:
+        The perfect-draft run's results.
+    """
+    from app.loop import generate
+    from tests.engine.near_tie import check_greedy_output
+
+    oracle = OracleProposer({f"req-{i}": r for i, r in enumerate(reference)}, gamma=7, lengths=lengths)
+    for proposer in (None, RandomProposer(engine.vocab_size, lengths, seed=1), oracle):
+        results, _ = generate(engine, prompts, params, proposer=proposer)
+        ties = [t for p, ref, r in zip(prompts, reference, results)
+                if (t := check_greedy_output(engine, p, ref, r.token_ids))]
+        assert len(ties) <= len(prompts) // 2, ties
+    assert max(r.accepted_length for r in results) >= 4.0
+    return results

@@ -42,7 +42,7 @@ from app.drafters.checkpoint import load_checkpoint
 from app.drafters.config import DrafterConfig, target_shape
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.proposer import DSparkProposer
-from app.engine.config import LOAD_FORMATS, EngineConfig, VerifyStep
+from app.engine.config import LOAD_FORMATS, Attention, EngineConfig, VerifyStep
 from app.engine.engine import TargetEngine
 from app.engine.hardware import hardware_name
 from app.engine.timing import time_draft_step, time_verify_step
@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--verify-step", choices=get_args(VerifyStep), default="ragged",
                     help="verify steps in exact shapes, bucketed static shapes, or bucketed CUDA graphs "
                     "(EngineConfig.verify_step)")
+    ap.add_argument("--attention", choices=get_args(Attention), default="auto",
+                    help="attention backend (EngineConfig.attention)")
+    ap.add_argument("--compile-elementwise", action="store_true",
+                    help="torch.compile the decoder's elementwise work (EngineConfig.compile_elementwise; CUDA only)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     ap.add_argument("--tokens-per-request", default="1,2,3,4,5,6,7,8,10,12,16")
     ap.add_argument("--context", type=int, default=200, help="KV cache tokens per request while timing")
@@ -154,7 +158,8 @@ def main(argv: list[str] | None = None) -> Path:
 
     engine = TargetEngine(EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=max(batch_sizes),
-        max_draft_len=max(tokens) - 1, verify_step=args.verify_step,
+        max_draft_len=max(tokens) - 1, verify_step=args.verify_step, attention=args.attention,
+        compile_elementwise=args.compile_elementwise,
     ))
     proposer = None
     if args.drafter:
@@ -168,7 +173,8 @@ def main(argv: list[str] | None = None) -> Path:
         engine, model=f"{Path(args.model).name}{DUMMY_SUFFIX}" if dummy else args.model, context=args.context,
         notes=f"median of {args.repeats} steps after 2 warm-up steps; rows made non-decreasing (running max); "
         + (f"weights: dummy (random, --load-format dummy) on the config of {args.model}; " if dummy else "")
-        + f"drafter: {drafter_note}; verify step: {args.verify_step}; attention: {engine.attention}",
+        + f"drafter: {drafter_note}; verify step: {args.verify_step}; attention: {engine.attention}"
+        + ("; elementwise work compiled" if args.compile_elementwise else ""),
     )
     cells = tqdm(total=len(batch_sizes) * len(tokens) * (2 if args.sampled else 1), desc="profiling verify steps")
     profile = measure_profile(engine, batch_sizes=batch_sizes, tokens_per_request=tokens, proposer=proposer,

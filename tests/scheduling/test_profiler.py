@@ -46,9 +46,21 @@ def test_profiler_records_padded_verify_steps(tmp_path, tiny_llama_dir):
     profile = load_profile(path)
     assert not profile.has_sampled  # --no-sampled: greedy steps only
     assert profile.verify_step == "bucketed" and profile.padded and "verify step: bucketed" in profile.provenance.notes
+    assert "attention: sdpa" in profile.provenance.notes and "compiled" not in profile.provenance.notes
     assert measured_profiles(tmp_path, model="tiny-llama", verify_step="ragged") == []
 
 
 def test_profiler_drafter_options_exclude_each_other():
     with pytest.raises(SystemExit):
         main(["--drafter", "checkpoints/dspark-smollm2-135m", "--dummy-drafter"])
+    with pytest.raises(SystemExit):
+        main(["--attention", "fast"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="both settings run on CUDA")
+def test_profiler_refuses_engine_settings_the_device_cannot_run(tmp_path, tiny_llama_dir):
+    common = ["--model", str(tiny_llama_dir), "--load-format", "dummy", "--out", str(tmp_path)]
+    for flag, match in ((["--attention", "flash"], "attention 'flash' cannot run here"),
+                        (["--compile-elementwise"], "compile_elementwise needs a CUDA device")):
+        with pytest.raises(ValueError, match=match):
+            main(common + flag)

@@ -97,8 +97,10 @@ def first_divergence(
     grammar (``processed_logits``).
 
     Greedy (``params`` None or temperature 0): gaps to the best processed logit. Seeded sampled (``params.seed`` set):
-    gaps on the coupled scores logits / T + g(seed, position) over the tokens the truncations keep (a ``top_p``
-    nucleus widened by NUCLEUS_EPS), scaled back to logits (times T), so the same NEAR_TIE_EPS applies.
+    gaps on the coupled scores logits / T + g(seed, position), scaled back to logits (times T), so the same
+    NEAR_TIE_EPS applies: each token's to the best score among the tokens a ``top_p`` nucleus narrowed by NUCLEUS_EPS
+    keeps and the two tokens themselves, which must lie in the nucleus widened by NUCLEUS_EPS (else the gap is
+    infinite). An edge token that both runs left out is no rival.
 
     Raises:
         ValueError: ``params`` is sampled without a seed (unseeded outputs are compared by distribution only).
@@ -113,12 +115,18 @@ def first_divergence(
     logits = processed_logits(engine, prompt, params, expected[:j])
     if params is None or params.greedy:
         scores, t = logits, 1.0
+        best = float(scores.max())
     else:
         t = params.temperature
         scores = logits / t + gumbel_noise(params.seed, [len(prompt) + j], logits.shape[-1])[0]
-        # a token at a cut's edge may be in or out with the step's rounding: widen the nucleus a little
+        # a token at a cut's edge may be in or out with the step's rounding: the two tokens may come from a nucleus
+        # widened a little, and the best they are measured against from one narrowed a little (or is one of them),
+        # so an edge token neither run kept does not count as the best
         wide = replace(params, top_p=min(1.0, params.top_p + NUCLEUS_EPS))
+        narrow = replace(params, top_p=max(0.0, params.top_p - NUCLEUS_EPS))
         scores = scores.masked_fill(sampling_probs(logits[None], wide)[0] == 0, float("-inf"))
-    best = float(scores.max())
+        rivals = sampling_probs(logits[None], narrow)[0] > 0
+        rivals[[expected[j], got[j]]] = True
+        best = float(scores.masked_fill(~rivals, float("-inf")).max())
     gaps = {tok: t * (best - float(scores[tok])) for tok in (expected[j], got[j])}
     return Divergence(index=j, gaps=gaps, near_tie=max(gaps.values()) < NEAR_TIE_EPS)

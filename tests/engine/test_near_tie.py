@@ -3,8 +3,12 @@ length difference are reported as bugs. Uses the session-scoped ``engine`` fixtu
 
 from __future__ import annotations
 
-import pytest
+import math
 
+import pytest
+import torch
+
+import app.engine.near_tie as near_tie
 from app.loop import generate
 from app.engine.near_tie import first_divergence
 from app.engine.types import SamplingParams
@@ -26,3 +30,20 @@ def test_divergences_are_judged_by_the_targets_logits(engine):
     check_greedy_path(engine, prompt, ids)
     with pytest.raises(AssertionError, match=r"would not pick: \[\(5, 0, "):
         check_greedy_path(engine, prompt, flipped)
+
+
+def test_seeded_divergences_are_judged_by_coupled_scores_within_the_nucleus(engine, monkeypatch):
+    """Seeded sampling: gaps on logits / T + noise. An edge token of the top_p nucleus (in it by less than NUCLEUS_EPS
+    of mass) that neither run kept is no rival, however high its score; a token in the nucleus well below the best,
+    or one outside it, is a bug. Four-token vocabulary, top_p 0.9: probabilities 0.6, 0.295, 0.1, 0.005."""
+    logits = torch.tensor([0.6, 0.295, 0.1, 0.005]).log()
+    noise = torch.tensor([0.0, math.log(0.6 / 0.295) - 0.1, 3.0, 0.0])  # scores: a, a - 0.1, a + 3.5, low
+    monkeypatch.setattr(near_tie, "processed_logits", lambda *args: logits)
+    monkeypatch.setattr(near_tie, "gumbel_noise", lambda seed, positions, vocab: noise[None])
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=1)
+    tie = first_divergence(engine, [1, 2], [0], [1], params)
+    assert tie.near_tie and tie.gaps[1] == pytest.approx(0.1, abs=1e-5)
+    noise[1] -= 1.0  # the second token now 1.1 below the first
+    assert not first_divergence(engine, [1, 2], [0], [1], params).near_tie
+    outside = first_divergence(engine, [1, 2], [0], [3], params)  # token 3 is outside any nucleus near 0.9
+    assert not outside.near_tie and outside.gaps[3] == math.inf

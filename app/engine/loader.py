@@ -297,13 +297,13 @@ def _dummy_state(target: TargetModel, *, device: torch.device, dtype: torch.dtyp
             state[name] = torch.empty(p.shape, device=device, dtype=dtype).normal_(0.0, std, generator=gen)
         else:
             state[name] = (torch.zeros if name.endswith("bias") else torch.ones)(p.shape, device=device, dtype=dtype)
-    state.setdefault("lm_head.weight", state["embed_tokens.weight"])
+    state.setdefault("lm_head.weight", state[EMBED])
     return state
 
 
 def _to_target_names(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """Map transformers' Llama/Qwen parameter names onto ``TargetModel`` (fusing qkv and gate/up)."""
-    out = {"embed_tokens.weight": state[EMBEDDING], "norm": state["model.norm.weight"]}
+    out = {EMBED: state[EMBEDDING], "norm": state["model.norm.weight"]}
     out["lm_head.weight"] = state[EMBEDDING] if args.tie_word_embeddings else state["lm_head.weight"]
     for i in range(args.num_layers):
         p = f"model.layers.{i}."

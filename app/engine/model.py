@@ -303,13 +303,39 @@ def flash_varlen_problem(args: "ModelArgs", *, device: torch.device, dtype: torc
     return None
 
 
+def varlen_attention_math(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, varlen: VarlenKeys
+                          ) -> torch.Tensor:
+    """``flash_varlen``'s contract in math attention (SDPA per request, in the inputs' dtype, any device): request b's
+    queries over its first key_lens[b] cache rows from key_offsets[b], query i of a run of n seeing keys up to
+    key_lens[b] - n + i. The reference the start-up probe checks the kernel against. Shapes as ``flash_varlen``.
+
+    Raises:
+        ValueError: a run longer than ``max_queries`` or a key length above ``max_keys`` (bounds the kernel relies on).
+    """
+    out = torch.empty_like(q)
+    cu, offsets, lens = varlen.cu_queries.tolist(), varlen.key_offsets.tolist(), varlen.key_lens.tolist()
+    groups = q.shape[1] // keys.shape[1]
+    for b, length in enumerate(lens):
+        n = cu[b + 1] - cu[b]
+        if n > varlen.max_queries or length > varlen.max_keys:
+            raise ValueError(f"request {b}: a run of {n} over {length} keys exceeds max_queries "
+                             f"{varlen.max_queries} or max_keys {varlen.max_keys}")
+        k, v = (t[offsets[b] : offsets[b] + length].repeat_interleave(groups, dim=1).transpose(0, 1)
+                for t in (keys, values))
+        allowed = (torch.arange(length, device=q.device)[None, :]
+                   <= length - n + torch.arange(n, device=q.device)[:, None])
+        out[cu[b] : cu[b + 1]] = F.scaled_dot_product_attention(
+            q[cu[b] : cu[b + 1]].transpose(0, 1), k, v, attn_mask=allowed).transpose(0, 1)
+    return out
+
+
 def varlen_probe_error(args: "ModelArgs", *, device: torch.device, dtype: torch.dtype, kernel=None) -> float:
-    """The largest |difference| between ``kernel`` (default ``flash_varlen``) and float32 math attention on a step as
-    the engine sends it: the model's head counts, one query per request (``FLASH_MAX_RUN``), three requests in slots
-    given out of order (2, 0, 1) of 1024 rows, over 700, 1 and 300 keys (several key blocks, so a kernel that splits
-    long key ranges is exercised). Scores are small, so each query averages its keys' values nearly evenly, and the
-    values rise with the key's position: a kernel that drops or adds a block of keys moves the output by ~0.05 or
-    more."""
+    """The largest |difference| between ``kernel`` (default ``flash_varlen``) and float32 ``varlen_attention_math``
+    on a step as the engine sends it: the model's head counts, one query per request (``FLASH_MAX_RUN``), three
+    requests in slots given out of order (2, 0, 1) of 1024 rows, over 700, 1 and 300 keys (several key blocks, so a
+    kernel that splits long key ranges is exercised). Scores are small, so each query averages its keys' values nearly
+    evenly, and the values rise with the key's position: a kernel that drops or adds a block of keys moves the output
+    by ~0.05 or more."""
     kernel = kernel or flash_varlen
     h, hkv, dh, slot_len = args.num_heads, args.num_kv_heads, args.head_dim, 1024
     gen = torch.Generator(device).manual_seed(0)
@@ -317,18 +343,13 @@ def varlen_probe_error(args: "ModelArgs", *, device: torch.device, dtype: torch.
     keys = torch.randn(3 * slot_len, hkv, dh, device=device, generator=gen).to(dtype)
     ramp = (torch.arange(3 * slot_len, device=device) % slot_len / slot_len)[:, None, None]
     values = (ramp + 0.05 * torch.randn(3 * slot_len, hkv, dh, device=device, generator=gen)).to(dtype)
-    slots, lens = (2, 0, 1), (700, 1, 300)
+    lens = (700, 1, 300)  # slots 2, 0, 1
     i32 = dict(device=device, dtype=torch.int32)
     varlen = VarlenKeys(cu_queries=torch.arange(4, **i32), key_offsets=torch.tensor([2048, 0, 1024, 0], **i32),
                         key_lens=torch.tensor(lens, **i32), max_queries=1, max_keys=max(lens))
     out = kernel(q, keys, values, varlen).float()
-    worst = 0.0
-    for r, (slot, length) in enumerate(zip(slots, lens)):
-        k, v = (t[slot * slot_len : slot * slot_len + length].float().repeat_interleave(h // hkv, dim=1).transpose(0, 1)
-                for t in (keys, values))
-        ref = F.scaled_dot_product_attention(q[r : r + 1].float().transpose(0, 1), k, v).transpose(0, 1)
-        worst = max(worst, float((ref - out[r : r + 1]).abs().max()))
-    return worst
+    ref = varlen_attention_math(q.float(), keys.float(), values.float(), varlen)
+    return float((ref - out).abs().max())
 
 
 @dataclass(frozen=True)
@@ -551,6 +572,24 @@ class KVCache(nn.Module):
         """What ``StepLayout.build``/``grid`` take as ``slot_len`` for this cache: Tmax when token-major, else None."""
         return self.max_len if self.token_major else None
 
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> None:
+        """Store a step's keys and values ([N, Hkv, Dh] each) of ``layer`` at cache ``slots`` [N], ``positions`` [N]."""
+        if self.token_major:
+            self.k[layer, slots, positions] = k
+            self.v[layer, slots, positions] = v
+        else:
+            self.k[layer, slots, :, positions] = k
+            self.v[layer, slots, :, positions] = v
+
+    def rows(self, layer: int, lo: int, count: int, key_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``layer``'s slots [lo, lo + count), first ``key_len`` positions: [R, Hkv, Tk, Dh] views
+        each, as SDPA takes them (transposed views of a token-major cache)."""
+        if self.token_major:
+            return (self.k[layer, lo : lo + count, :key_len].transpose(1, 2),
+                    self.v[layer, lo : lo + count, :key_len].transpose(1, 2))
+        return self.k[layer, lo : lo + count, :, :key_len], self.v[layer, lo : lo + count, :, :key_len]
+
     def slot_tokens(self, slot: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first ``count`` positions of ``slot``, [layers, Hkv, count, Dh] each in either
         layout (views)."""
@@ -709,12 +748,7 @@ class DecoderLayer(nn.Module):
             q = ops.rms_norm(q, self.q_norm, a.rms_norm_eps)
             k = ops.rms_norm(k, self.k_norm, a.rms_norm_eps)
         q, k = ops.rope_qk(q, k, cos, sin)
-        if cache.token_major:
-            cache.k[layer, layout.token_slots, layout.positions] = k
-            cache.v[layer, layout.token_slots, layout.positions] = v
-        else:
-            cache.k[layer, layout.token_slots, :, layout.positions] = k
-            cache.v[layer, layout.token_slots, :, layout.positions] = v
+        cache.write(layer, layout.token_slots, layout.positions, k, v)
         if layout.varlen is not None:
             attn = flash_varlen(q, cache.k[layer].flatten(0, 1), cache.v[layer].flatten(0, 1), layout.varlen)
         else:
@@ -745,12 +779,7 @@ class DecoderLayer(nn.Module):
         # [R, Lq, Hkv, G, Dh] -> [R, Hkv, G * Lq, Dh]: query heads sharing a kv head share one attention call.
         grouped = padded.view(rows, lq, a.num_kv_heads, groups, a.head_dim).permute(0, 2, 3, 1, 4)
         grouped = grouped.reshape(rows, a.num_kv_heads, groups * lq, a.head_dim)
-        if cache.token_major:  # [R, Tk, Hkv, Dh] as [R, Hkv, Tk, Dh] views
-            keys = cache.k[layer, call.lo : call.lo + rows, : call.key_len].transpose(1, 2)
-            values = cache.v[layer, call.lo : call.lo + rows, : call.key_len].transpose(1, 2)
-        else:
-            keys = cache.k[layer, call.lo : call.lo + rows, :, : call.key_len]
-            values = cache.v[layer, call.lo : call.lo + rows, :, : call.key_len]
+        keys, values = cache.rows(layer, call.lo, rows, call.key_len)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=call.mask)
         out = out.view(rows, a.num_kv_heads, groups, lq, a.head_dim).permute(0, 3, 1, 2, 4)
         out = out.reshape(rows, lq, a.num_heads, a.head_dim)

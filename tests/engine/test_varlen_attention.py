@@ -1,8 +1,8 @@
 """``attention: flash``: a token-major KV cache; steps of one token per request attend by FlashAttention-2's
 variable-length kernel (one call, no mask), longer runs by SDPA over transposed views of the cache. The kernel runs on
 CUDA only (tests/gpu checks it there against SDPA); here its layouts and the cache's
-token-major writes are checked on the CPU by running the engine with ``flash_varlen`` replaced by a reference that
-attends each request over its own ``key_lens`` keys with math attention, causal from the bottom right: greedy
+token-major writes are checked on the CPU by running the engine with ``flash_varlen`` replaced by its reference
+(``varlen_attention_math``: each request over its own ``key_lens`` keys, causal from the bottom right): greedy
 speculation (ragged and bucketed steps) must give the tokens of the SDPA engine, which a key offset, a length or a
 write in the wrong place would change.
 """
@@ -13,13 +13,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import app.engine.engine as engine_module
 import app.engine.model as model_module
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
-from app.engine.model import (PROBE_TOLERANCE, KVCache, StepLayout, VarlenKeys, flash_varlen_problem,
+from app.engine.model import (PROBE_TOLERANCE, KVCache, StepLayout, flash_varlen_problem, varlen_attention_math,
                               varlen_probe_error)
 from app.engine.types import SamplingParams
 from app.loop import generate
@@ -28,23 +27,6 @@ from tests.engine.proposers import check_greedy_speculation
 
 RAGGED = [0, 1, 3, 5, 7, 2]
 GREEDY = SamplingParams(max_tokens=32)
-
-
-def reference_varlen(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, varlen: VarlenKeys) -> torch.Tensor:
-    """``flash_varlen``'s contract in math attention: request b's queries over its first key_lens[b] cache rows from
-    key_offsets[b], query i of a run of n seeing keys up to key_lens[b] - n + i."""
-    out = torch.empty_like(q)
-    cu, offsets, lens = varlen.cu_queries.tolist(), varlen.key_offsets.tolist(), varlen.key_lens.tolist()
-    groups = q.shape[1] // keys.shape[1]
-    for b, length in enumerate(lens):
-        n = cu[b + 1] - cu[b]
-        assert n <= varlen.max_queries and length <= varlen.max_keys
-        k, v = (t[offsets[b] : offsets[b] + length].repeat_interleave(groups, dim=1).transpose(0, 1)
-                for t in (keys, values))
-        allowed = torch.arange(length)[None, :] <= length - n + torch.arange(n)[:, None]
-        out[cu[b] : cu[b + 1]] = F.scaled_dot_product_attention(
-            q[cu[b] : cu[b + 1]].transpose(0, 1), k, v, attn_mask=allowed).transpose(0, 1)
-    return out
 
 
 def test_varlen_layouts_name_each_requests_queries_and_keys():
@@ -79,17 +61,17 @@ def test_the_start_up_probe_catches_a_kernel_that_drops_keys(engine):
     """``varlen_probe_error``: the math reference agrees; a kernel that reads one key block (128 keys) fewer for the
     request over 700 keys, or offsets one request's keys by a slot, misses the tolerance."""
     args, cpu = engine.model.args, torch.device("cpu")
-    assert varlen_probe_error(args, device=cpu, dtype=torch.bfloat16, kernel=reference_varlen) < PROBE_TOLERANCE
+    assert varlen_probe_error(args, device=cpu, dtype=torch.bfloat16, kernel=varlen_attention_math) < PROBE_TOLERANCE
 
     def short(q, keys, values, varlen):
         lens = varlen.key_lens.clone()
         lens[0] -= 128
-        return reference_varlen(q, keys, values, replace(varlen, key_lens=lens))
+        return varlen_attention_math(q, keys, values, replace(varlen, key_lens=lens))
 
     def shifted(q, keys, values, varlen):
         offsets = varlen.key_offsets.clone()
         offsets[2] -= 1024
-        return reference_varlen(q, keys, values, replace(varlen, key_offsets=offsets))
+        return varlen_attention_math(q, keys, values, replace(varlen, key_offsets=offsets))
 
     for wrong in (short, shifted):
         assert varlen_probe_error(args, device=cpu, dtype=torch.bfloat16, kernel=wrong) > PROBE_TOLERANCE
@@ -123,7 +105,7 @@ def test_token_major_steps_decode_as_the_sdpa_engine(engine, prompts, step, monk
     sdpa = TargetEngine(EngineConfig(max_num_seqs=8, max_model_len=512, verify_step=step), loaded=engine.target)
     reference = [r.token_ids for r in generate(sdpa, prompts, GREEDY)[0]]
     monkeypatch.setattr(engine_module, "flash_varlen_problem", lambda *a, **k: None)
-    monkeypatch.setattr(model_module, "flash_varlen", reference_varlen)
+    monkeypatch.setattr(model_module, "flash_varlen", varlen_attention_math)
     varlen = TargetEngine(EngineConfig(max_num_seqs=8, max_model_len=512, verify_step=step, attention="flash"),
                           loaded=engine.target)
     assert varlen.attention == "flash" and varlen.cache.token_major

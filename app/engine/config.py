@@ -71,10 +71,13 @@ class EngineConfig(BaseModel):
         "attention on a probe at start-up, else sdpa (on CUDA the reason is logged); flash where it cannot run is an "
         "error at start-up.",
     )
-    compile_elementwise: bool = Field(
-        False, description="torch.compile the decoder's elementwise work (norms, rotary embedding, residual, SwiGLU "
-        "gate) into fused kernels (app/engine/model.py Elementwise; CUDA only, compiled at the first steps). "
-        "Lossless like any step shape: greedy speculation stays token-identical to plain decoding on the same engine.",
+    compile_elementwise: bool | None = Field(
+        None, description="torch.compile the decoder's elementwise work (norms, rotary embedding, residual, SwiGLU "
+        "gate) into fused Triton kernels (app/engine/model.py Elementwise; compiled in the first steps, or while CUDA "
+        "graphs are captured: longer start-up). None: on a CUDA device Triton supports (compute capability 7.0 or "
+        "above, the triton package installed), off elsewhere (on CUDA the reason is logged); true where it cannot run "
+        "is an error at start-up. Lossless like any step shape: greedy speculation stays token-identical to plain "
+        "decoding on the same engine.",
     )
     feature_layers: tuple[int, ...] | None = Field(
         None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."

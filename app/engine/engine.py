@@ -33,7 +33,7 @@ from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestE
 from app.engine.grammar import GrammarCompiler, RequestGrammar
 from app.engine.greedy_head import ScreenedArgmax
 from app.engine.loader import LoadedTarget, load_target
-from app.engine.model import EAGER, Elementwise, KVCache, StepLayout, flash_varlen_problem
+from app.engine.model import EAGER, Elementwise, KVCache, StepLayout, compile_problem, flash_varlen_problem
 from app.engine.prepack import PrepackedLinear, prepack_linears, prepack_supported
 from app.engine.logits_process import RequestControls, sampling_probs, token_logprobs
 from app.engine.sampling import Acceptance, accept_greedy, accept_sampled, accept_sampled_batch, target_probs
@@ -104,10 +104,8 @@ class TargetEngine(Engine):
             device=self.device, token_major=self.attention == "flash",
         )
         self._groups = args.num_heads // args.num_kv_heads
-        if c.compile_elementwise and self.device.type != "cuda":
-            raise ValueError(f"compile_elementwise needs a CUDA device (Inductor's CPU backend needs a C++ compiler), "
-                             f"the engine runs on {self.device}")
-        self._ops = Elementwise.compiled() if c.compile_elementwise else EAGER
+        self.compile_elementwise = self._compile_elementwise()
+        self._ops = Elementwise.compiled() if self.compile_elementwise else EAGER
         self._bucketed = None if c.verify_step == "ragged" else BucketedStep(
             self.model, self.cache, max_tokens=c.max_draft_len + 1, cuda_graphs=c.verify_step == "cuda_graphs",
             ops=self._ops)
@@ -143,6 +141,23 @@ class TargetEngine(Engine):
         if self.device.type == "cuda":
             log.warning("attention: SDPA with masks, not FlashAttention: %s", problem)
         return "sdpa"
+
+    def _compile_elementwise(self) -> bool:
+        """``config.compile_elementwise`` resolved (``EngineConfig.compile_elementwise``).
+
+        Raises:
+            ValueError: ``compile_elementwise: true`` where ``compile_problem`` names a problem.
+        """
+        if self.config.compile_elementwise is False:
+            return False
+        problem = compile_problem(self.device)
+        if problem is None:
+            return True
+        if self.config.compile_elementwise:
+            raise ValueError(f"compile_elementwise cannot run here: {problem}")
+        if self.device.type == "cuda":
+            log.warning("compile_elementwise: eager elementwise kernels: %s", problem)
+        return False
 
     def _greedy_screen(self) -> ScreenedArgmax | None:
         """The screened greedy head when ``greedy_screen`` applies (see its description), else None."""

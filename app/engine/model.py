@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import math
 import mmap
 from collections.abc import Callable
@@ -703,6 +704,21 @@ class Elementwise:
 
 
 EAGER = Elementwise()
+
+
+def compile_problem(device: torch.device) -> str | None:
+    """Why ``Elementwise.compiled`` cannot run on ``device`` (None: it can): Inductor's kernels need Triton, which
+    needs the triton package and a CUDA device of compute capability 7.0 or above (on a CPU Inductor would need a C++
+    compiler at run time, which a serving machine need not have)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"compiled elementwise kernels need a CUDA device, the engine runs on {device}"
+    if importlib.util.find_spec("triton") is None:
+        return "the triton package is not installed"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 7:
+        return f"Triton needs compute capability 7.0 or above, the device has {major}.{minor}"
+    return None
 
 
 class DecoderLayer(nn.Module):

@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> Path:
                     "(EngineConfig.verify_step)")
     ap.add_argument("--attention", choices=get_args(Attention), default="auto",
                     help="attention backend (EngineConfig.attention)")
-    ap.add_argument("--compile-elementwise", action="store_true",
-                    help="torch.compile the decoder's elementwise work (EngineConfig.compile_elementwise; CUDA only)")
+    ap.add_argument("--compile-elementwise", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.compile the decoder's elementwise work (EngineConfig.compile_elementwise; default: "
+                    "where Triton runs)")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     ap.add_argument("--tokens-per-request", default="1,2,3,4,5,6,7,8,10,12,16")
     ap.add_argument("--context", type=int, default=200, help="KV cache tokens per request while timing")
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> Path:
         notes=f"median of {args.repeats} steps after 2 warm-up steps; rows made non-decreasing (running max); "
         + (f"weights: dummy (random, --load-format dummy) on the config of {args.model}; " if dummy else "")
         + f"drafter: {drafter_note}; verify step: {args.verify_step}; attention: {engine.attention}"
-        + ("; elementwise work compiled" if args.compile_elementwise else ""),
+        + f"; elementwise work {'compiled' if engine.compile_elementwise else 'eager'}",
     )
     cells = tqdm(total=len(batch_sizes) * len(tokens) * (2 if args.sampled else 1), desc="profiling verify steps")
     profile = measure_profile(engine, batch_sizes=batch_sizes, tokens_per_request=tokens, proposer=proposer,

@@ -12,6 +12,7 @@ import torch
 
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
+from app.engine.model import compile_problem
 from app.engine.static_step import bucket_sizes, ceil_bucket, key_buckets
 from app.engine.types import NewRequest, SamplingParams
 from app.loop import generate
@@ -40,9 +41,28 @@ def test_config_rejects_bucketed_steps_with_batch_invariance_and_graphs_off_cuda
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device, the engine runs on cpu"):
         TargetEngine(EngineConfig(device="cpu", verify_step="cuda_graphs", max_num_seqs=2, max_model_len=256),
                      loaded=engine.target)
-    with pytest.raises(ValueError, match="compile_elementwise needs a CUDA device"):
+    with pytest.raises(ValueError, match="compile_elementwise cannot run here: compiled elementwise kernels need a "
+                                         "CUDA device, the engine runs on cpu"):
         TargetEngine(EngineConfig(device="cpu", compile_elementwise=True, max_num_seqs=2, max_model_len=256),
                      loaded=engine.target)
+
+
+def test_compile_elementwise_by_default_where_triton_runs(engine, monkeypatch):
+    """``compile_elementwise: None`` resolves to compiled kernels where ``compile_problem`` names no problem, to eager
+    ones with the reason logged on CUDA otherwise, and stays off on a CPU, where the check says why."""
+    import app.engine.engine as engine_module
+
+    assert engine.config.compile_elementwise is None and engine.compile_elementwise is False
+    assert "need a CUDA device" in compile_problem(torch.device("cpu"))
+    config = EngineConfig(device="cpu", max_num_seqs=2, max_model_len=256)
+    monkeypatch.setattr(engine_module, "compile_problem", lambda device: None)
+    assert TargetEngine(config, loaded=engine.target).compile_elementwise is True
+    assert TargetEngine(config.model_copy(update={"compile_elementwise": False}),
+                        loaded=engine.target).compile_elementwise is False
+    monkeypatch.setattr(engine_module, "compile_problem", lambda device: "the triton package is not installed")
+    assert TargetEngine(config, loaded=engine.target).compile_elementwise is False
+    with pytest.raises(ValueError, match="compile_elementwise cannot run here: the triton package is not installed"):
+        TargetEngine(config.model_copy(update={"compile_elementwise": True}), loaded=engine.target)
 
 
 @pytest.fixture(scope="module")

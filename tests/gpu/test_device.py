@@ -125,9 +125,10 @@ def test_flash_attention_decodes_as_sdpa_on_the_device(model_dir, prompts, step)
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="compile_elementwise needs a CUDA device")
 @pytest.mark.parametrize("step", STEPS)
 def test_compiled_elementwise_is_lossless_on_the_device(model_dir, prompts, step):
-    """``compile_elementwise``: greedy speculation (random and perfect drafts) gives the engine's own plain decoding,
-    and plain decoding the eager engine's tokens, near-ties of the target's logits aside."""
-    engine = device_engine(model_dir, "bfloat16", verify_step=step, compile_elementwise=True)
+    """``compile_elementwise``, on by default on CUDA: greedy speculation (random and perfect drafts) gives the
+    engine's own plain decoding, and plain decoding the eager engine's tokens, near-ties of the target's logits aside."""
+    engine = device_engine(model_dir, "bfloat16", verify_step=step)
+    assert engine.compile_elementwise, "compile_elementwise: Triton should run on this device"
     eager = TargetEngine(EngineConfig(**{**engine.config.model_dump(), "compile_elementwise": False}),
                          loaded=engine.target)
     reference = [r.token_ids for r in generate(engine, prompts, GREEDY)[0]]

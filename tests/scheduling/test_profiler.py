@@ -61,6 +61,6 @@ def test_profiler_drafter_options_exclude_each_other():
 def test_profiler_refuses_engine_settings_the_device_cannot_run(tmp_path, tiny_llama_dir):
     common = ["--model", str(tiny_llama_dir), "--load-format", "dummy", "--out", str(tmp_path)]
     for flag, match in ((["--attention", "flash"], "attention 'flash' cannot run here"),
-                        (["--compile-elementwise"], "compile_elementwise needs a CUDA device")):
+                        (["--compile-elementwise"], "compile_elementwise cannot run here")):
         with pytest.raises(ValueError, match=match):
             main(common + flag)

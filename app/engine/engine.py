@@ -80,6 +80,8 @@ class TargetEngine(Engine):
         eos_token_ids: tokens that end a request (unless ``ignore_eos``).
         prepacked: whether the decoder's linear layers run on oneDNN-prepacked weights (``app/engine/prepack.py``).
         attention: "flash" or "sdpa", ``config.attention`` resolved (``EngineConfig.attention``).
+        compile_elementwise: whether the decoder's elementwise work runs compiled, ``config.compile_elementwise``
+            resolved (``EngineConfig.compile_elementwise``).
     """
 
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedTarget | None = None) -> None:
@@ -104,8 +106,8 @@ class TargetEngine(Engine):
             device=self.device, token_major=self.attention == "flash",
         )
         self._groups = args.num_heads // args.num_kv_heads
-        self.compile_elementwise = self._compile_elementwise()
-        self._ops = Elementwise.compiled() if self.compile_elementwise else EAGER
+        self._ops = self._elementwise()
+        self.compile_elementwise = self._ops is not EAGER
         self._bucketed = None if c.verify_step == "ragged" else BucketedStep(
             self.model, self.cache, max_tokens=c.max_draft_len + 1, cuda_graphs=c.verify_step == "cuda_graphs",
             ops=self._ops)
@@ -142,22 +144,24 @@ class TargetEngine(Engine):
             log.warning("attention: SDPA with masks, not FlashAttention: %s", problem)
         return "sdpa"
 
-    def _compile_elementwise(self) -> bool:
-        """``config.compile_elementwise`` resolved (``EngineConfig.compile_elementwise``).
+    def _elementwise(self) -> Elementwise:
+        """The decoder's elementwise functions as ``config.compile_elementwise`` resolves (compiled, and probed, or
+        ``EAGER``; ``EngineConfig.compile_elementwise``).
 
         Raises:
             ValueError: ``compile_elementwise: true`` where ``compile_problem`` names a problem.
         """
         if self.config.compile_elementwise is False:
-            return False
-        problem = compile_problem(self.device)
+            return EAGER
+        ops = Elementwise.compiled()
+        problem = compile_problem(ops, self.model.args, device=self.device, dtype=self.model.embed_tokens.weight.dtype)
         if problem is None:
-            return True
+            return ops
         if self.config.compile_elementwise:
             raise ValueError(f"compile_elementwise cannot run here: {problem}")
         if self.device.type == "cuda":
             log.warning("compile_elementwise: eager elementwise kernels: %s", problem)
-        return False
+        return EAGER
 
     def _greedy_screen(self) -> ScreenedArgmax | None:
         """The screened greedy head when ``greedy_screen`` applies (see its description), else None."""

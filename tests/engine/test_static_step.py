@@ -12,7 +12,7 @@ import torch
 
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
-from app.engine.model import compile_problem
+from app.engine.model import Elementwise, compile_problem
 from app.engine.static_step import bucket_sizes, ceil_bucket, key_buckets
 from app.engine.types import NewRequest, SamplingParams
 from app.loop import generate
@@ -48,18 +48,20 @@ def test_config_rejects_bucketed_steps_with_batch_invariance_and_graphs_off_cuda
 
 
 def test_compile_elementwise_by_default_where_triton_runs(engine, monkeypatch):
-    """``compile_elementwise: None`` resolves to compiled kernels where ``compile_problem`` names no problem, to eager
-    ones with the reason logged on CUDA otherwise, and stays off on a CPU, where the check says why."""
+    """``compile_elementwise: None`` resolves to compiled kernels where ``compile_problem`` (checks and a probe) names
+    no problem, to eager ones otherwise (the reason logged on CUDA), and stays off on a CPU, where the check says why;
+    ``true`` where it cannot run is an error."""
     import app.engine.engine as engine_module
 
     assert engine.config.compile_elementwise is None and engine.compile_elementwise is False
-    assert "need a CUDA device" in compile_problem(torch.device("cpu"))
+    assert "need a CUDA device" in compile_problem(Elementwise.compiled(), engine.model.args,
+                                                   device=torch.device("cpu"), dtype=torch.bfloat16)
     config = EngineConfig(device="cpu", max_num_seqs=2, max_model_len=256)
-    monkeypatch.setattr(engine_module, "compile_problem", lambda device: None)
+    monkeypatch.setattr(engine_module, "compile_problem", lambda *a, **k: None)
     assert TargetEngine(config, loaded=engine.target).compile_elementwise is True
     assert TargetEngine(config.model_copy(update={"compile_elementwise": False}),
                         loaded=engine.target).compile_elementwise is False
-    monkeypatch.setattr(engine_module, "compile_problem", lambda device: "the triton package is not installed")
+    monkeypatch.setattr(engine_module, "compile_problem", lambda *a, **k: "the triton package is not installed")
     assert TargetEngine(config, loaded=engine.target).compile_elementwise is False
     with pytest.raises(ValueError, match="compile_elementwise cannot run here: the triton package is not installed"):
         TargetEngine(config.model_copy(update={"compile_elementwise": True}), loaded=engine.target)

@@ -126,7 +126,8 @@ def test_flash_attention_decodes_as_sdpa_on_the_device(model_dir, prompts, step)
 @pytest.mark.parametrize("step", STEPS)
 def test_compiled_elementwise_is_lossless_on_the_device(model_dir, prompts, step):
     """``compile_elementwise``, on by default on CUDA: greedy speculation (random and perfect drafts) gives the
-    engine's own plain decoding, and plain decoding the eager engine's tokens, near-ties of the target's logits aside."""
+    engine's own plain decoding, and plain decoding the eager engine's tokens, near-ties of the target's logits
+    aside."""
     engine = device_engine(model_dir, "bfloat16", verify_step=step)
     assert engine.compile_elementwise, "compile_elementwise: Triton should run on this device"
     eager = TargetEngine(EngineConfig(**{**engine.config.model_dump(), "compile_elementwise": False}),
@@ -140,6 +141,24 @@ def test_compiled_elementwise_is_lossless_on_the_device(model_dir, prompts, step
         for prompt, ref, r in zip(prompts, reference, results):
             check_greedy_output(engine, prompt, ref, r.token_ids)
     assert max(r.accepted_length for r in results) >= 4.0
+
+
+@pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="compile_elementwise needs a CUDA device")
+def test_a_compilation_that_fails_is_named_by_the_start_up_probe(model_dir):
+    """The probe runs every compiled function: one that raises (as a missing C compiler does) is the problem named,
+    which ``compile_elementwise: null`` logs before running eager and ``true`` raises."""
+    from transformers import AutoConfig
+
+    from app.engine.model import Elementwise, ModelArgs, compile_problem
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler")
+
+    args = ModelArgs.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    device, dtype = torch.device(DEVICE), torch.bfloat16
+    assert compile_problem(Elementwise.compiled(), args, device=device, dtype=dtype) is None
+    problem = compile_problem(Elementwise(silu_mul=broken), args, device=device, dtype=dtype)
+    assert problem == "compiling the elementwise kernels failed on a probe: RuntimeError: Failed to find C compiler"
 
 
 @pytest.mark.skipif(not DEVICE.startswith("cuda"), reason="CUDA graphs need a CUDA device")

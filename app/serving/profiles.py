@@ -42,11 +42,16 @@ MAX_REPEATS = 3  # timed steps per grid cell when the budget allows (after one w
 def profile_cache_path(config: AppConfig, *, hardware: str, dtype: str) -> Path:
     """Where this host caches the start-up profile of ``config``'s model: ``<cache_dir>/profiles/<model>-<key>.json``,
     the key a hash of the model reference, dtype, hardware, torch version, drafter kind and the engine's
-    ``verify_step`` (a ragged engine's key is what it was before the engine had the choice)."""
+    ``verify_step``, ``attention`` and ``compile_elementwise`` (each in the key only when set away from its default,
+    so a default engine's key is what it was before the engine had the choice)."""
     drafter = config.drafter if config.speculates else "none"
     parts = [config.model, dtype, hardware, torch.__version__, drafter]
     if config.engine.verify_step != "ragged":
         parts.append(config.engine.verify_step)
+    if config.engine.attention != "auto":
+        parts.append(f"attention={config.engine.attention}")
+    if config.engine.compile_elementwise is not None:
+        parts.append(f"compile_elementwise={config.engine.compile_elementwise}")
     key = "|".join(parts)
     name = Path(config.model.rstrip("/")).name.lower()
     return cache_dir() / "profiles" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"

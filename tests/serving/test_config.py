@@ -81,8 +81,14 @@ def test_auto_profile_picks_this_hosts_measured_profile(tmp_path, monkeypatch, c
     bucketed = AppConfig.model_validate({"engine": {"device": "cpu", "dtype": "bfloat16", "verify_step": "bucketed"},
                                          "torch_threads": 2})
     assert bucketed.committed_profile_path() is None
-    assert profile_cache_path(bucketed, hardware="CPU X 2 threads", dtype="bfloat16") != profile_cache_path(
-        AppConfig(device="cpu", dtype="bfloat16", torch_threads=2), hardware="CPU X 2 threads", dtype="bfloat16")
+    default_key = profile_cache_path(AppConfig(device="cpu", dtype="bfloat16", torch_threads=2),
+                                     hardware="CPU X 2 threads", dtype="bfloat16")
+    assert profile_cache_path(bucketed, hardware="CPU X 2 threads", dtype="bfloat16") != default_key
+    # nor does an engine set to another attention backend or elementwise mode share a cached start-up profile
+    for engine in ({"attention": "sdpa"}, {"compile_elementwise": False}, {"compile_elementwise": True}):
+        other = AppConfig.model_validate({"engine": {"device": "cpu", "dtype": "bfloat16", **engine},
+                                          "torch_threads": 2})
+        assert profile_cache_path(other, hardware="CPU X 2 threads", dtype="bfloat16") != default_key, engine
     # another host: nothing committed, so the target replica measures one at start-up and caches it
     other_host = AppConfig(device="cpu", dtype="bfloat16", torch_threads=8)
     assert other_host.profile_path() is None

@@ -69,7 +69,9 @@ class ScreenedArgmax:
         rows, ranks = near.nonzero(as_tuple=True)  # [N] each
         exact = torch.full(near.shape, float("-inf"), dtype=torch.float64, device=h.device)
         exact[rows, ranks] = torch.einsum("nd,nd->n", self.weight[index[rows, ranks]].double(), h[rows].double())
-        tokens = index.gather(1, exact.argmax(-1, keepdim=True)).squeeze(1)
+        # the best exact logit; among exact ties the smallest token id, as the full head's argmax picks
+        best = exact == exact.max(-1, keepdim=True).values
+        tokens = index.masked_fill(~best, torch.iinfo(index.dtype).max).min(-1).values
         flat = near[:, -1]
         if bool(flat.any()):
             tokens[flat] = F.linear(h[flat], self.weight).argmax(-1)

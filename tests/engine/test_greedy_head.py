@@ -39,6 +39,20 @@ def test_rescoring_decides_what_the_screen_rounds_to_a_tie():
     assert head(torch.tensor([[4.0, 0.0], [0.0, 4.0]])).tolist() == [1, 2]
 
 
+def test_exact_ties_go_to_the_smallest_token_id_and_no_rows_give_no_tokens():
+    """Two identical head rows tie exactly: the screen picks the smaller token id, as the full head's argmax does,
+    whichever of the two its top-k listed first; an empty batch gives an empty result."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(5000, 16, generator=gen) * 0.1
+    weight[4000] = weight[10] = torch.full((16,), 1.0)
+    screen = weight.bfloat16()
+    screen[4000] += 0.0625  # the screen lists token 4000 first
+    head = ScreenedArgmax(weight, screen, top=8, margin=0.5)
+    h = torch.ones(2, 16)
+    assert head(h).tolist() == [10, 10] == torch.nn.functional.linear(h, weight).argmax(-1).tolist()
+    assert head(torch.zeros(0, 16)).shape == (0,)
+
+
 def test_a_row_the_screen_cannot_narrow_falls_back_to_the_full_head():
     gen = torch.Generator().manual_seed(0)
     weight = 1.0 + 1e-3 * torch.randn(100, 8, generator=gen)  # every logit within the margin of the best

@@ -9,6 +9,7 @@ import time
 import warnings
 
 import httpx
+import psutil
 
 from app.serving.local_ray import init_local_ray
 
@@ -25,12 +26,18 @@ def _start_serve(**ray_init) -> str:
     import ray
     from ray import serve
 
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     try:
         init_local_ray(**ray_init)
     except Exception as e:  # Ray's fixed 30 s for its raylet to register; seen right after the previous Ray's shutdown
         if "timed out during startup" not in str(e):
             raise
         warnings.warn(f"local Ray did not start ({e}); starting it once more", stacklevel=2)
+        # the failed start's processes (GCS, dashboard, monitors) are no node's that ray.shutdown could stop
+        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        for process in started:
+            process.kill()
+        psutil.wait_procs(started, timeout=10)
         ray.shutdown()
         init_local_ray(**ray_init)
     port = free_port()

@@ -38,9 +38,9 @@ self_prompts=${SELF_PROMPTS:-.datasets/self-prompts.jsonl}
 init=checkpoints/dspark-smollm2-135m
 train_sets=(gsm8k-train=700 math500=500 mbpp=257 chat=200 chat-mt=320 code-fn=240)
 if [[ $device == cuda* ]]; then
-    # one H200 (SmolLM2, batch 256, CUDA graphs): a 512-answer shard takes ~20 s greedy, ~100 s sampled; training
-    # runs ~10 steps/s at 32 x 64 blocks and over-fits a few thousand answers within minutes, so answers get most of
-    # the time
+    # one H200 (SmolLM2, batch 256, CUDA graphs, measured with compile_elementwise off): a 512-answer shard
+    # takes ~20 s greedy, ~100 s sampled; training runs ~10 steps/s at 32 x 64 blocks and over-fits a few thousand
+    # answers within minutes, so answers get most of the time
     batch=256 shard=512 minutes=(1 1 0.25) datagen_step=${DATAGEN_VERIFY_STEP:-cuda_graphs}
     train=(--batch-seqs 32 --anchors 64 --max-minutes 1.5 --eval-every 100 --eval-batches 8 --patience 4)
 else

@@ -695,9 +695,11 @@ class Elementwise:
     silu_mul: Callable = silu_mul
 
     @classmethod
+    @functools.cache
     def compiled(cls) -> "Elementwise":
         """The same functions through ``torch.compile(dynamic=True, fullgraph=True)`` (Inductor's Triton kernels on
-        CUDA); each compiles at its first call (dynamic in the token count, so step shapes do not recompile)."""
+        CUDA); each compiles at its first call (dynamic in the token count, so step shapes do not recompile). One
+        instance a process: the functions hold no state, so every engine of the process shares their compilations."""
         compile_ = functools.partial(torch.compile, dynamic=True, fullgraph=True)
         return cls(rms_norm=compile_(rms_norm), rope_qk=compile_(rope_qk), add_rms_norm=compile_(add_rms_norm),
                    silu_mul=compile_(silu_mul))

@@ -54,6 +54,7 @@ def test_compile_elementwise_by_default_where_triton_runs(engine, monkeypatch):
     import app.engine.engine as engine_module
 
     assert engine.config.compile_elementwise is None and engine.compile_elementwise is False
+    assert Elementwise.compiled() is Elementwise.compiled()  # one compilation a process, shared by its engines
     assert "need a CUDA device" in compile_problem(Elementwise.compiled(), engine.model.args,
                                                    device=torch.device("cpu"), dtype=torch.bfloat16)
     config = EngineConfig(device="cpu", max_num_seqs=2, max_model_len=256)

@@ -3,6 +3,8 @@ constructed rows where the half-precision screen alone would pick wrong or canno
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -53,12 +55,43 @@ def test_exact_ties_go_to_the_smallest_token_id_and_no_rows_give_no_tokens():
     assert head(torch.zeros(0, 16)).shape == (0,)
 
 
-def test_a_row_the_screen_cannot_narrow_falls_back_to_the_full_head():
+def full_head_rows(monkeypatch) -> list[int]:
+    """Rows passed through the full float32 head by ``ScreenedArgmax`` from now on (recorded)."""
+    import app.engine.greedy_head as greedy_head
+
+    rows, linear = [], torch.nn.functional.linear
+
+    def recording(x, weight, *args):
+        if weight.dtype == torch.float32:
+            rows.append(x.shape[0])
+        return linear(x, weight, *args)
+
+    monkeypatch.setattr(greedy_head, "F", SimpleNamespace(linear=recording))
+    return rows
+
+
+def test_a_row_flat_over_top_is_screened_wider_before_the_full_head(monkeypatch):
+    """Row 0 has 20 tokens within the margin of its best (flat over top = 5, decided over wide_top = 40), row 1 a
+    clear winner: both get the exact argmax and the full head is never run."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.zeros(100, 8)
+    weight[:20, 0] = 1.0 + 1e-2 * torch.randn(20, generator=gen)  # 20 near-equal logits for h = e_0
+    weight[50, 1] = 3.0
+    head = ScreenedArgmax(weight, weight.bfloat16(), top=5, wide_top=40, margin=1.0)
+    h = torch.tensor([[4.0] + [0.0] * 7, [0.0, 4.0] + [0.0] * 6])
+    used = full_head_rows(monkeypatch)
+    assert head(h).tolist() == torch.nn.functional.linear(h.double(), weight.double()).argmax(-1).tolist()
+    assert used == []
+
+
+def test_a_row_the_screen_cannot_narrow_falls_back_to_the_full_head(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     weight = 1.0 + 1e-3 * torch.randn(100, 8, generator=gen)  # every logit within the margin of the best
-    head = ScreenedArgmax(weight, weight.bfloat16(), top=5, margin=1.0)
+    head = ScreenedArgmax(weight, weight.bfloat16(), top=5, wide_top=40, margin=1.0)
     h = torch.ones(3, 8)
+    used = full_head_rows(monkeypatch)
     assert torch.equal(head(h), torch.nn.functional.linear(h, weight).argmax(-1))
+    assert used == [3]
 
 
 def test_bad_arguments_are_rejected():
@@ -66,6 +99,8 @@ def test_bad_arguments_are_rejected():
         ScreenedArgmax(torch.zeros(4, 2).bfloat16(), torch.zeros(4, 2).bfloat16())
     with pytest.raises(ValueError, match="top"):
         ScreenedArgmax(torch.zeros(4, 2), torch.zeros(4, 2).bfloat16(), top=0)
+    with pytest.raises(ValueError, match="1 <= top <= wide_top"):
+        ScreenedArgmax(torch.zeros(4, 2), torch.zeros(4, 2).bfloat16(), top=8, wide_top=4)
 
 
 def test_greedy_decoding_is_the_same_with_and_without_the_screen(bf16_engine, eval_prompts):

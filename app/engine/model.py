@@ -712,8 +712,9 @@ def compile_problem(ops: Elementwise, args: ModelArgs, *, device: torch.device, 
     """Why the compiled ``ops`` (``Elementwise.compiled``) cannot run for this model on ``device`` (None: they can).
     Inductor's kernels need Triton: the triton package, a CUDA device of compute capability 7.0 or above, and a C
     compiler when Triton builds its launcher (on a CPU Inductor would need a C++ compiler at run time, which a
-    serving machine need not have). A probe then runs each function on two rows of the model's widths, which compiles
-    them: a missing compiler or a failing compilation shows here, at start-up, not at the first request."""
+    serving machine need not have). A probe then runs each function as the decoder calls it (per-head norms too when
+    the model has them) on one row and on two, which compiles them (dynamic shapes specialise a single row): a missing
+    compiler or a failing compilation shows here, at start-up, and the first requests do not wait for compilation."""
     device = torch.device(device)
     if device.type != "cuda":
         return f"compiled elementwise kernels need a CUDA device, the engine runs on {device}"
@@ -722,17 +723,20 @@ def compile_problem(ops: Elementwise, args: ModelArgs, *, device: torch.device, 
     major, minor = torch.cuda.get_device_capability(device)
     if major < 7:
         return f"Triton needs compute capability 7.0 or above, the device has {major}.{minor}"
-    rows, eps = 2, args.rms_norm_eps
-    x = torch.randn(rows, args.hidden_size, device=device, dtype=dtype)
-    weight = torch.ones(args.hidden_size, device=device, dtype=dtype)
-    q = torch.randn(rows, args.num_heads, args.head_dim, device=device, dtype=dtype)
-    k = torch.randn(rows, args.num_kv_heads, args.head_dim, device=device, dtype=dtype)
-    cos = torch.ones(rows, 1, args.head_dim, device=device, dtype=dtype)
+    eps, like = args.rms_norm_eps, dict(device=device, dtype=dtype)
     try:
-        ops.rms_norm(x, weight, eps)
-        ops.add_rms_norm(x, x, weight, eps)
-        ops.rope_qk(q, k, cos, torch.zeros_like(cos))
-        ops.silu_mul(torch.randn(rows, 2 * args.intermediate_size, device=device, dtype=dtype))
+        for rows in (1, 2):
+            x = torch.randn(rows, args.hidden_size, **like)
+            weight = torch.ones(args.hidden_size, **like)
+            q = torch.randn(rows, args.num_heads, args.head_dim, **like)
+            k = torch.randn(rows, args.num_kv_heads, args.head_dim, **like)
+            cos = torch.ones(rows, 1, args.head_dim, **like)
+            ops.rms_norm(x, weight, eps)
+            if args.qk_norm:
+                ops.rms_norm(q, torch.ones(args.head_dim, **like), eps)
+            ops.add_rms_norm(x, x, weight, eps)
+            ops.rope_qk(q, k, cos, torch.zeros_like(cos))
+            ops.silu_mul(torch.randn(rows, 2 * args.intermediate_size, **like))
     except Exception as e:  # compilation errors come as many types (Inductor, Triton, a missing compiler, OS errors)
         return f"compiling the elementwise kernels failed on a probe: {type(e).__name__}: {e}"
     return None

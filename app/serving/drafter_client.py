@@ -51,7 +51,8 @@ def goes_by_reference(call: DraftCall, *, gamma: int) -> bool:
 def fallback_cause(err: BaseException) -> str:
     """The cause label of a failed drafter call (``dspark_fallbacks``, ``SpecStats.fallback_cause``): ``transport``
     (gRPC refused the message, e.g. over its size limit), ``timeout``, ``drafter_unavailable`` (replica dead or
-    restarting), ``drafter_overloaded`` (back pressure), ``cancelled``, ``reply_too_large`` or ``drafter_error``."""
+    restarting), ``drafter_overloaded`` (back pressure), ``cancelled``, ``reply_too_large`` or ``drafter_error`` (all
+    in ``protocol.FALLBACK_CAUSES``)."""
     cause = err.__cause__ if isinstance(err, RemoteDrafterError) else None
     if isinstance(cause, grpc.aio.AioRpcError) or isinstance(err, grpc.aio.AioRpcError):
         return "transport"

@@ -21,7 +21,11 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from app.serving.protocol import FALLBACK_CAUSES
+
 TAGS = ("policy", "replica")
+FALLBACKS_HELP = ("Requests moved to plain decoding for the rest of their life, by cause "
+                  f"({', '.join(FALLBACK_CAUSES)}).")
 # Step, call and per-token times (ms), 1-1.5-2-3-4-5-7.5 per decade: a quantile read from the buckets (Grafana's
 # histogram_quantile interpolates inside one) is within 1.5x of the truth from a GPU step to a slow CPU batch.
 MS_BUCKETS = [1, 1.5, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 40, 50, 75, 100, 150, 200, 300, 400, 500, 750, 1000, 1500, 2000,
@@ -68,10 +72,7 @@ class TargetMetrics:
             "dspark_lookup_drafts", "Request-rounds that verified a prompt-lookup draft instead of the drafter's "
             "block (or in a round without a drafter call).")
         self.requests = counter("dspark_requests_finished", "Requests that finished (EOS, stop or length).")
-        self.fallbacks = counter(
-            "dspark_fallbacks", "Requests moved to plain decoding for the rest of their life, by cause (transport, "
-            "timeout, drafter_error, drafter_unavailable, drafter_overloaded, cancelled, missing_state).",
-            TAGS + ("cause",))
+        self.fallbacks = counter("dspark_fallbacks", FALLBACKS_HELP, TAGS + ("cause",))
         self.position_verified = counter(
             "dspark_position_verified", "Draft tokens verified at block position k (1-based).", TAGS + ("position",))
         self.position_accepted = counter(
@@ -228,8 +229,8 @@ PER_POSITION = ("dspark_spec_decode_accepted_tokens_per_pos", "vllm:spec_decode_
 
 def prometheus_text(counters, *, model_name: str, positions: int) -> str:
     """``counters`` (the target replicas' summed ``SpecCounters``) in Prometheus' text format (version 0.0.4),
-    every sample labelled ``model_name`` as vLLM labels its own; block positions 0 .. ``positions`` - 1 (gamma) are
-    always present."""
+    every sample labelled ``model_name`` as vLLM labels its own; block positions 0 .. ``positions`` - 1 (gamma) and
+    every fallback cause of ``FALLBACK_CAUSES`` are always present (a zero is a reading, not a missing series)."""
     label = 'model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"'
     lines = []
 
@@ -245,4 +246,7 @@ def prometheus_text(counters, *, model_name: str, positions: int) -> str:
     per_pos = [(f'{label},position="{k}"', n) for k, n in enumerate(accepted)]
     for name in PER_POSITION[:2]:
         counter(name, PER_POSITION[2], per_pos)
+    causes = list(FALLBACK_CAUSES) + sorted(set(counters.fallbacks) - set(FALLBACK_CAUSES))
+    counter("dspark_fallbacks", FALLBACKS_HELP,
+            [(f'{label},cause="{cause}"', counters.fallbacks.get(cause, 0)) for cause in causes])
     return "\n".join(lines) + "\n"

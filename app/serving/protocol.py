@@ -22,6 +22,11 @@ if TYPE_CHECKING:  # the drafter call's own types (app/loop.py) need torch; the 
 # takes about 400 bytes): the bounds below add it per tensor so they stay upper bounds for small batches.
 PICKLE_OVERHEAD = 1024
 
+# Why a request was moved to plain decoding for the rest of its life (``drafter_client.fallback_cause`` for a failed
+# drafter call; ``missing_state``: the drafter answered without the request's state, e.g. after a restart).
+FALLBACK_CAUSES = ("transport", "timeout", "drafter_unavailable", "drafter_overloaded", "cancelled", "reply_too_large",
+                   "drafter_error", "missing_state")
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -86,6 +91,7 @@ class SpecCounters:
     rounds: int = 0
     output_tokens: int = 0  # tokens streamed to clients (prefill first tokens included)
     requests_finished: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)  # cause (``FALLBACK_CAUSES``) -> requests moved to plain
 
     def add_round(self, num_draft: list[int], num_accepted: list[int]) -> None:
         """One round: per request in the batch its verified and accepted draft tokens."""
@@ -106,7 +112,9 @@ class SpecCounters:
         return SpecCounters(drafts=self.drafts + other.drafts, draft_tokens=self.draft_tokens + other.draft_tokens,
                             accepted_tokens=self.accepted_tokens + other.accepted_tokens, accepted_per_pos=per_pos,
                             rounds=self.rounds + other.rounds, output_tokens=self.output_tokens + other.output_tokens,
-                            requests_finished=self.requests_finished + other.requests_finished)
+                            requests_finished=self.requests_finished + other.requests_finished,
+                            fallbacks={cause: self.fallbacks.get(cause, 0) + other.fallbacks.get(cause, 0)
+                                       for cause in self.fallbacks.keys() | other.fallbacks.keys()})
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import copy
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import ray
@@ -513,15 +513,20 @@ class TargetReplica:
         profiled = float(profile.verify_time_ms(tokens * b / batch, batch=b, sampled=sampled))
         self.stats.verify_scale = _ema(ms / profiled, self.stats.verify_scale, seed_with_first=False)
 
+    def load(self) -> TargetLoad:
+        """This replica's load report now (a copy: later rounds do not change it)."""
+        return TargetLoad(
+            replica_id=self.replica_id, active=len(self._active), waiting=len(self._waiting),
+            max_num_seqs=self.config.max_num_seqs, step_ms=self.stats.step_ms,
+            tokens_per_step=self.stats.tokens_per_step, acceptance=self.stats.acceptance,
+            drafter_failures=self.stats.drafter_failures,
+            counters=replace(copy.deepcopy(self.telemetry.counters), fallbacks=dict(self.stats.fallbacks)),
+        )
+
     async def _report_loop(self) -> None:
         """Push this replica's load to the Router every ``stats_interval_s`` (never on the token path)."""
         while True:
-            load = TargetLoad(
-                replica_id=self.replica_id, active=len(self._active), waiting=len(self._waiting),
-                max_num_seqs=self.config.max_num_seqs, step_ms=self.stats.step_ms,
-                tokens_per_step=self.stats.tokens_per_step, acceptance=self.stats.acceptance,
-                drafter_failures=self.stats.drafter_failures, counters=copy.deepcopy(self.telemetry.counters),
-            )
+            load = self.load()
             self.telemetry.report(active=load.active, queued=load.waiting)
             try:
                 await self.router.report.remote(load)

@@ -18,7 +18,7 @@ from app.serving.metrics import prometheus_text
 from app.serving.openai_api import (
     ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs, validation_error,
 )
-from app.serving.protocol import SpecCounters, TokenLogprobText
+from app.serving.protocol import FALLBACK_CAUSES, SpecCounters, TokenLogprobText
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -142,7 +142,9 @@ def test_metrics_text_has_vllm_spec_decode_counters():
     counters = SpecCounters()
     counters.add_round([3, 0, 2], [2, 0, 2])
     counters.add_round([3], [0])
-    total = counters + SpecCounters(drafts=1, draft_tokens=1, accepted_tokens=1, accepted_per_pos=[1])
+    counters.fallbacks = {"timeout": 2, "drafter_error": 1}
+    total = counters + SpecCounters(drafts=1, draft_tokens=1, accepted_tokens=1, accepted_per_pos=[1],
+                                    fallbacks={"timeout": 1, "a_new_cause": 1})
     text = prometheus_text(total, model_name='m"x', positions=4)
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     label = 'model_name="m\\"x"'
@@ -153,6 +155,10 @@ def test_metrics_text_has_vllm_spec_decode_counters():
     per_pos = [samples[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{k}"}}']
                for k in range(4)]
     assert per_pos == ["3", "2", "0", "0"]
+    fallbacks = {cause: samples[f'dspark_fallbacks_total{{{label},cause="{cause}"}}']
+                 for cause in (*FALLBACK_CAUSES, "a_new_cause")}
+    assert fallbacks == {**{cause: "0" for cause in FALLBACK_CAUSES}, "timeout": "3", "drafter_error": "1",
+                         "a_new_cause": "1"}  # every known cause from zero, an unknown one too
     assert text.endswith("\n")
     families = {f.name: f for f in text_string_to_metric_families(text)}  # Prometheus' own parser
     assert families["vllm:spec_decode_num_drafts"].type == "counter"

@@ -333,6 +333,7 @@ def test_a_drafter_exception_that_arrives_unwrapped_falls_back_to_plain_decoding
     assert [t for item in items for t in item.token_ids] == [t for item in expected for t in item.token_ids]
     assert drafter.calls >= 1 and drafter.cancelled == drafter.calls
     assert replica.stats.drafter_failures == 1 and replica.stats.fallbacks == {"drafter_error": 1}
+    assert replica.load().counters.fallbacks == {"drafter_error": 1}  # what GET /metrics reads, via the Router
 
 
 class _InProcessDrafter:

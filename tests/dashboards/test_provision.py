@@ -134,5 +134,5 @@ def test_dashboard_queries_only_defined_metrics():
     used = {re.sub(r"_(total|bucket|count|sum)$", "", m) for e in exprs for m in re.findall(r"ray_(dspark_\w+)", e)}
     assert used and used <= defined, used - defined
     assert {"dspark_accepted_length", "dspark_wasted_tokens", "dspark_tpot_ms", "dspark_verify_step_ms",
-            "dspark_verify_capacity"} <= used
+            "dspark_verify_capacity", "dspark_fallbacks"} <= used
     assert any("ray_serve_autoscaling_target_replicas" in e for e in exprs)

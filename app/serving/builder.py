@@ -66,6 +66,8 @@ def build_app(args: dict) -> Application:
             ray_actor_options=_actor_options(config, config.drafter_replicas),
             max_ongoing_requests=2 * max_targets + SERVE_QUEUE_MARGIN,
             request_router_config=pinned,
+            # one call per target round: an access-log line each would flood the log (dspark_draft_call_ms counts them)
+            logging_config={"enable_access_log": False},
         ).bind(config)
     per_target = config.max_num_seqs + config.max_queued_requests + SERVE_QUEUE_MARGIN
     target = serve.deployment(

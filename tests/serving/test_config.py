@@ -1,4 +1,5 @@
-"""AppConfig validation, the YAML defaults, the n-gram drafter and the Router's pure parts (no Ray)."""
+"""AppConfig validation, the YAML defaults, the n-gram drafter, the Router's pure parts and the built deployments'
+log settings (no Ray cluster)."""
 
 from __future__ import annotations
 
@@ -181,3 +182,23 @@ def test_verification_capacity_shrinks_with_load_and_grows_with_acceptance():
     assert per_request == sorted(per_request, reverse=True) and per_request[0] > 0
     assert verification_capacity(profile, batch=8, acceptance=0.2, gamma=7) <= verification_capacity(
         profile, batch=8, acceptance=0.9, gamma=7)
+
+
+def test_per_round_deployments_log_no_access_line_per_call():
+    """The Drafter (one call per target round) and the Router (load reports) have Serve's access log off; the
+    ingress and the target keep theirs (one line per request)."""
+    from ray.serve.deployment import Application
+
+    from app.serving.builder import build_app
+
+    def deployments(app: Application):
+        bound = app._bound_deployment
+        yield bound
+        for arg in [*bound.init_args, *bound.init_kwargs.values()]:
+            if isinstance(arg, Application):
+                yield from deployments(arg)
+
+    app = build_app({"mock_engine": True, "drafter": "mock",
+                     "profile": "tests/fixtures/profiles/test-mock-model-any.json"})
+    access_log = {d.name: (d.logging_config or {}).get("enable_access_log", True) for d in deployments(app)}
+    assert access_log == {"Ingress": True, "Target": True, "Drafter": False, "Router": False}

@@ -163,7 +163,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (vLLM's names)
-    top_k: int | None = Field(None, ge=0, description="Keep the k most likely tokens; 0 or -1 = off.")
+    top_k: int | None = Field(None, description="Keep the k most likely tokens; 0 or -1 = off.")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int | None = Field(None, ge=0)
@@ -175,6 +175,8 @@ class _Common(BaseModel):
     @field_validator("top_k", mode="before")
     @classmethod
     def _top_k_off(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value < -1:
+            raise ValueError(f"must be a number of tokens >= 1, or 0 or -1 for off (vLLM's), got {value}")
         return 0 if value == -1 else value  # vLLM's "off"
 
     @field_validator("stop")

@@ -71,6 +71,8 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": MESSAGES, "reasoning_effort": "low"}, "reasoning_effort"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # a cross-field check, still named
     ({"messages": MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"messages": MESSAGES, "top_k": -5}, "top_k"),
+    ({"messages": MESSAGES, "top_k": 2.5}, "top_k"),
     ({"messages": MESSAGES, "unknown_thing": 1}, "unknown_thing"),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),

@@ -283,12 +283,8 @@ class TargetEngine(Engine):
         ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
-        need = len(ids) + request.params.max_tokens + self.config.max_draft_len
-        if need > self.config.max_model_len:
-            raise ContextLengthError(
-                f"prompt of {len(ids)} tokens + max_tokens {request.params.max_tokens} + draft room "
-                f"{self.config.max_draft_len} = {need} exceeds the context limit of {self.config.max_model_len} tokens"
-            )
+        ContextLengthError.check(prompt_tokens=len(ids), max_tokens=request.params.max_tokens,
+                                 draft_room=self.config.max_draft_len, limit=self.config.max_model_len)
         return ids, self._grammar(p)
 
     def _grammar(self, params: SamplingParams) -> RequestGrammar | None:

@@ -15,7 +15,21 @@ class InvalidRequestError(EngineError, ValueError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """Prompt + max_tokens + draft room exceeds the engine's context limit (HTTP 400)."""
+    """Prompt + max_tokens + draft room exceeds the engine's context limit (HTTP 400); ``param`` is ``max_tokens``
+    when a smaller max_tokens would fit, else ``prompt`` (the serving layer names a chat request's ``messages``)."""
+
+    @classmethod
+    def check(cls, *, prompt_tokens: int, max_tokens: int, draft_room: int, limit: int) -> None:
+        """Raise the error if ``prompt_tokens + max_tokens + draft_room`` exceeds ``limit`` (tokens).
+
+        Raises:
+            ContextLengthError: it does (the message gives each term and the limit).
+        """
+        need = prompt_tokens + max_tokens + draft_room
+        if need > limit:
+            raise cls(f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} + draft room {draft_room} = {need} "
+                      f"exceeds the context limit of {limit} tokens",
+                      param="max_tokens" if prompt_tokens + 1 + draft_room <= limit else "prompt")
 
 
 class UnknownRequestError(EngineError, KeyError):

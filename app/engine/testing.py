@@ -126,12 +126,8 @@ class MockEngine(Engine):
         refused = [name for name in request.params.controls() if name != "logprobs"]
         if refused:
             raise InvalidRequestError(f"sampling controls not supported by this engine: {refused}")
-        need = len(request.prompt_ids) + request.params.max_tokens + self.config.max_draft_len
-        if need > self.config.max_model_len:
-            raise ContextLengthError(
-                f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.params.max_tokens} + draft room "
-                f"{self.config.max_draft_len} = {need} exceeds the context limit of {self.config.max_model_len} tokens"
-            )
+        ContextLengthError.check(prompt_tokens=len(request.prompt_ids), max_tokens=request.params.max_tokens,
+                                 draft_room=self.config.max_draft_len, limit=self.config.max_model_len)
 
     def release(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is None:

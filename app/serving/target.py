@@ -377,7 +377,8 @@ class TargetReplica:
         if isinstance(result, InvalidRequestError):
             stream.done = True
             code = "context_length_exceeded" if isinstance(result, ContextLengthError) else None
-            stream.queue.put_nowait(ErrorItem(400, str(result), param=result.param, code=code))
+            param = "messages" if result.param == "prompt" and req.messages is not None else result.param
+            stream.queue.put_nowait(ErrorItem(400, str(result), param=param, code=code))
             return
         if isinstance(result, Exception):  # a bug in prefill or sampling: this request fails, its slot is free
             log.error("admission of %s failed", req.request_id, exc_info=result)

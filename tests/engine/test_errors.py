@@ -80,10 +80,12 @@ def test_prompt_over_context_limit_counts_max_tokens_and_draft_room(engine):
     free = engine.num_free_slots
     limit = engine.config.max_model_len
     fits = limit - engine.config.max_draft_len - 10
-    with pytest.raises(ContextLengthError, match="context limit"):
+    with pytest.raises(ContextLengthError, match="context limit") as err:
         engine.add_request("long", [1] * fits, SamplingParams(max_tokens=11))
-    with pytest.raises(ContextLengthError):
+    assert err.value.param == "max_tokens"  # a smaller max_tokens fits
+    with pytest.raises(ContextLengthError) as err:
         engine.add_request("long", [1] * (limit + 1), SamplingParams(max_tokens=1))
+    assert err.value.param == "prompt"
     assert engine.num_free_slots == free
     engine.add_request("long", [1] * fits, SamplingParams(max_tokens=10))
     engine.release("long")

@@ -141,6 +141,18 @@ def test_bad_input_is_openai_error(url, name, body, status):
     assert err["message"] and err["type"]
 
 
+def test_context_length_errors_name_the_field_to_change(url):
+    """OpenAI's ``param``: ``max_tokens`` when a smaller one would fit, else the prompt (``messages`` for a chat)."""
+    long_chat, long_prompt = chat("x" * (MAX_MODEL_LEN + 10), max_tokens=5), "x " * (MAX_MODEL_LEN + 10)
+    cases = [("chat/completions", chat(max_tokens=MAX_MODEL_LEN * 4), "max_tokens"),
+             ("chat/completions", long_chat, "messages"),
+             ("completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 5}, "prompt")]
+    for route, body, param in cases:
+        r = httpx.post(f"{url}/v1/{route}", headers=AUTH, json=body, timeout=30)
+        err = r.json()["error"]
+        assert (r.status_code, err["code"], err["param"]) == (400, "context_length_exceeded", param), r.text
+
+
 def test_oversized_chunked_body_and_unknown_routes_are_openai_errors(url):
     def chunks():  # no Content-Length: the limit must hold while reading
         yield b'{"model": "mock-model", "messages": [{"role": "user", "content": "'

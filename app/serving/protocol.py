@@ -91,7 +91,9 @@ class SpecCounters:
     rounds: int = 0
     output_tokens: int = 0  # tokens streamed to clients (prefill first tokens included)
     requests_finished: int = 0
-    fallbacks: dict[str, int] = field(default_factory=dict)  # cause (``FALLBACK_CAUSES``) -> requests moved to plain
+    # cause (``FALLBACK_CAUSES``) -> requests moved to plain decoding; a load report copies the replica's own count
+    # (``ReplicaStats.fallbacks``) here
+    fallbacks: dict[str, int] = field(default_factory=dict)
 
     def add_round(self, num_draft: list[int], num_accepted: list[int]) -> None:
         """One round: per request in the batch its verified and accepted draft tokens."""

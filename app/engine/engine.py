@@ -333,7 +333,9 @@ class TargetEngine(Engine):
         ``len(block.tokens) == 0`` (or ``verify_len == 0``) is a plain decoding step for that request. A block
         longer than the request's remaining ``max_tokens - 1`` is cut to it (those drafts could never count). A
         structured-output block is cut before its first draft the grammar forbids (target probability 0: it could
-        never be accepted); ``StepOutput.num_draft`` counts the drafts actually verified.
+        never be accepted), or just after it when the request is verified by rejection sampling against draft
+        probabilities (it must be rejected there: ``grammar.py``); ``StepOutput.num_draft`` counts the drafts
+        actually verified.
 
         Returns:
             One StepOutput per block, in order. Finished requests are released.
@@ -349,9 +351,13 @@ class TargetEngine(Engine):
         reqs, drafts = self._validate(blocks)
         masks: list[torch.Tensor | None] = []  # [l + 1, V] bool grammar masks per request, or None
         for i, req in enumerate(reqs):
-            kept, allowed = req.grammar.block_masks(drafts[i].tolist()) if req.grammar is not None else (0, None)
-            if allowed is not None:
-                drafts[i] = drafts[i][:kept]
+            if req.grammar is None:
+                masks.append(None)
+                continue
+            p = req.params
+            rejection = not p.greedy and p.seed is None and blocks[i].probs is not None  # reads q (``_decide``)
+            kept, allowed = req.grammar.block_masks(drafts[i].tolist(), through_forbidden=rejection)
+            drafts[i] = drafts[i][:kept]
             masks.append(allowed)
         tokens, starts, lengths = [], [], []
         for req, draft in zip(reqs, drafts):

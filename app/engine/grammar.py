@@ -7,9 +7,13 @@ which tokens are committed (``app/engine/engine.py``).
 
 Verification needs the mask of row i as if drafts 1..i were committed (row 0 follows the pending token).
 ``RequestGrammar.block_masks`` advances the matcher tentatively over the draft, one mask per row, stops at the
-first draft token the grammar forbids (the block is cut there: a forbidden token has target probability 0 and
-would be rejected, so cutting it is lossless) and rolls the matcher back. The matcher advances for good only in
-``RequestGrammar.commit``, on committed tokens.
+first draft token the grammar forbids and rolls the matcher back. The block is cut before that token (target
+probability 0: it would be rejected) when the accept rule does not read a draft distribution: greedy, seeded
+(Gumbel-max coupling) and point-mass drafts (prompt lookup) come out the same either way. Rejection sampling against
+a draft distribution q keeps the token (``through_forbidden``): it must be rejected there and the output drawn
+from the residual (p - q)+, not from p, or the output is biased towards the tokens q favours; the row after it
+repeats its mask (it is never reached). The matcher advances for good only in ``RequestGrammar.commit``, on
+committed tokens.
 
 An end token (EOS) the grammar allows ends the request when committed (``ignore_eos`` is refused with a grammar),
 so a draft is cut after one and the row after it allows EOS only: that row is never committed, it only keeps the
@@ -97,11 +101,13 @@ class RequestGrammar:
         self._bitmask = torch.from_numpy(self._bitmask_np)
         self._shifts = torch.arange(32, dtype=torch.int32)
 
-    def block_masks(self, draft: Sequence[int]) -> tuple[int, torch.Tensor]:
+    def block_masks(self, draft: Sequence[int], *, through_forbidden: bool = False) -> tuple[int, torch.Tensor]:
         """The tokens allowed at each row of a verify step over ``draft`` (module docstring).
 
         Args:
             draft: the l draft token ids proposed after the pending token.
+            through_forbidden: keep the first forbidden draft too (rejection sampling against a draft
+                distribution); the row after it repeats its row.
 
         Returns:
             ``(kept, allowed)``: the number of leading drafts kept (the block is cut to them) and ``allowed``
@@ -113,6 +119,9 @@ class RequestGrammar:
         rows, consumed, kept = [self._mask()], 0, 0
         for tok in draft:
             if not bool(rows[-1][tok]):
+                if through_forbidden:  # verified and rejected there (target probability 0); never gone past
+                    kept += 1
+                    rows.append(rows[-1])
                 break
             kept += 1
             if tok in self._eos:  # ends the request if accepted: nothing after it can be committed

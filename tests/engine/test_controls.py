@@ -5,7 +5,8 @@ Greedy: token-identical for every control (up to near-ties of the *processed* lo
 1..i-1) and with the uncontrolled output as drafts (rejected where the control acts: recovered tokens).
 Sampled: the joint distribution of three tokens from one verify step matches the exact one (chi-square).
 Structured output: every output parses and matches its schema, greedy outputs are identical with speculation on and
-off, and drafts the grammar forbids are cut before verification.
+off, drafts the grammar forbids are cut before verification, and a sampled request verified against draft
+probabilities rejects them instead (its output distribution checked).
 """
 
 from __future__ import annotations
@@ -272,3 +273,47 @@ def test_sampled_json_schema_is_always_valid_under_speculation(engine):
     results, _ = generate(engine, prompts, params, proposer=NgramProposer(gamma=5))
     for r in results:
         _check_json("json_schema", r)
+
+
+def test_sampled_drafts_the_grammar_forbids_are_rejected_not_cut(engine):
+    """Rejection sampling against a draft distribution q must see a draft the grammar forbids (target probability 0)
+    and draw from the residual (p - q)+ there; cutting the block before it draws from p instead, and the output leans
+    to the tokens q favours. One-token blocks with q = w on an allowed token a (w = p(a)) and 1 - w on a forbidden
+    one: P(a) is p(a) when exact, w + (1 - w) p(a) = p(a) + p(a)(1 - p(a)) when cut. z-test of the count of a."""
+    from app.engine.logits_process import sampling_probs
+    from app.engine.near_tie import processed_logits
+    from app.engine.types import NewRequest
+
+    params = SamplingParams(max_tokens=4, temperature=1.0, guided=_guided("json_object"))
+    prompt = engine.encode_chat([{"role": "user", "content": JSON_QUESTIONS["json_object"][0]}])
+    draws, targets = torch.Generator().manual_seed(0), {}
+
+    def target(first: int) -> tuple[float, int, int]:  # p(a), a, a forbidden token, after the first output token
+        if first not in targets:
+            p = sampling_probs(processed_logits(engine, prompt, params, [first])[None], params)[0]
+            a = int((p * (1 - p)).argmax())
+            targets[first] = float(p[a]), a, int((p == 0).nonzero()[0])
+        return targets[first]
+
+    hits, expected, variance = 0, 0.0, 0.0
+    for batch in range(16):
+        reqs = [NewRequest(f"forbidden-{batch}-{i}", prompt, params) for i in range(24)]
+        firsts = [out.new_token_ids[0] for out in engine.add_requests(reqs)]
+        blocks = []
+        for req, first in zip(reqs, firsts):
+            pa, a, f = target(first)
+            w = min(max(pa, 0.05), 0.95)
+            q = torch.zeros(engine.vocab_size)
+            q[a], q[f] = w, 1 - w
+            x = a if torch.rand(1, generator=draws).item() < w else f
+            blocks.append(DraftBlock(req.request_id, torch.tensor([x]), q[None]))
+        outs = engine.verify(blocks)
+        assert [o.num_draft for o in outs] == [1] * len(outs)  # the forbidden drafts are verified too
+        for req, first, out in zip(reqs, firsts, outs):
+            pa, a, _ = target(first)
+            hits += out.new_token_ids[0] == a
+            expected, variance = expected + pa, variance + pa * (1 - pa)
+            if not out.finished:
+                engine.release(req.request_id)
+    z = (hits - expected) / variance ** 0.5
+    assert abs(z) < 4, f"{hits} outputs of the favoured token against {expected:.1f} expected (z = {z:.1f})"

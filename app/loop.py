@@ -407,7 +407,9 @@ class SpecLoop:
             found, found_conf = self.lookup.drafts(speculative,
                                                    [self.active[rid].params.greedy for rid in speculative])
             drafter_conf = torch.stack([chosen[rid][1] if rid in chosen else torch.zeros(k) for rid in speculative])
-            for i in prefer_lookup(drafter_conf, found_conf).nonzero().flatten().tolist():
+            drawn = torch.tensor([rid in chosen and chosen[rid][0].probs is not None for rid in speculative],
+                                 dtype=torch.bool)
+            for i in prefer_lookup(drafter_conf, found_conf, drawn=drawn).nonzero().flatten().tolist():
                 chosen[speculative[i]] = (found[i], found_conf[i])
                 from_lookup.add(speculative[i])
         if not chosen:

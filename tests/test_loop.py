@@ -161,6 +161,32 @@ def test_lookup_draft_is_chosen_where_it_expects_more():
     assert res.lookup_rounds > 0 and res.num_accepted > 0 and lookup.num_states == 0
 
 
+def test_a_drawn_drafter_block_is_weighed_against_lookup_from_its_first_confidence():
+    """The same drafter confidences (0.5, 1, 1, 1) beat a lookup draft of 0.6 per position on a deterministic block,
+    and lose to it on a block drawn from draft probabilities: that one is valued from c_1 alone (app/drafters/lookup.py:
+    its later confidences depend on its own draws)."""
+    from app.drafters.lookup import PromptLookup
+    from app.engine.types import DraftBlock
+
+    class Rates:
+        max_ngram = 3
+
+        def confidences(self, n, length, mode, gamma):
+            return torch.full((gamma,), 0.6) * (torch.arange(gamma) < length)
+
+    engine = mock_engine()
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, lookup=PromptLookup(Rates(), GAMMA))
+    cycle = expected_tokens(1, 6, engine.vocab_size)
+    loop.admit([NewRequest(rid, [1] + cycle + [1], SamplingParams(max_tokens=6, temperature=1.0))
+                for rid in ("det", "drawn")])
+    tokens = torch.tensor(expected_tokens(1, GAMMA, engine.vocab_size))
+    q = torch.full((GAMMA, engine.vocab_size), 1.0 / engine.vocab_size)
+    drafted = DraftRound([DraftBlock("det", tokens), DraftBlock("drawn", tokens, q)],
+                         torch.tensor([[0.5, 1.0, 1.0, 1.0]] * 2))
+    _, _, from_lookup = loop._choose(["det", "drawn"], drafted)
+    assert from_lookup == {"drawn"}
+
+
 def test_a_plain_round_verifies_no_draft_not_even_a_lookup_one():
     """``step(None, speculate=False)`` (the speculation guard's plain round) commits one token per request, keeps the
     lookup history and the drafter's updates current, and refuses a drafter answer."""

@@ -14,9 +14,16 @@ and ``LookupHybridProposer``, a ``Proposer`` that wraps any proposer leaving ``l
 DFlash- and EAGLE-3-style, MTP-1). The choice compares expected accepted draft tokens,
 E = sum_k prod_{j<=k} c_j (the prefix survival of DSpark Sec. 3.2 summed over the block), from the drafter's
 calibrated confidences and from the table; the chosen block's confidences go to the verify policy, so a lookup
-draft is cut where its survival stops paying like any other. The choice depends only on committed tokens, and a
-lookup draft is a deterministic proposal (``probs=None``, a point mass), which the engine verifies losslessly
-at any temperature.
+draft is cut where its survival stops paying like any other. A lookup draft is a deterministic proposal
+(``probs=None``, a point mass), which the engine verifies losslessly at any temperature.
+
+The choice must not depend on the drafter's random draws when the engine verifies the block against the
+distribution it was drawn from (rejection sampling: an unseeded sampled request, ``DraftBlock.probs`` set): a
+sequential head conditions confidence k on draft k - 1, so comparing whole blocks would keep the drafter's block
+more often after some first draws than after others, and the first token's output would lean towards those draws
+(the early-stop argument of tests/scheduling/test_lossless.py). Such a block is valued from its first confidence
+alone, which depends on committed tokens only, extended geometrically (``prefer_lookup``'s ``drawn``). Greedy and
+seeded blocks (argmax, or Gumbel-max coupling, whose output does not depend on the draft) use every position.
 
 Shape symbols: B requests, K block size (gamma), N max n-gram length.
 """
@@ -206,12 +213,19 @@ class PromptLookup:
         return blocks, conf
 
 
-def prefer_lookup(drafter_conf: torch.Tensor, lookup_conf: torch.Tensor) -> torch.Tensor:
+def prefer_lookup(drafter_conf: torch.Tensor, lookup_conf: torch.Tensor, *,
+                  drawn: torch.Tensor | None = None) -> torch.Tensor:
     """[B] bool: where the lookup draft expects more accepted tokens than the drafter's block (module docstring).
 
     Args:
         drafter_conf, lookup_conf: [B, K] calibrated per-position confidences (0 where there is no draft).
+        drawn: [B] bool, rows whose drafter block was drawn from the distribution it is verified against
+            (``DraftBlock.probs`` set); they are valued as c_1 + c_1^2 + ... + c_1^K from their first confidence
+            c_1, the only one that does not depend on the block's own draws. None: no such row.
     """
+    if drawn is not None:
+        first = drafter_conf[:, :1].expand_as(drafter_conf)
+        drafter_conf = torch.where(drawn[:, None], first, drafter_conf)
     return expected_accepted(lookup_conf) > expected_accepted(drafter_conf)
 
 
@@ -268,7 +282,8 @@ class LookupHybridProposer:
         proposal = self.inner.last_proposal
         conf, raw = proposal.confidences.clone(), proposal.raw_confidences.clone()  # [B, K]
         found, found_conf = self._lookup.drafts(request_ids, [b.probs is None for b in blocks])
-        for b in prefer_lookup(conf, found_conf.to(conf.dtype)).nonzero().flatten().tolist():
+        drawn = torch.tensor([b.probs is not None for b in blocks], dtype=torch.bool)
+        for b in prefer_lookup(conf, found_conf.to(conf.dtype), drawn=drawn).nonzero().flatten().tolist():
             blocks[b] = found[b]
             conf[b], raw[b] = found_conf[b], found_conf[b]
             self.lookup_rounds += 1

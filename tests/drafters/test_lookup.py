@@ -15,6 +15,7 @@ from app.drafters.lookup import (
     LookupRates,
     expected_accepted,
     fit_lookup_rates,
+    prefer_lookup,
     read_lookup_rates,
 )
 from app.drafters.proposer import DraftProposal
@@ -30,7 +31,7 @@ def table(value: float, n: int = 3) -> list[list[float]]:
 class StubDrafter:
     """Drafts token 7 everywhere with fixed confidences; sampled requests (``set_params``) carry draft probs."""
 
-    def __init__(self, conf: float) -> None:
+    def __init__(self, conf: float | list[float]) -> None:
         self.conf, self.calls, self.sampled, self.gamma = conf, [], set(), K
 
     def set_params(self, request_id, params: SamplingParams) -> None:
@@ -49,7 +50,7 @@ class StubDrafter:
     def propose(self, request_ids):
         blocks = [DraftBlock(r, torch.full((K,), 7), torch.full((K, 10), 0.1) if r in self.sampled else None)
                   for r in request_ids]
-        conf = torch.full((len(request_ids), K), self.conf)
+        conf = torch.tensor(self.conf if isinstance(self.conf, list) else [self.conf] * K).expand(len(request_ids), K)
         self.last_proposal = DraftProposal(blocks=blocks, confidences=conf, raw_confidences=conf.clone())
         return blocks
 
@@ -118,6 +119,54 @@ def test_sampled_requests_use_the_sampled_table_and_hooks_pass_through():
     assert stub.calls == [("start", "s"), ("update", ["s"]), ("finish", "s")]
     with pytest.raises(KeyError):
         p.propose(["s"])
+
+
+def exact_first_token(p: list[float], q: list[float], lookup_token: int, drafter_kept) -> list[float]:
+    """P(first output token) of one verify step, exactly: the drafter's first draft x ~ q, the drafter's block kept
+    where ``drafter_kept(x)`` (else a point-mass lookup draft of ``lookup_token``), rejection sampling (accept x with
+    min(1, p[x] / q[x]), else a draw from norm(max(p - q, 0)))."""
+
+    def verified(x: int, draft_q: list[float]) -> list[float]:
+        accept = min(1.0, p[x] / draft_q[x])
+        residual = [max(pi - qi, 0.0) for pi, qi in zip(p, draft_q)]
+        out = [(1 - accept) * r / sum(residual) for r in residual]
+        out[x] += accept
+        return out
+
+    point_mass = [float(t == lookup_token) for t in range(len(p))]
+    total = [0.0] * len(p)
+    for x, qx in enumerate(q):
+        y = verified(x, q) if drafter_kept(x) else verified(lookup_token, point_mass)
+        total = [t + qx * yi for t, yi in zip(total, y)]
+    return total
+
+
+def test_a_drawn_block_is_chosen_without_looking_at_its_own_draws():
+    """The early-stop toy of tests/scheduling/test_lossless.py beside a lookup draft: the drafter's second confidence
+    depends on its first draw (0.9 after A, 0.1 after B). Valuing a drawn block by its whole confidences keeps it only
+    after A, and the first output token leans to A (0.6 instead of 0.5); valuing it from c_1 keeps the target's."""
+    p1, q1, c1, c2 = [0.5, 0.5], [0.8, 0.2], 0.7, [0.9, 0.1]
+    lookup_conf = torch.tensor([[0.6, 0.6]])  # expects 0.96 accepted: between 0.77 (after B) and 1.33 (after A)
+
+    def kept(drawn: bool):
+        return lambda x: not bool(prefer_lookup(torch.tensor([[c1, c2[x]]]), lookup_conf,
+                                                drawn=torch.tensor([drawn]))[0])
+
+    assert exact_first_token(p1, q1, 1, kept(drawn=False)) == pytest.approx([0.6, 0.4])  # the bias, shown
+    assert exact_first_token(p1, q1, 1, kept(drawn=True)) == pytest.approx(p1)
+
+
+def test_a_sampled_drafters_block_is_valued_from_its_first_confidence():
+    # the drafter: c = (0.5, 1, 1, 1): 3.5 expected over the whole block, 0.94 from c_1 = 0.5 alone; lookup 0.6 per
+    # draft: 1.31. A greedy request (a deterministic block) keeps the drafter's, a sampled one (drawn) the lookup's.
+    rates = LookupRates({"greedy": table(0.6), "sampled": table(0.6)})
+    p = LookupHybridProposer(StubDrafter(conf=[0.5, 1.0, 1.0, 1.0]), rates)
+    p.set_params("s", SamplingParams(temperature=1.0))
+    for rid in ("g", "s"):
+        p.start(rid, [1, 2, 3, 1], StepOutput(rid, [2]))
+    greedy, sampled = p.propose(["g", "s"])
+    assert greedy.tokens.tolist() == [7] * K
+    assert sampled.tokens.tolist() == [3, 1, 2, 3] and sampled.probs is None
 
 
 def test_min_ngram_is_checked_against_the_table():

@@ -107,37 +107,73 @@ def test_sampled_engine_run_is_seed_reproducible_and_valid(engine, eval_prompts)
     assert 1 <= len(runs[0]) <= 24 and all(0 <= t < engine.vocab_size for t in runs[0])
 
 
-def test_sparse_draft_probs_verify_as_their_dense_expansion(engine):
-    """A sparse block (prob_ids + probs) gives the same acceptance and tokens as its dense [K, V] expansion under the
-    same seed: the engine expands it exactly (q = 0 outside prob_ids)."""
-    prompt = engine.encode("The capital of France is")
-    draft = torch.tensor([5, 6, 7])
-    ids = torch.tensor([[5, 9, 11], [6, 2, 4], [1, 7, 3]])
-    probs = torch.tensor([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05], [0.2, 0.2, 0.6]])
-    sparse = DraftBlock("q", draft, probs, prob_ids=ids)
-    dense = torch.zeros(3, engine.vocab_size).scatter_(1, ids, probs)
-    assert torch.equal(sparse.dense_probs(engine.vocab_size), dense)
-    outs = []
-    for block in (sparse, DraftBlock("q", draft, dense)):
-        engine.add_request("q", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
-        (out,) = engine.verify([block])
-        outs.append((out.num_accepted, out.new_token_ids))
-        if not out.finished:
-            engine.release("q")
-    assert outs[0] == outs[1]
-
-
-def test_sampled_verify_uses_draft_probs(engine):
-    """With draft probs equal to a point mass, acceptance and residual handle q(x) = 1 like None."""
-    prompt = engine.encode("The capital of France is")
-    engine.add_request("probs", prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=1))
-    draft = torch.tensor([5, 6])
-    q = torch.zeros(2, engine.vocab_size)
-    q[0, 5] = q[1, 6] = 1.0
-    (out,) = engine.verify([DraftBlock("probs", draft, q)])
-    assert out.num_draft == 2 and 1 <= len(out.new_token_ids) <= 3
+def verify_unseeded(engine, monkeypatch, prompt, make_block, generator_seed: int):
+    """One verify step of an unseeded sampled request (rejection sampling) whose generator starts from
+    ``generator_seed``, of the block ``make_block(request_id, first output token)``: (accepted drafts, committed
+    tokens)."""
+    monkeypatch.setattr("app.engine.engine.secrets.randbits", lambda bits: generator_seed)
+    first = engine.add_request("q", prompt, SamplingParams(max_tokens=8, temperature=1.0)).new_token_ids[0]
+    (out,) = engine.verify([make_block("q", first)])
     if not out.finished:
-        engine.release("probs")
+        engine.release("q")
+    return out.num_accepted, out.new_token_ids
+
+
+def likely_tokens(engine, context: list[int], depth: int, top: int) -> torch.Tensor:
+    """[depth, top] the target's ``top`` most likely tokens at each of the next ``depth`` positions after
+    ``context``, along its greedy path (drafts it often accepts, so acceptance depends on q)."""
+    from app.engine.near_tie import teacher_forced_logits
+
+    path = list(context)
+    rows = []
+    for _ in range(depth):
+        row = teacher_forced_logits(engine, path)[-1].topk(top).indices
+        rows.append(row)
+        path.append(int(row[0]))
+    return torch.stack(rows)
+
+
+def test_sparse_draft_probs_verify_as_their_dense_expansion(engine, monkeypatch):
+    """A sparse block (prob_ids + probs) gives the same acceptance and tokens as its dense [K, V] expansion with the
+    same generator, under rejection sampling (which reads q): the engine expands it exactly (q = 0 outside
+    prob_ids)."""
+    prompt = engine.encode("The capital of France is")
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05], [0.2, 0.2, 0.6]])
+
+    def block(dense: bool):
+        def make(rid: str, first: int) -> DraftBlock:
+            ids = likely_tokens(engine, prompt + [first], depth=3, top=3)
+            sparse = DraftBlock(rid, ids[:, 0], probs, prob_ids=ids)
+            expanded = torch.zeros(3, engine.vocab_size).scatter_(1, ids, probs)
+            assert torch.equal(sparse.dense_probs(engine.vocab_size), expanded)
+            return DraftBlock(rid, ids[:, 0], expanded) if dense else sparse
+        return make
+
+    outcomes = [verify_unseeded(engine, monkeypatch, prompt, block(dense=False), seed) for seed in range(8)]
+    assert outcomes == [verify_unseeded(engine, monkeypatch, prompt, block(dense=True), seed) for seed in range(8)]
+    assert len({n for n, _ in outcomes}) > 1  # acceptance varies with the generator: q is read
+
+
+def test_sampled_verify_uses_draft_probs(engine, monkeypatch):
+    """Rejection sampling reads the draft probabilities: a point-mass q verifies like no q (a deterministic
+    proposal), and a q that puts half its mass elsewhere changes the outcome for some generator."""
+    prompt = engine.encode("The capital of France is")
+
+    def block(q: str):
+        def make(rid: str, first: int) -> DraftBlock:
+            ids = likely_tokens(engine, prompt + [first], depth=2, top=2)
+            if q == "none":
+                return DraftBlock(rid, ids[:, 0])
+            mass = ids[:, :1] if q == "point" else ids
+            return DraftBlock(rid, ids[:, 0], torch.zeros(2, engine.vocab_size).scatter_(1, mass, 1.0 / mass.shape[1]))
+        return make
+
+    same, differs = True, False
+    for seed in range(8):
+        plain = verify_unseeded(engine, monkeypatch, prompt, block("none"), seed)
+        same &= verify_unseeded(engine, monkeypatch, prompt, block("point"), seed) == plain
+        differs |= verify_unseeded(engine, monkeypatch, prompt, block("spread"), seed) != plain
+    assert same and differs
 
 
 def test_top_p_nucleus_beyond_the_candidates_is_sorted_whole():

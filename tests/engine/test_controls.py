@@ -3,7 +3,8 @@
 Greedy: token-identical for every control (up to near-ties of the *processed* logits, the rule of
 ``app/engine/near_tie.py``), with perfect drafts (whole blocks accepted: the state of row i must include drafts
 1..i-1) and with the uncontrolled output as drafts (rejected where the control acts: recovered tokens).
-Sampled: the joint distribution of three tokens from one verify step matches the exact one (chi-square).
+Sampled: the joint distribution of three tokens from one verify step matches the exact one (chi-square); seeded, the
+tokens of plain decoding with the same seed, for every control and a grammar.
 Structured output: every output parses and matches its schema, greedy outputs are identical with speculation on and
 off, drafts the grammar forbids are cut before verification, and a sampled request verified against draft
 probabilities rejects them instead (its output distribution checked).
@@ -24,7 +25,7 @@ from app.engine.grammar import GrammarCompiler
 from app.engine.near_tie import NEAR_TIE_EPS, teacher_forced_logits
 from app.engine.types import DraftBlock, FinishReason, GuidedDecoding, SamplingParams, StepOutput
 from tests.engine.chi2 import check_three_token_joint_under_speculation
-from tests.engine.near_tie import check_same_or_near_tie
+from tests.engine.near_tie import check_same_or_near_tie, check_seeded_same_or_near_tie
 from tests.engine.proposers import OracleProposer, RandomProposer
 
 MAX_TOKENS = 20
@@ -196,6 +197,28 @@ JSON_QUESTIONS = {
     "json_object": ["Return a JSON object with keys a and b set to 1 and 2.",
                     "Describe a person as JSON with a name and an age."],
 }
+
+
+@pytest.mark.slow
+def test_seeded_controls_and_grammar_give_the_same_tokens_with_speculation(engine, prompts, plain):
+    """A seeded sampled request with a control or a grammar takes its own accept path (Gumbel-max over the processed
+    distribution, ``TargetEngine._decide``): its tokens are those of plain decoding with the same seed whatever the
+    drafts, perfect (that output) or random, up to near-ties of the coupled scores (app/engine/near_tie.py)."""
+    seeded = {name: SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7, **control(engine, plain))
+              for name, control in CONTROLS.items()}
+    seeded["json_object"] = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=7,
+                                           guided=_guided("json_object"))
+    batch = [params for params in seeded.values() for _ in prompts]
+    ref, perfect = plain_and_perfect(engine, prompts * len(seeded), batch)
+    drafted, _ = generate(engine, prompts * len(seeded), batch,
+                          proposer=RandomProposer(engine.vocab_size, RAGGED, seed=5))
+    ties = []
+    for i, (params, r) in enumerate(zip(batch, ref)):
+        prompt = prompts[i % len(prompts)]
+        for spec in (perfect[i], drafted[i]):
+            ties.append(check_seeded_same_or_near_tie(engine, prompt, r.token_ids, spec.token_ids, params))
+    assert sum(r.num_accepted for r in perfect) > 0 and sum(r.num_draft for r in drafted) > 0
+    assert sum(t is not None for t in ties) <= len(ties) // 2, [t for t in ties if t]  # bf16 steps of other shapes
 
 
 def _guided(kind: str) -> GuidedDecoding:

@@ -1,4 +1,5 @@
-"""Greedy speculative decoding is token-identical to plain greedy decoding (up to documented near-ties)."""
+"""Greedy speculative decoding is token-identical to plain greedy decoding (up to documented near-ties), also for
+requests moved to plain decoding mid-way (greedy, with a control, seeded)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 from app.loop import generate
 from app.engine.types import SamplingParams
-from tests.engine.near_tie import check_greedy_output, check_same_or_near_tie
+from tests.engine.near_tie import check_greedy_output, check_same_or_near_tie, check_seeded_same_or_near_tie
 from tests.engine.proposers import OracleProposer, RandomProposer
 
 PARAMS = SamplingParams(max_tokens=48)
@@ -57,3 +58,29 @@ def test_perfect_drafts_in_ragged_batch_are_lossless_and_accepted(engine, prompt
     for r in exact:  # every round but the last (whose block may run past the reference's end)
         assert r.accepted_per_round[:-1] == r.verified_per_round[:-1]
     assert max(r.accepted_length for r in exact) >= 4.0
+
+
+@pytest.mark.parametrize("params", [PARAMS, SamplingParams(max_tokens=48, presence_penalty=1.0),
+                                    SamplingParams(max_tokens=48, temperature=0.8, seed=5)],
+                         ids=["greedy", "penalty", "seeded"])
+def test_fail_over_after_accepted_drafts_continues_as_plain_decoding(engine, prompt_ids, params):
+    """Requests moved to plain decoding (``SpecLoop.fail_over``, as a failed drafter call does) after rounds that
+    accepted drafts finish with plain decoding's tokens: the drafts' commits left the state a plain run has."""
+    from app.loop import ProposerHost, SpecLoop
+    from app.engine.types import NewRequest
+
+    prompts = prompt_ids[:3]
+    ref, _ = generate(engine, prompts, params)
+    oracle = OracleProposer({f"req-{i}": r.token_ids for i, r in enumerate(ref)}, gamma=7, lengths=[3, 5, 7])
+    host, loop = ProposerHost(oracle, gamma=7), SpecLoop(engine, gamma=None, speculates=True)
+    records = [record for record, _ in loop.admit([NewRequest(f"req-{i}", p, params) for i, p in enumerate(prompts)])]
+    for _ in range(3):
+        loop.step(host.draft(loop.take_call(loop.speculating())))
+    assert all(r.num_accepted > 0 for r in records)
+    assert loop.fail_over([r.request_id for r in records], "test") == [r.request_id for r in records]
+    while loop.active:
+        loop.step(None)
+    for prompt, r, record in zip(prompts, ref, records):
+        assert record.fallback_cause == "test" and not record.speculates
+        if record.token_ids != r.token_ids:
+            check_seeded_same_or_near_tie(engine, prompt, r.token_ids, record.token_ids, params)

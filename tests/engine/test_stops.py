@@ -1,4 +1,5 @@
-"""EOS, stop strings and max_tokens end a request exactly, also inside an accepted draft block."""
+"""EOS, stop strings and max_tokens end a request exactly, also inside an accepted draft block, and as plain decoding
+ends it under any drafts (ignore_eos, stop strings with min_tokens, greedy and seeded)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 
 from app.loop import generate
 from app.engine.types import DraftBlock, FinishReason, SamplingParams
-from tests.engine.proposers import OracleProposer
+from tests.engine.near_tie import check_greedy_output, check_seeded_same_or_near_tie
+from tests.engine.proposers import OracleProposer, RandomProposer
 
 SHORT_QUESTION = "What is 2+3? Answer with the number only."
 
@@ -89,3 +91,37 @@ def test_streamed_text_concatenates_to_final_text(engine, eval_prompts):
         pieces.append(out.text)
         assert stop not in "".join(pieces)
     assert "".join(pieces) == ref.text[: ref.text.index(stop)]
+
+
+def test_ignore_eos_with_drafts_past_eos_matches_plain(engine, short):
+    """With ``ignore_eos`` an accepted EOS draft does not end the request: drafts running through EOS give plain
+    decoding's tokens (the target's own continuation past EOS, drafted in full blocks)."""
+    prompt, res = short
+    params = SamplingParams(max_tokens=len(res.token_ids) + 6, ignore_eos=True)
+    (plain,), _ = generate(engine, [prompt], params)
+    proposer = OracleProposer({"req-0": plain.token_ids}, gamma=7)
+    (spec,), _ = generate(engine, [prompt], params, proposer=proposer)
+    check_greedy_output(engine, prompt, plain.token_ids, spec.token_ids)
+    assert spec.num_accepted > 0 and plain.token_ids[len(res.token_ids) - 1] in engine.eos_token_ids
+    assert spec.finish_reason == FinishReason.LENGTH and len(spec.token_ids) == params.max_tokens
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 3}], ids=["greedy", "seeded"])
+def test_stop_string_and_min_tokens_under_random_and_perfect_drafts(engine, eval_prompts, sampling):
+    """A stop string, alone and with ``min_tokens`` past its first occurrence, ends a request where plain decoding
+    ends it, whatever the drafts (random: rejected; perfect: accepted through the stop)."""
+    prompt = engine.encode_chat([{"role": "user", "content": eval_prompts[-1]}])
+    (free,), _ = generate(engine, [prompt], SamplingParams(max_tokens=40, **sampling))
+    stop = free.text[len(free.text) // 3 : len(free.text) // 3 + 3]
+    assert stop.strip(), f"reference text too short: {free.text!r}"
+    for extra in ({}, {"min_tokens": 12}):
+        params = SamplingParams(max_tokens=40, stop=(stop,), **sampling, **extra)
+        (plain,), _ = generate(engine, [prompt], params)
+        for proposer in (RandomProposer(engine.vocab_size, [5], seed=2),
+                         OracleProposer({"req-0": free.token_ids}, gamma=7)):
+            (spec,), _ = generate(engine, [prompt], params, proposer=proposer)
+            if spec.token_ids != plain.token_ids:
+                check_seeded_same_or_near_tie(engine, prompt, plain.token_ids, spec.token_ids, params)
+            else:
+                assert (spec.text, spec.finish_reason) == (plain.text, plain.finish_reason)
+        assert plain.finish_reason == FinishReason.STOP and len(plain.token_ids) >= extra.get("min_tokens", 0)

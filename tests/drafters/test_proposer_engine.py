@@ -169,3 +169,34 @@ def test_sampled_with_prompt_lookup_completes_with_point_mass_lookup_blocks(engi
         assert r.finish_reason is not None and 1 <= len(r.token_ids) <= 32
     # sampled requests carry draft distributions, except lookup drafts (deterministic: a point mass)
     assert sum(b.probs is None for b in log.blocks) == hybrid.lookup_rounds
+
+
+# (prompt, chat template, temperature, top_k, prompt lookup beside the drafter): a chat prompt the drafter drafts well
+# (its q overlaps p: rejections draw from residuals that differ from p), and a periodic one where lookup drafts too.
+# top_k bounds the exact joint's support (a top_p cut can fall next to a token whose rounding moves it in and out).
+DISTRIBUTION_CASES = {"dspark": ("List three fruits.", True, 1.0, 6, False),
+                      "dspark+lookup": ("a b c a b c a b c a b", False, 0.7, 8, True)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DISTRIBUTION_CASES))
+def test_sampled_outputs_follow_the_target_distribution(engine, drafter, case):
+    """Unseeded sampled requests, the drafter's blocks drawn from its top-k sparse distribution and verified by
+    rejection sampling against it, alone and beside prompt lookup's point masses (chosen per request): the
+    three-token joint of the outputs passes the chi-square test against the target's exact joint
+    (tests/engine/chi2.py)."""
+    from tests.engine.chi2 import check_outputs_follow_joint, exact_joint
+
+    text, chat, temperature, top_k, lookup = DISTRIBUTION_CASES[case]
+    model, calibration, _ = drafter
+    prompt = engine.encode_chat([{"role": "user", "content": text}]) if chat else engine.encode(text)
+    params, n = SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True), 360
+    proposer = DSparkProposer(model, calibration, temperature=temperature)
+    if lookup:
+        proposer = LookupHybridProposer(proposer, read_lookup_rates(DEFAULT_CHECKPOINT))
+    log = DraftLog(proposer)
+    results, _ = generate(engine, [prompt] * n, params, proposer=log)
+    drawn = sum(b.probs is not None for b in log.blocks)
+    assert drawn > 0 and (drawn < len(log.blocks)) == lookup  # lookup's point masses beside the drawn blocks
+    assert sum(r.num_accepted for r in results) > n // 8
+    check_outputs_follow_joint(results, exact_joint(engine, prompt, params, depth=3))

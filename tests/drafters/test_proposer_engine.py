@@ -173,22 +173,35 @@ def test_sampled_with_prompt_lookup_completes_with_point_mass_lookup_blocks(engi
 
 # (prompt, chat template, temperature, top_k, prompt lookup beside the drafter): a chat prompt the drafter drafts well
 # (its q overlaps p: rejections draw from residuals that differ from p), and a periodic one where lookup drafts too.
-# top_k bounds the exact joint's support (a top_p cut can fall next to a token whose rounding moves it in and out).
+# top_k bounds the exact joint's support.
 DISTRIBUTION_CASES = {"dspark": ("List three fruits.", True, 1.0, 6, False),
                       "dspark+lookup": ("a b c a b c a b c a b", False, 0.7, 8, True)}
 
 
+@pytest.fixture(scope="module")
+def engine32():
+    """A float32 engine: its verify steps round as its teacher-forced exact joint does to ~1e-5 logits, far below
+    the gaps at these top-k cuts (bfloat16 steps of other shapes move logits by ~0.3 and flip tokens at a cut)."""
+    from app.engine.config import EngineConfig
+    from app.engine.engine import TargetEngine
+
+    return TargetEngine(EngineConfig(dtype="float32", max_num_seqs=24, max_model_len=256))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(DISTRIBUTION_CASES))
-def test_sampled_outputs_follow_the_target_distribution(engine, drafter, case):
+def test_sampled_outputs_follow_the_target_distribution(engine32, case):
     """Unseeded sampled requests, the drafter's blocks drawn from its top-k sparse distribution and verified by
     rejection sampling against it, alone and beside prompt lookup's point masses (chosen per request): the
     three-token joint of the outputs passes the chi-square test against the target's exact joint
     (tests/engine/chi2.py)."""
     from tests.engine.chi2 import check_outputs_follow_joint, exact_joint
 
+    if not (DEFAULT_CHECKPOINT / "model.safetensors").exists():
+        pytest.skip(f"no committed checkpoint at {DEFAULT_CHECKPOINT}")
+    engine = engine32
     text, chat, temperature, top_k, lookup = DISTRIBUTION_CASES[case]
-    model, calibration, _ = drafter
+    model, calibration, _ = load_checkpoint(DEFAULT_CHECKPOINT, engine.model.embed_tokens.weight)
     prompt = engine.encode_chat([{"role": "user", "content": text}]) if chat else engine.encode(text)
     params, n = SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, ignore_eos=True), 360
     proposer = DSparkProposer(model, calibration, temperature=temperature)

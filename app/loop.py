@@ -407,9 +407,10 @@ class SpecLoop:
             found, found_conf = self.lookup.drafts(speculative,
                                                    [self.active[rid].params.greedy for rid in speculative])
             drafter_conf = torch.stack([chosen[rid][1] if rid in chosen else torch.zeros(k) for rid in speculative])
-            drawn = torch.tensor([rid in chosen and chosen[rid][0].probs is not None for rid in speculative],
-                                 dtype=torch.bool)
-            for i in prefer_lookup(drafter_conf, found_conf, drawn=drawn).nonzero().flatten().tolist():
+            drawn = torch.tensor([rid in chosen and chosen[rid][0].verified_against_probs(self.active[rid].params)
+                                  for rid in speculative], dtype=torch.bool)
+            lengths = torch.tensor([len(chosen[rid][0].tokens) if rid in chosen else 0 for rid in speculative])
+            for i in prefer_lookup(drafter_conf, found_conf, drawn=drawn, lengths=lengths).nonzero().flatten().tolist():
                 chosen[speculative[i]] = (found[i], found_conf[i])
                 from_lookup.add(speculative[i])
         if not chosen:

@@ -213,18 +213,21 @@ class PromptLookup:
         return blocks, conf
 
 
-def prefer_lookup(drafter_conf: torch.Tensor, lookup_conf: torch.Tensor, *,
-                  drawn: torch.Tensor | None = None) -> torch.Tensor:
+def prefer_lookup(drafter_conf: torch.Tensor, lookup_conf: torch.Tensor, *, drawn: torch.Tensor | None = None,
+                  lengths: torch.Tensor | None = None) -> torch.Tensor:
     """[B] bool: where the lookup draft expects more accepted tokens than the drafter's block (module docstring).
 
     Args:
         drafter_conf, lookup_conf: [B, K] calibrated per-position confidences (0 where there is no draft).
-        drawn: [B] bool, rows whose drafter block was drawn from the distribution it is verified against
-            (``DraftBlock.probs`` set); they are valued as c_1 + c_1^2 + ... + c_1^K from their first confidence
-            c_1, the only one that does not depend on the block's own draws. None: no such row.
+        drawn: [B] bool, rows whose drafter block is verified against the distribution it was drawn from
+            (``DraftBlock.verified_against_probs``); they are valued as c_1 + c_1^2 + ... + c_1^L from their first
+            confidence c_1, the only one that does not depend on the block's own draws. None: no such row.
+        lengths: [B] int64 draft tokens L of each drafter block (None: K each).
     """
     if drawn is not None:
-        first = drafter_conf[:, :1].expand_as(drafter_conf)
+        k = drafter_conf.shape[-1]
+        within = torch.arange(k) < (lengths if lengths is not None else torch.full((len(drawn),), k))[:, None]
+        first = drafter_conf[:, :1].expand_as(drafter_conf) * within
         drafter_conf = torch.where(drawn[:, None], first, drafter_conf)
     return expected_accepted(lookup_conf) > expected_accepted(drafter_conf)
 
@@ -251,12 +254,15 @@ class LookupHybridProposer:
     lookup_rounds: int = field(default=0, init=False)
     rounds: int = field(default=0, init=False)
     _lookup: PromptLookup = field(init=False)
+    _params: dict[str, SamplingParams] = field(default_factory=dict, init=False)  # from ``set_params``
 
     def __post_init__(self) -> None:
         self._lookup = PromptLookup(self.rates, self.inner.gamma, self.min_ngram)
 
     def set_params(self, request_id: str, params: SamplingParams) -> None:
-        """Pass the request's sampling parameters to ``inner`` when it drafts per request temperature."""
+        """Keep the request's sampling parameters (the lookup table's mode, how its blocks are verified) and pass
+        them to ``inner`` when it drafts per request temperature."""
+        self._params[request_id] = params
         if hasattr(self.inner, "set_params"):
             self.inner.set_params(request_id, params)
 
@@ -269,6 +275,7 @@ class LookupHybridProposer:
         self.inner.update(outputs)
 
     def finish(self, request_id: str) -> None:
+        self._params.pop(request_id, None)
         self._lookup.finish(request_id)
         self.inner.finish(request_id)
 
@@ -281,9 +288,15 @@ class LookupHybridProposer:
         blocks = list(self.inner.propose(request_ids))
         proposal = self.inner.last_proposal
         conf, raw = proposal.confidences.clone(), proposal.raw_confidences.clone()  # [B, K]
-        found, found_conf = self._lookup.drafts(request_ids, [b.probs is None for b in blocks])
-        drawn = torch.tensor([b.probs is not None for b in blocks], dtype=torch.bool)
-        for b in prefer_lookup(conf, found_conf.to(conf.dtype), drawn=drawn).nonzero().flatten().tolist():
+        # without ``set_params`` a request's kind shows in its block: draft probabilities only when drawn from q
+        params = [self._params.get(rid) for rid in request_ids]
+        greedy = [b.probs is None if p is None else p.greedy for b, p in zip(blocks, params)]
+        drawn = torch.tensor([b.probs is not None if p is None else b.verified_against_probs(p)
+                              for b, p in zip(blocks, params)], dtype=torch.bool)
+        lengths = torch.tensor([len(b.tokens) for b in blocks])
+        found, found_conf = self._lookup.drafts(request_ids, greedy)
+        for b in prefer_lookup(conf, found_conf.to(conf.dtype), drawn=drawn,
+                               lengths=lengths).nonzero().flatten().tolist():
             blocks[b] = found[b]
             conf[b], raw[b] = found_conf[b], found_conf[b]
             self.lookup_rounds += 1

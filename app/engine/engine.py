@@ -354,8 +354,7 @@ class TargetEngine(Engine):
             if req.grammar is None:
                 masks.append(None)
                 continue
-            p = req.params
-            rejection = not p.greedy and p.seed is None and blocks[i].probs is not None  # reads q (``_decide``)
+            rejection = blocks[i].verified_against_probs(req.params)  # ``_decide`` reads q
             kept, allowed = req.grammar.block_masks(drafts[i].tolist(), through_forbidden=rejection)
             drafts[i] = drafts[i][:kept]
             masks.append(allowed)

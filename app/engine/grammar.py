@@ -111,7 +111,8 @@ class RequestGrammar:
 
         Returns:
             ``(kept, allowed)``: the number of leading drafts kept (the block is cut to them) and ``allowed``
-            [kept + 1, V] bool, row i the tokens the grammar allows after the committed output + drafts 1..i.
+            [kept + 1, V] bool, row i the tokens the grammar allows after the committed output + drafts 1..i (a kept
+            forbidden draft's row repeats the row before it).
 
         Raises:
             RuntimeError: the matcher refused a token its own mask allowed, or could not roll back (a bug).

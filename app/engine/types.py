@@ -247,6 +247,13 @@ class DraftBlock:
         dense = torch.zeros(self.probs.shape[0], vocab_size, dtype=torch.float32, device=self.probs.device)
         return dense.scatter_(1, self.prob_ids.long(), self.probs.float())
 
+    def verified_against_probs(self, params: SamplingParams) -> bool:
+        """Whether the engine verifies this block of a request with ``params`` by rejection sampling against its
+        ``probs``: an unseeded sampled request's block that carries them (greedy takes the argmax; a seeded request
+        Gumbel-max coupling, whose output does not depend on the draft). Then a choice about the block must not
+        depend on its drafted tokens (``app/drafters/lookup.py``, ``app/engine/grammar.py``)."""
+        return self.probs is not None and not params.greedy and params.seed is None
+
     @classmethod
     def make_dummy(cls, request_id: str, length: int) -> "DraftBlock":
         """A block of ``length`` token-0 drafts, for tests and warm-up."""

@@ -160,13 +160,23 @@ def test_a_sampled_drafters_block_is_valued_from_its_first_confidence():
     # the drafter: c = (0.5, 1, 1, 1): 3.5 expected over the whole block, 0.94 from c_1 = 0.5 alone; lookup 0.6 per
     # draft: 1.31. A greedy request (a deterministic block) keeps the drafter's, a sampled one (drawn) the lookup's.
     rates = LookupRates({"greedy": table(0.6), "sampled": table(0.6)})
-    p = LookupHybridProposer(StubDrafter(conf=[0.5, 1.0, 1.0, 1.0]), rates)
+    stub = StubDrafter(conf=[0.5, 1.0, 1.0, 1.0])
+    p = LookupHybridProposer(stub, rates)
     p.set_params("s", SamplingParams(temperature=1.0))
-    for rid in ("g", "s"):
+    p.set_params("z", SamplingParams(temperature=1.0, seed=1))  # coupling: its output does not depend on the draft
+    for rid in ("g", "s", "z"):
         p.start(rid, [1, 2, 3, 1], StepOutput(rid, [2]))
-    greedy, sampled = p.propose(["g", "s"])
+    greedy, sampled, seeded = p.propose(["g", "s", "z"])
     assert greedy.tokens.tolist() == [7] * K
     assert sampled.tokens.tolist() == [3, 1, 2, 3] and sampled.probs is None
+    assert seeded.tokens.tolist() == [7] * K and "z" in stub.sampled  # drafted with probs, valued in full
+
+
+def test_a_drawn_block_is_valued_over_its_own_length():
+    drafter, lookup = torch.tensor([[0.5, 0.9, 0.9, 0.9]]), torch.tensor([[0.7, 0.0, 0.0, 0.0]])  # lookup: 0.7
+    drawn = torch.tensor([True])
+    assert not prefer_lookup(drafter, lookup, drawn=drawn)  # 0.5 + 0.25 + 0.125 + 0.0625 = 0.94 over K = 4
+    assert prefer_lookup(drafter, lookup, drawn=drawn, lengths=torch.tensor([1]))  # a one-token block: 0.5
 
 
 def test_min_ngram_is_checked_against_the_table():

@@ -338,5 +338,7 @@ def test_sampled_drafts_the_grammar_forbids_are_rejected_not_cut(engine):
             expected, variance = expected + pa, variance + pa * (1 - pa)
             if not out.finished:
                 engine.release(req.request_id)
+    # cutting would add sum p(a)(1 - p(a)) = variance outputs of a: z = sqrt(variance) under that rule
+    assert variance ** 0.5 >= 6, f"too little power: z = {variance ** 0.5:.1f} for a cut block"
     z = (hits - expected) / variance ** 0.5
     assert abs(z) < 4, f"{hits} outputs of the favoured token against {expected:.1f} expected (z = {z:.1f})"

@@ -47,6 +47,18 @@ class HookLog(MockProposer):
         super().finish(request_id)
 
 
+class FlatRates:
+    """A prompt-lookup acceptance table with one rate at every match length and position."""
+
+    max_ngram = 3
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+    def confidences(self, n, length, mode, gamma):
+        return torch.full((gamma,), self.rate) * (torch.arange(gamma) < length)
+
+
 def mock_engine(**kw) -> MockEngine:
     return MockEngine(MockEngineConfig(max_draft_len=GAMMA, **kw))
 
@@ -144,14 +156,8 @@ def test_lookup_draft_is_chosen_where_it_expects_more():
     """A request whose own context repeats drafts by prompt lookup when the drafter's block is weaker."""
     from app.drafters.lookup import PromptLookup
 
-    class Rates:
-        max_ngram = 3
-
-        def confidences(self, n, length, mode, gamma):
-            return torch.full((gamma,), 0.99)[:gamma] * (torch.arange(gamma) < length)
-
     engine = mock_engine()
-    lookup = PromptLookup(Rates(), GAMMA)
+    lookup = PromptLookup(FlatRates(0.99), GAMMA)
     proposer = MockProposer(vocab_size=engine.vocab_size, gamma=GAMMA, miss_at=0)  # every block wrong at once
     host = ProposerHost(proposer, gamma=GAMMA)
     loop = SpecLoop(engine, gamma=GAMMA, speculates=True, lookup=lookup)
@@ -168,14 +174,8 @@ def test_a_drawn_drafter_block_is_weighed_against_lookup_from_its_first_confiden
     from app.drafters.lookup import PromptLookup
     from app.engine.types import DraftBlock
 
-    class Rates:
-        max_ngram = 3
-
-        def confidences(self, n, length, mode, gamma):
-            return torch.full((gamma,), 0.6) * (torch.arange(gamma) < length)
-
     engine = mock_engine()
-    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, lookup=PromptLookup(Rates(), GAMMA))
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, lookup=PromptLookup(FlatRates(0.6), GAMMA))
     cycle = expected_tokens(1, 6, engine.vocab_size)
     loop.admit([NewRequest(rid, [1] + cycle + [1], SamplingParams(max_tokens=6, temperature=1.0))
                 for rid in ("det", "drawn")])
@@ -192,14 +192,8 @@ def test_a_plain_round_verifies_no_draft_not_even_a_lookup_one():
     lookup history and the drafter's updates current, and refuses a drafter answer."""
     from app.drafters.lookup import PromptLookup
 
-    class Rates:
-        max_ngram = 3
-
-        def confidences(self, n, length, mode, gamma):
-            return torch.full((gamma,), 0.99) * (torch.arange(gamma) < length)
-
     engine = mock_engine()
-    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, lookup=PromptLookup(Rates(), GAMMA))
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, lookup=PromptLookup(FlatRates(0.99), GAMMA))
     cycle = expected_tokens(1, 8, engine.vocab_size)
     ((record, _),) = loop.admit([NewRequest("r", [1] + cycle + [1], SamplingParams(max_tokens=8, ignore_eos=True))])
     loop.take_call()
@@ -217,12 +211,6 @@ def test_verify_lengths_are_priced_over_the_whole_step():
     the verify step (the other with nothing to verify), which of them sample, and that the drafter did not run."""
     from app.drafters.lookup import PromptLookup
 
-    class Rates:
-        max_ngram = 3
-
-        def confidences(self, n, length, mode, gamma):
-            return torch.full((gamma,), 0.99) * (torch.arange(gamma) < length)
-
     class Recording(VerifyScheduler):
         def schedule(self, **kw):
             calls.append(kw)
@@ -232,7 +220,8 @@ def test_verify_lengths_are_priced_over_the_whole_step():
     config = AppConfig(mock_engine=True, drafter="mock", policy="dspark", gamma=GAMMA)
     recording = Recording(make_policy("dspark"), load_profile(config.profile_path()), max_batch=4, gamma=GAMMA)
     engine = mock_engine()
-    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, scheduler=recording, lookup=PromptLookup(Rates(), GAMMA))
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, scheduler=recording,
+                    lookup=PromptLookup(FlatRates(0.99), GAMMA))
     cycle = expected_tokens(1, 8, engine.vocab_size)
     loop.admit([NewRequest("rep", [1] + cycle + [1], SamplingParams(max_tokens=8, ignore_eos=True)),
                 NewRequest("new", [7], SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0))])

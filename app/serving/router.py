@@ -50,9 +50,13 @@ class TargetLoad:
     step_ms: float  # EMA of one round (draft + verify)
     tokens_per_step: float  # EMA of tokens committed per round (whole batch)
     acceptance: float  # EMA of accepted / verified draft tokens (0 when nothing was verified)
-    drafter_failures: int  # requests failed over to plain decoding since start
     counters: SpecCounters = field(default_factory=SpecCounters)  # cumulative since the replica started
     reported_at: float = 0.0
+
+    @property
+    def drafter_failures(self) -> int:
+        """Requests failed over to plain decoding since the replica started (all causes)."""
+        return sum(self.counters.fallbacks.values())
 
 
 def _rendezvous(key: str, replica: str) -> int:
@@ -134,6 +138,7 @@ class Router:
                 profile, batch=load.active, acceptance=load.acceptance, gamma=self.config.gamma
             ) if profile is not None else 0
             figures = {k: v for k, v in asdict(load).items() if k != "counters"}
+            figures["drafter_failures"] = load.drafter_failures
             replicas[load.replica_id] = {**figures, "verify_capacity": capacity}
         return {
             "replicas": replicas,

@@ -520,7 +520,6 @@ class TargetReplica:
             replica_id=self.replica_id, active=len(self._active), waiting=len(self._waiting),
             max_num_seqs=self.config.max_num_seqs, step_ms=self.stats.step_ms,
             tokens_per_step=self.stats.tokens_per_step, acceptance=self.stats.acceptance,
-            drafter_failures=self.stats.drafter_failures,
             counters=replace(copy.deepcopy(self.telemetry.counters), fallbacks=dict(self.stats.fallbacks)),
         )
 

@@ -333,7 +333,8 @@ def test_a_drafter_exception_that_arrives_unwrapped_falls_back_to_plain_decoding
     assert [t for item in items for t in item.token_ids] == [t for item in expected for t in item.token_ids]
     assert drafter.calls >= 1 and drafter.cancelled == drafter.calls
     assert replica.stats.drafter_failures == 1 and replica.stats.fallbacks == {"drafter_error": 1}
-    assert replica.load().counters.fallbacks == {"drafter_error": 1}  # what GET /metrics reads, via the Router
+    load = replica.load()  # what the Router hears (its drafter_failures gauge, GET /metrics)
+    assert load.counters.fallbacks == {"drafter_error": 1} and load.drafter_failures == 1
 
 
 class _InProcessDrafter:

@@ -105,6 +105,18 @@ def engine():
 
 
 @pytest.fixture(scope="session")
+def engine32():
+    """The real target in float32, for the sampled-distribution tests that compare outputs with a teacher-forced exact
+    joint: its verify steps round as that joint does to ~1e-5 logits, far below the gaps at top-k, top-p and min-p
+    cuts. bfloat16 steps of other shapes (batch mix, verify length, padding) move logits by up to ~0.3, which flips
+    tokens at such cuts on some CPUs and fails a chi-square test although plain decoding flips them alike."""
+    from app.engine.config import EngineConfig
+    from app.engine.engine import TargetEngine
+
+    return TargetEngine(EngineConfig(dtype="float32", max_num_seqs=24, max_model_len=512))
+
+
+@pytest.fixture(scope="session")
 def bf16_engine(engine):
     """The real target in bfloat16 (what the greedy screen needs): ``engine`` itself where dtype 'auto' is bfloat16,
     else (a CPU without bfloat16 kernels, where 'auto' is float32) a bfloat16 engine of 4 slots."""

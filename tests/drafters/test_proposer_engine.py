@@ -178,16 +178,6 @@ DISTRIBUTION_CASES = {"dspark": ("List three fruits.", True, 1.0, 6, False),
                       "dspark+lookup": ("a b c a b c a b c a b", False, 0.7, 8, True)}
 
 
-@pytest.fixture(scope="module")
-def engine32():
-    """A float32 engine: its verify steps round as its teacher-forced exact joint does to ~1e-5 logits, far below
-    the gaps at these top-k cuts (bfloat16 steps of other shapes move logits by ~0.3 and flip tokens at a cut)."""
-    from app.engine.config import EngineConfig
-    from app.engine.engine import TargetEngine
-
-    return TargetEngine(EngineConfig(dtype="float32", max_num_seqs=24, max_model_len=256))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(DISTRIBUTION_CASES))
 def test_sampled_outputs_follow_the_target_distribution(engine32, case):

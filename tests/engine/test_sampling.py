@@ -237,7 +237,7 @@ def test_batched_rejection_sampling_decides_as_the_per_request_rule():
     assert checked > 500 and accepted > 0
 
 
-def test_plain_sampled_requests_are_verified_in_one_batch_and_keep_the_distribution(engine, monkeypatch):
+def test_plain_sampled_requests_are_verified_in_one_batch_and_keep_the_distribution(engine32, monkeypatch):
     """Unseeded sampled requests without controls go through ``accept_sampled_batch`` together (several requests a
     call; on an accelerator by default, here turned on for the CPU); the three-token joint under speculation passes
     the chi-square test (temperature 0.7, top_p 0.8)."""
@@ -252,7 +252,7 @@ def test_plain_sampled_requests_are_verified_in_one_batch_and_keep_the_distribut
         return batched(drafts, *args)
 
     monkeypatch.setattr(engine_module, "accept_sampled_batch", counting)
-    monkeypatch.setattr(engine, "_batch_sampling", True)
+    monkeypatch.setattr(engine32, "_batch_sampling", True)
     params = SamplingParams(max_tokens=3, temperature=0.7, top_p=0.8, ignore_eos=True)
-    check_three_token_joint_under_speculation(engine, engine.encode("la la la la la la la"), params, n=480)
+    check_three_token_joint_under_speculation(engine32, engine32.encode("la la la la la la la"), params, n=480)
     assert sizes and max(sizes) > 1

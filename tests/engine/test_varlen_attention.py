@@ -115,13 +115,14 @@ def test_token_major_steps_decode_as_the_sdpa_engine(engine, prompts, step, monk
 
 
 @pytest.fixture
-def token_major(engine, monkeypatch):
-    """A token-major engine of 24 slots on the session target, ``varlen_attention_math`` standing in for the kernel."""
-    if engine.device.type != "cpu":
+def token_major(engine32, monkeypatch):
+    """A token-major engine of 24 slots on the float32 target (tests/conftest.py ``engine32``: sampled distributions
+    against an exact joint), ``varlen_attention_math`` standing in for the kernel."""
+    if engine32.device.type != "cpu":
         pytest.skip("the reference kernel stands in for FlashAttention on a CPU (tests/gpu runs the kernel)")
     monkeypatch.setattr(engine_module, "flash_varlen_problem", lambda *a, **k: None)
     monkeypatch.setattr(model_module, "flash_varlen", varlen_attention_math)
-    return TargetEngine(EngineConfig(max_num_seqs=24, max_model_len=512, attention="flash"), loaded=engine.target)
+    return TargetEngine(EngineConfig(max_num_seqs=24, max_model_len=512, attention="flash"), loaded=engine32.target)
 
 
 @pytest.mark.parametrize("rule", ["rejection", "seeded-coupling"])

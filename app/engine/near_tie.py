@@ -76,7 +76,14 @@ def processed_logits(engine, prompt: list[int], params: SamplingParams | None, p
     """[V] float32 on the host: the target's teacher-forced logits after ``prompt + prefix`` through ``params``'
     controls and grammar (steps 1-5 of ``app/engine/logits_process.py``, on the host as the engine applies them at
     that position); the raw logits when ``params`` is None or sets no control."""
-    logits = teacher_forced_logits(engine, prompt + prefix)[-1:].cpu()
+    return controlled_logits(engine, prompt, params, prefix, teacher_forced_logits(engine, prompt + prefix)[-1:].cpu())
+
+
+def controlled_logits(engine, prompt: list[int], params: SamplingParams | None, prefix: list[int],
+                      logits: torch.Tensor) -> torch.Tensor:
+    """[V]: ``logits`` ([1, V] float32 on the host, the target's after ``prompt + prefix``) through ``params``'
+    controls and grammar as ``processed_logits`` applies them; the row itself when ``params`` is None or sets no
+    control."""
     if params is None or not params.controls():
         return logits[0]
     controls = RequestControls(params, prompt, eos_token_ids=sorted(engine.eos_token_ids), vocab_size=engine.vocab_size)

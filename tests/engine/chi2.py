@@ -8,8 +8,9 @@ from typing import Sequence
 
 import torch
 
-from app.engine.logits_process import RequestControls, sampling_probs
+from app.engine.logits_process import sampling_probs
 from app.engine.model import KVCache, StepLayout
+from app.engine.near_tie import controlled_logits
 from app.engine.types import SamplingParams
 from app.loop import generate
 from tests.engine.proposers import TableProposer
@@ -57,24 +58,14 @@ def last_logits(engine, sequences: list[list[int]], chunk: int = 64) -> torch.Te
 
 def exact_joint(engine, prompt: list[int], params: SamplingParams, depth: int) -> dict[tuple[int, ...], float]:
     """P(first ``depth`` output tokens) under the processed, truncated target, by teacher forcing (the prefixes of
-    one depth in batched forwards; their logits through ``params``' controls as ``near_tie.processed_logits``)."""
+    one depth in batched forwards; their logits through ``params``' controls: ``near_tie.controlled_logits``)."""
     joint = {(): 1.0}
     for _ in range(depth):
         prefixes = list(joint)
         logits = last_logits(engine, [prompt + list(prefix) for prefix in prefixes])
         nxt = {}
         for prefix, row in zip(prefixes, logits):
-            if params.controls():
-                controls = RequestControls(params, prompt, eos_token_ids=sorted(engine.eos_token_ids),
-                                           vocab_size=engine.vocab_size)
-                controls.commit(list(prefix))
-                allowed = None
-                if params.guided is not None:
-                    grammar = engine._grammar(params)
-                    grammar.commit(list(prefix))
-                    allowed = grammar.block_masks([])[1]
-                row = controls.process(row[None], [], allowed)[0]
-            probs = sampling_probs(row[None], params)[0]
+            probs = sampling_probs(controlled_logits(engine, prompt, params, list(prefix), row[None])[None], params)[0]
             for tok in probs.nonzero().flatten().tolist():
                 nxt[prefix + (tok,)] = joint[prefix] * float(probs[tok])
         joint = nxt

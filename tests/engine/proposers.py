@@ -102,7 +102,7 @@ def check_greedy_speculation(engine, prompts: list[list[int]], reference: list[l
         ties = [t for p, ref, r in zip(prompts, reference, results)
                 if (t := check_greedy_output(engine, p, ref, r.token_ids))]
         assert len(ties) <= len(prompts) // 2, ties
-    drafted = [(r.accepted_length, len(ref) - 1, lengths[i % len(lengths)])
-               for i, (ref, r) in enumerate(zip(reference, results)) if r.token_ids == ref and len(ref) > 1 and lengths[i % len(lengths)]]
+    drafted = [(r.accepted_length, len(ref) - 1, k) for i, (ref, r) in enumerate(zip(reference, results))
+               if r.token_ids == ref and len(ref) > 1 and (k := lengths[i % len(lengths)])]
     assert len(drafted) >= 2 and all(tau >= 0.75 * n / math.ceil(n / (k + 1)) for tau, n, k in drafted), drafted
     return results

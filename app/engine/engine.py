@@ -295,7 +295,7 @@ class TargetEngine(Engine):
             raise InvalidRequestError(
                 f"structured output ({params.guided.kind}) ends at EOS once the JSON is complete: it cannot be "
                 f"combined with ignore_eos or min_tokens (got ignore_eos={params.ignore_eos}, "
-                f"min_tokens={params.min_tokens})"
+                f"min_tokens={params.min_tokens})", param="guided"
             )
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, vocab_size=self.vocab_size,

@@ -74,17 +74,17 @@ class GrammarCompiler:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
         except ValueError as e:
-            raise InvalidRequestError(f"{guided.kind}: the schema is not a JSON object: {e}") from None
+            raise InvalidRequestError(f"{guided.kind}: the schema is not a JSON object: {e}", param="guided") from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
-            raise InvalidRequestError(f"{guided.kind}: unsupported schema: {error}")
+            raise InvalidRequestError(f"{guided.kind}: unsupported schema: {error}", param="guided")
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"{guided.kind}: unsupported schema: {matcher.get_error()}")
+            raise InvalidRequestError(f"{guided.kind}: unsupported schema: {matcher.get_error()}", param="guided")
         probe = matcher.deep_copy()  # the first mask tells whether anything but the end token may come
         llguidance.numpy.fill_next_token_bitmask(probe, llguidance.numpy.allocate_token_bitmask(1, self.vocab_size))
         if probe.is_stopped():  # e.g. a $ref that only refers to itself
-            raise InvalidRequestError(f"{guided.kind}: the schema admits no JSON value")
+            raise InvalidRequestError(f"{guided.kind}: the schema admits no JSON value", param="guided")
         return matcher
 
 

@@ -125,7 +125,7 @@ class MockEngine(Engine):
             raise InvalidRequestError("prompt is empty")
         refused = [name for name in request.params.controls() if name != "logprobs"]
         if refused:
-            raise InvalidRequestError(f"sampling controls not supported by this engine: {refused}")
+            raise InvalidRequestError(f"sampling controls not supported by this engine: {refused}", param=refused[0])
         ContextLengthError.check(prompt_tokens=len(request.prompt_ids), max_tokens=request.params.max_tokens,
                                  draft_room=self.config.max_draft_len, limit=self.config.max_model_len)
 

@@ -26,6 +26,8 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from app.engine.errors import InvalidRequestError
+
 if TYPE_CHECKING:  # tensors are made where needed: the HTTP ingress reads these types without torch
     import torch
 
@@ -50,7 +52,8 @@ class GuidedDecoding:
         schema: the JSON schema as a JSON string (``json_schema`` only).
 
     Raises:
-        ValueError: an unknown kind, or a schema missing / given where it does not belong.
+        InvalidRequestError: (a ValueError; ``param`` "guided") an unknown kind, or a schema missing / given where it
+            does not belong.
     """
 
     kind: str
@@ -58,9 +61,10 @@ class GuidedDecoding:
 
     def __post_init__(self) -> None:
         if self.kind not in ("json_object", "json_schema"):
-            raise ValueError(f"guided decoding kind must be json_object or json_schema, got {self.kind!r}")
+            raise InvalidRequestError(f"guided decoding kind must be json_object or json_schema, got {self.kind!r}",
+                                      param="guided")
         if (self.kind == "json_schema") != (self.schema is not None):
-            raise ValueError(f"a schema goes with json_schema only (kind {self.kind!r})")
+            raise InvalidRequestError(f"a schema goes with json_schema only (kind {self.kind!r})", param="guided")
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,7 @@ class SamplingParams:
         guided: structured output (``GuidedDecoding``) the output must follow, or None.
 
     Raises:
-        ValueError: on any out-of-range value, naming it.
+        InvalidRequestError: (a ValueError) on any out-of-range value, naming it; its ``param`` is the field.
     """
 
     max_tokens: int = 256
@@ -127,39 +131,45 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+                                      param="max_tokens")
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}", param="temperature")
         if self.temperature < GREEDY_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
         if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63):
-            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed!r}")
+            raise InvalidRequestError(f"seed must be a signed 64-bit integer, got {self.seed!r}", param="seed")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+            raise InvalidRequestError(f"stop strings must be non-empty strings, got {self.stop!r}", param="stop")
         object.__setattr__(self, "stop", tuple(self.stop))
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}", param=name)
         if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+                                      param="repetition_penalty")
         bias = tuple((int(t), float(b)) for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict)
                                                     else self.logit_bias))
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
-            raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {self.logit_bias!r}")
+            raise InvalidRequestError("logit_bias needs token ids >= 0 and biases in [-100, 100], "
+                                      f"got {self.logit_bias!r}", param="logit_bias")
         object.__setattr__(self, "logit_bias", bias)
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+            raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}", param="top_k")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}",
+                                      param="min_tokens")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+            raise InvalidRequestError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}",
+                                      param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                                      param="logprobs")
 
     @property
     def greedy(self) -> bool:

@@ -40,7 +40,7 @@ from app.serving.openai_api import (
     ChatCompletionRequest, CompletionRequest, chat_logprobs, choice_body, chunk_body, completion_body,
     completion_logprobs, error_body, usage, validation_error,
 )
-from app.serving.protocol import ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText
+from app.serving.protocol import ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText, api_param
 
 log = logging.getLogger("ray.serve")
 
@@ -250,7 +250,7 @@ class Ingress:
                 rid = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
                 echo = prompt if not chat and req.echo else ""
                 out.append((index, GenerateRequest(request_id=rid, params=req.params(j), messages=messages,
-                                                   prompt=prompt), echo))
+                                                   prompt=prompt, max_tokens_param=req.max_tokens_param), echo))
         return out
 
     async def _start(self, generate: GenerateRequest, *, own_context: bool):
@@ -303,7 +303,8 @@ class Ingress:
         try:
             generates = self._generates(req, chat=chat, request_id=request_id)
         except ValueError as err:
-            return error_response(ErrorItem(400, str(err)))
+            param = api_param(getattr(err, "param", None), chat=chat, max_tokens_param=req.max_tokens_param)
+            return error_response(ErrorItem(400, str(err), param=param))
         if (full := self._overloaded(len(generates))) is not None:
             return full
         flight = _InFlight(self, len(generates))

@@ -62,6 +62,15 @@ def _unsupported(name: str, why: str) -> ValueError:
     return ValueError(f"{name} is not supported by this server ({why})")
 
 
+class CrossFieldError(ValueError):
+    """A request validator's error about a combination of fields; ``param`` names the field the client should
+    change (pydantic locates a whole-request validator's error nowhere)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class TextPart(BaseModel):
     """One ``{"type": "text", "text": ...}`` part of a message's ``content`` list."""
 
@@ -219,6 +228,11 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def max_tokens_param(self) -> str:
+        """The field that sets the engine's max_tokens, which errors about it name."""
+        return "max_tokens"
+
     def _params(self, max_tokens: int | None, *, logprobs: int | None, guided: GuidedDecoding | None,
                 choice: int) -> SamplingParams:
         """The engine's settings for choice ``choice`` (``seed + choice`` with a seed, so choices differ).
@@ -296,6 +310,10 @@ class ChatCompletionRequest(_Common):
             raise ValueError("needs logprobs: true")
         return value
 
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def params(self, choice: int = 0) -> SamplingParams:
         """Raises: ValueError (``SamplingParams``)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -343,11 +361,12 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _checks(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != self.num_choices:
-            raise ValueError("best_of must equal n (choosing the best of several is not supported)")
+            raise CrossFieldError("best_of", "best_of must equal n (choosing the best of several is not supported)")
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (it needs the prompt's logprobs)")
+            raise CrossFieldError("echo", "echo with logprobs is not supported (it needs the prompt's logprobs)")
         if len(self.prompts) * self.num_choices > MAX_CHOICES:
-            raise ValueError(f"prompts x n must be at most {MAX_CHOICES}")
+            raise CrossFieldError("n" if self.num_choices > 1 else "prompt",
+                                  f"prompts x n must be at most {MAX_CHOICES}")
         return self
 
     @property
@@ -363,11 +382,13 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def validation_error(err: ValidationError) -> ErrorItem:
-    """The first pydantic error as a 400 naming the field."""
+    """The first pydantic error as a 400 naming the field (a ``CrossFieldError``'s own where its location is the
+    whole request)."""
     first = err.errors()[0]
     # pydantic adds the member type of a union to the location ("content.str"): a client's field path has none
     param = ".".join(str(p) for p in first["loc"]
                      if isinstance(p, int) or p.isidentifier() and p not in _UNION_TAGS) or None
+    param = param or getattr(first.get("ctx", {}).get("error"), "param", None)
     msg = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for errors raised by validators
     if first["type"] == "extra_forbidden":
         msg = "unknown field (not an OpenAI request field this server knows)"

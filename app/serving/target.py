@@ -231,7 +231,7 @@ class TargetReplica:
         try:
             prompt_ids = await self._run(self._encode, request)
         except InvalidRequestError as err:
-            yield ErrorItem(400, str(err), param="messages" if request.messages is not None else "prompt")
+            yield ErrorItem(400, str(err), param=request.api_param(err.param or "prompt"))
             return
         if len(self._waiting) + len(self._active) >= self.config.max_num_seqs + self.config.max_queued_requests:
             yield ErrorItem(503, f"server overloaded: {len(self._active)} requests running and {len(self._waiting)} "
@@ -377,8 +377,7 @@ class TargetReplica:
         if isinstance(result, InvalidRequestError):
             stream.done = True
             code = "context_length_exceeded" if isinstance(result, ContextLengthError) else None
-            param = "messages" if result.param == "prompt" and req.messages is not None else result.param
-            stream.queue.put_nowait(ErrorItem(400, str(result), param=param, code=code))
+            stream.queue.put_nowait(ErrorItem(400, str(result), param=req.api_param(result.param), code=code))
             return
         if isinstance(result, Exception):  # a bug in prefill or sampling: this request fails, its slot is free
             log.error("admission of %s failed", req.request_id, exc_info=result)

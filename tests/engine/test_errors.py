@@ -21,11 +21,16 @@ from app.engine.types import DraftBlock, GuidedDecoding, SamplingParams
         ({"stop": ("",)}, "stop"),
         ({"seed": 2**63}, "seed"),
         ({"seed": -(2**63) - 1}, "seed"),
+        ({"max_tokens": 8, "min_tokens": 50}, "min_tokens"),
+        ({"frequency_penalty": 3.0}, "frequency_penalty"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    """An InvalidRequestError (a ValueError) whose message and ``param`` name the field."""
+    with pytest.raises(InvalidRequestError, match=match) as err:
         SamplingParams(**kwargs)
+    assert err.value.param == match
 
 
 def test_temperature_too_small_to_divide_by_is_greedy():
@@ -60,9 +65,10 @@ def test_a_failure_after_the_slot_is_taken_gives_it_back(engine, monkeypatch):
 )
 def test_bad_controls_are_refused_before_taking_a_slot(engine, kwargs, match):
     free = engine.num_free_slots
-    with pytest.raises(InvalidRequestError, match=match):
+    with pytest.raises(InvalidRequestError, match=match) as err:
         engine.add_request("ctl", [1, 2, 3], SamplingParams(max_tokens=4, **kwargs))
     assert engine.num_free_slots == free and not engine.has_request("ctl")
+    assert err.value.param == ("guided" if "guided" in kwargs else next(iter(kwargs)))
 
 
 def test_empty_prompt(engine):

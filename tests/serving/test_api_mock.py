@@ -142,9 +142,11 @@ def test_bad_input_is_openai_error(url, name, body, status):
 
 
 def test_context_length_errors_name_the_field_to_change(url):
-    """OpenAI's ``param``: ``max_tokens`` when a smaller one would fit, else the prompt (``messages`` for a chat)."""
+    """OpenAI's ``param``: the field that set max_tokens when a smaller one would fit, else the prompt (``messages``
+    for a chat)."""
     long_chat, long_prompt = chat("x" * (MAX_MODEL_LEN + 10), max_tokens=5), "x " * (MAX_MODEL_LEN + 10)
     cases = [("chat/completions", chat(max_tokens=MAX_MODEL_LEN * 4), "max_tokens"),
+             ("chat/completions", chat(max_completion_tokens=MAX_MODEL_LEN * 4), "max_completion_tokens"),
              ("chat/completions", long_chat, "messages"),
              ("completions", {"model": MODEL, "prompt": long_prompt, "max_tokens": 5}, "prompt")]
     for route, body, param in cases:
@@ -167,6 +169,17 @@ def test_oversized_chunked_body_and_unknown_routes_are_openai_errors(url):
     assert r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(f"{url}/v1/nothing", headers=AUTH, json={})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_errors_about_a_combination_of_fields_name_one(url):
+    """``param`` for errors the engine's settings raise: the OpenAI field behind the engine's name."""
+    cases = [("chat/completions", chat(max_tokens=8, min_tokens=50), "min_tokens"),
+             ("chat/completions", chat(max_completion_tokens=8, min_tokens=50), "min_tokens"),
+             ("chat/completions", chat(max_tokens=8, response_format={"type": "json_object"}), "response_format"),
+             ("completions", {"model": MODEL, "prompt": "a", "best_of": 3, "n": 1}, "best_of")]
+    for route, body, param in cases:
+        r = httpx.post(f"{url}/v1/{route}", headers=AUTH, json=body, timeout=30)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
 
 
 def test_validator_errors_have_no_pydantic_prefix(url):

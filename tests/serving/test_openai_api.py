@@ -79,9 +79,10 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.0.content"),
     ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
     ({"prompt": "a", "suffix": "b"}, "suffix"),
-    ({"prompt": "a", "best_of": 2}, None),
-    ({"prompt": "a", "echo": True, "logprobs": 1}, None),
-    ({"prompt": ["a"] * 17}, None),
+    ({"prompt": "a", "best_of": 2}, "best_of"),  # combinations of fields: the one to change
+    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": ["a"] * 17}, "prompt"),
+    ({"prompt": ["a"] * 5, "n": 4}, "n"),
     ({"prompt": [1, 2, 3]}, "prompt"),
     # nothing is coerced: a value of the wrong JSON type is a 400 naming its field
     ({"messages": MESSAGES, "temperature": "0.5"}, "temperature"),

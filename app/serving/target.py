@@ -78,7 +78,6 @@ class ReplicaStats:
     draft_ms: float = 0.0  # EMA of a steady drafter call as the target waits for it, ms (0: none yet)
     drafter_ms: float = 0.0  # EMA of the time inside the drafter in those calls, ms
     verify_scale: float = 1.0  # EMA of a round's time without the drafter call over the profile's verify time
-    drafter_failures: int = 0  # requests failed over to plain decoding since start
     fallbacks: dict[str, int] = field(default_factory=dict)  # cause -> requests failed over
     by_reference_calls: int = 0  # drafter calls whose payload went through the object store
 
@@ -99,9 +98,13 @@ class ReplicaStats:
     def failed_over(self, cause: str, requests: int) -> bool:
         """Count ``requests`` moved to plain decoding for ``cause``; True the first time that cause is seen."""
         first = cause not in self.fallbacks
-        self.drafter_failures += requests
         self.fallbacks[cause] = self.fallbacks.get(cause, 0) + requests
         return first
+
+    @property
+    def drafter_failures(self) -> int:
+        """Requests failed over to plain decoding since start, every cause."""
+        return sum(self.fallbacks.values())
 
 
 def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None) -> list[TokenLogprobText] | None:
@@ -264,7 +267,7 @@ class TargetReplica:
                 "lookup_states": None if self.lookup is None else self.lookup.num_states,
                 "cancelled_pending": len(self._cancelled), "node_id": ray.get_runtime_context().get_node_id(),
                 "guard": None if self.guard is None else self.guard.state(),
-                **dataclasses.asdict(self.stats)}
+                **dataclasses.asdict(self.stats), "drafter_failures": self.stats.drafter_failures}
 
     def record_autoscaling_stats(self) -> dict:
         """Custom autoscaling metrics (Ray Serve polls this; used by the autoscaling policy)."""

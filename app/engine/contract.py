@@ -73,7 +73,11 @@ class Engine(ABC):
 
     @abstractmethod
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat prompt (generation prompt appended)."""
+        """Token ids of a chat prompt (generation prompt appended).
+
+        Raises:
+            InvalidRequestError: the model's chat template refuses the messages.
+        """
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:

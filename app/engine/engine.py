@@ -23,6 +23,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import jinja2
 import torch
 
 from app.engine.config import EngineConfig
@@ -194,8 +195,17 @@ class TargetEngine(Engine):
         return request_id in self._requests
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat prompt through the model's own chat template (generation prompt appended)."""
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        """Token ids of a chat prompt through the model's own chat template (generation prompt appended).
+
+        Raises:
+            InvalidRequestError: (``param`` "prompt") the template refuses the messages (some models' templates
+                raise on roles that do not alternate, or on a system message).
+        """
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        except jinja2.TemplateError as err:
+            raise InvalidRequestError(f"the model's chat template refuses these messages: {err}",
+                                      param="prompt") from None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a raw completion prompt."""
@@ -275,14 +285,14 @@ class TargetEngine(Engine):
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request {request.request_id!r} already exists")
         if len(request.prompt_ids) == 0:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", param="prompt")
         p = request.params
         for param, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("stop_token_ids", p.stop_token_ids)):
             if bad := [t for t in ids if t >= self.vocab_size]:
                 raise InvalidRequestError(f"{param}: token ids {bad} are outside [0, {self.vocab_size})", param=param)
         ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
         ContextLengthError.check(prompt_tokens=len(ids), max_tokens=request.params.max_tokens,
                                  draft_room=self.config.max_draft_len, limit=self.config.max_model_len)
         return ids, self._grammar(p)

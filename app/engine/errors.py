@@ -16,7 +16,8 @@ class InvalidRequestError(EngineError, ValueError):
 
 class ContextLengthError(InvalidRequestError):
     """Prompt + max_tokens + draft room exceeds the engine's context limit (HTTP 400); ``param`` is ``max_tokens``
-    when a smaller max_tokens would fit, else ``prompt`` (the serving layer names a chat request's ``messages``)."""
+    when a smaller max_tokens would fit, else ``prompt`` (the serving layer names the request's own field:
+    ``max_completion_tokens`` where a chat request set that, a chat's ``messages``)."""
 
     @classmethod
     def check(cls, *, prompt_tokens: int, max_tokens: int, draft_room: int, limit: int) -> None:

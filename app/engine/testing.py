@@ -122,7 +122,7 @@ class MockEngine(Engine):
         if request.request_id in self._requests:
             raise InvalidRequestError(f"request {request.request_id!r} already exists")
         if len(request.prompt_ids) == 0:
-            raise InvalidRequestError("prompt is empty")
+            raise InvalidRequestError("prompt is empty", param="prompt")
         refused = [name for name in request.params.controls() if name != "logprobs"]
         if refused:
             raise InvalidRequestError(f"sampling controls not supported by this engine: {refused}", param=refused[0])

@@ -40,7 +40,7 @@ from app.serving.openai_api import (
     ChatCompletionRequest, CompletionRequest, chat_logprobs, choice_body, chunk_body, completion_body,
     completion_logprobs, error_body, usage, validation_error,
 )
-from app.serving.protocol import ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText, api_param
+from app.serving.protocol import ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText, openai_param
 
 log = logging.getLogger("ray.serve")
 
@@ -303,7 +303,7 @@ class Ingress:
         try:
             generates = self._generates(req, chat=chat, request_id=request_id)
         except ValueError as err:
-            param = api_param(getattr(err, "param", None), chat=chat, max_tokens_param=req.max_tokens_param)
+            param = openai_param(getattr(err, "param", None), chat=chat, max_tokens_param=req.max_tokens_param)
             return error_response(ErrorItem(400, str(err), param=param))
         if (full := self._overloaded(len(generates))) is not None:
             return full

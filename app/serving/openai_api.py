@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from app.engine.errors import InvalidRequestError
 from app.engine.types import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from app.serving.protocol import ErrorItem, SpecStats, TokenLogprobText
 
@@ -60,15 +61,6 @@ def _text(value: str, what: str) -> str:
 
 def _unsupported(name: str, why: str) -> ValueError:
     return ValueError(f"{name} is not supported by this server ({why})")
-
-
-class CrossFieldError(ValueError):
-    """A request validator's error about a combination of fields; ``param`` names the field the client should
-    change (pydantic locates a whole-request validator's error nowhere)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class TextPart(BaseModel):
@@ -361,12 +353,14 @@ class CompletionRequest(_Common):
     @model_validator(mode="after")
     def _checks(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != self.num_choices:
-            raise CrossFieldError("best_of", "best_of must equal n (choosing the best of several is not supported)")
+            raise InvalidRequestError("best_of must equal n (choosing the best of several is not supported)",
+                                      param="best_of")
         if self.echo and self.logprobs is not None:
-            raise CrossFieldError("echo", "echo with logprobs is not supported (it needs the prompt's logprobs)")
+            raise InvalidRequestError("echo with logprobs is not supported (it needs the prompt's logprobs)",
+                                      param="echo")
         if len(self.prompts) * self.num_choices > MAX_CHOICES:
-            raise CrossFieldError("n" if self.num_choices > 1 else "prompt",
-                                  f"prompts x n must be at most {MAX_CHOICES}")
+            raise InvalidRequestError(f"prompts x n must be at most {MAX_CHOICES}",
+                                      param="n" if self.num_choices > 1 else "prompt")
         return self
 
     @property
@@ -382,8 +376,8 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def validation_error(err: ValidationError) -> ErrorItem:
-    """The first pydantic error as a 400 naming the field (a ``CrossFieldError``'s own where its location is the
-    whole request)."""
+    """The first pydantic error as a 400 naming the field (for a whole-request validator's error, which pydantic
+    locates nowhere, the ``param`` of the ``InvalidRequestError`` it raised)."""
     first = err.errors()[0]
     # pydantic adds the member type of a union to the location ("content.str"): a client's field path has none
     param = ".".join(str(p) for p in first["loc"]

@@ -40,11 +40,11 @@ class GenerateRequest:
     max_tokens_param: str = "max_tokens"
 
     def api_param(self, param: str | None) -> str | None:
-        """The field of this request's OpenAI body that an engine error's ``param`` names (``api_param``)."""
-        return api_param(param, chat=self.messages is not None, max_tokens_param=self.max_tokens_param)
+        """The field of this request's OpenAI body that an engine error's ``param`` names (``openai_param``)."""
+        return openai_param(param, chat=self.messages is not None, max_tokens_param=self.max_tokens_param)
 
 
-def api_param(param: str | None, *, chat: bool, max_tokens_param: str = "max_tokens") -> str | None:
+def openai_param(param: str | None, *, chat: bool, max_tokens_param: str = "max_tokens") -> str | None:
     """The OpenAI request field for an engine error's ``param`` (a ``SamplingParams`` field, or ``prompt``): the
     prompt is a chat's ``messages``, ``max_tokens`` the field that set it, ``logprobs`` a chat's ``top_logprobs``,
     ``guided`` the ``response_format``; other fields keep their names (None stays None)."""

@@ -234,7 +234,7 @@ class TargetReplica:
         try:
             prompt_ids = await self._run(self._encode, request)
         except InvalidRequestError as err:
-            yield ErrorItem(400, str(err), param=request.api_param(err.param or "prompt"))
+            yield ErrorItem(400, str(err), param=request.api_param(err.param))
             return
         if len(self._waiting) + len(self._active) >= self.config.max_num_seqs + self.config.max_queued_requests:
             yield ErrorItem(503, f"server overloaded: {len(self._active)} requests running and {len(self._waiting)} "

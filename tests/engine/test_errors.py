@@ -71,6 +71,13 @@ def test_bad_controls_are_refused_before_taking_a_slot(engine, kwargs, match):
     assert err.value.param == ("guided" if "guided" in kwargs else next(iter(kwargs)))
 
 
+def test_a_chat_template_that_refuses_the_messages_is_a_request_error(engine, monkeypatch):
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(InvalidRequestError, match="chat template refuses these messages: roles must alternate") as err:
+        engine.encode_chat([{"role": "user", "content": "hi"}])
+    assert err.value.param == "prompt"
+
+
 def test_empty_prompt(engine):
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("e", [], SamplingParams())

@@ -171,8 +171,9 @@ def test_oversized_chunked_body_and_unknown_routes_are_openai_errors(url):
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
 
 
-def test_errors_about_a_combination_of_fields_name_one(url):
-    """``param`` for errors the engine's settings raise: the OpenAI field behind the engine's name."""
+def test_errors_of_the_engines_settings_name_the_request_field(url):
+    """``param`` for errors the engine's settings raise (``min_tokens`` above max_tokens, a control the mock engine
+    refuses, best_of beside n): the OpenAI field behind the engine's name."""
     cases = [("chat/completions", chat(max_tokens=8, min_tokens=50), "min_tokens"),
              ("chat/completions", chat(max_completion_tokens=8, min_tokens=50), "min_tokens"),
              ("chat/completions", chat(max_tokens=8, response_format={"type": "json_object"}), "response_format"),

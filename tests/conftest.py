@@ -105,14 +105,19 @@ def engine():
 
 
 @pytest.fixture(scope="session")
-def engine32():
+def engine32(engine):
     """The real target in float32, for the sampled-distribution tests that compare outputs with a teacher-forced exact
     joint: its verify steps round as that joint does to ~1e-5 logits, far below the gaps at top-k, top-p and min-p
     cuts. bfloat16 steps of other shapes (batch mix, verify length, padding) move logits by up to ~0.3, which flips
-    tokens at such cuts on some CPUs and fails a chi-square test although plain decoding flips them alike."""
+    tokens at such cuts on some CPUs and fails a chi-square test although plain decoding flips them alike.
+    ``engine`` itself where dtype 'auto' is float32 (a CPU without bfloat16 kernels)."""
+    import torch
+
     from app.engine.config import EngineConfig
     from app.engine.engine import TargetEngine
 
+    if engine.cache.k.dtype == torch.float32:
+        return engine
     return TargetEngine(EngineConfig(dtype="float32", max_num_seqs=24, max_model_len=512))
 
 

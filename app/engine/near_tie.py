@@ -55,14 +55,32 @@ class Divergence:
 def teacher_forced_hidden(engine, token_ids: list[int]) -> torch.Tensor:
     """[T, Dm] last-layer hidden states (before the final norm) of the target over ``token_ids`` in one forward
     (scratch cache)."""
-    model = engine.model
-    cache = KVCache(model.args, num_slots=1, max_len=len(token_ids), dtype=engine.cache.k.dtype, device=engine.device)
-    layout = StepLayout.build(slots=[0], starts=[0], lengths=[len(token_ids)],
-                              groups=model.args.num_heads // model.args.num_kv_heads, device=engine.device,
-                              dtype=engine.cache.k.dtype)
+    return _scratch_forward(engine, [token_ids], torch.arange(len(token_ids)))
+
+
+def teacher_forced_last_logits(engine, sequences: list[list[int]], chunk: int = 64) -> torch.Tensor:
+    """[N, V] float32 on the host: the target's next-token logits after each of ``sequences`` (the last rows of
+    ``teacher_forced_logits``), ``chunk`` sequences a forward (scratch cache, one slot each)."""
+    out = []
+    for i in range(0, len(sequences), chunk):
+        part = sequences[i : i + chunk]
+        with torch.inference_mode():
+            hidden = _scratch_forward(engine, part, torch.cumsum(torch.tensor([len(s) for s in part]), 0) - 1)
+            out.append(engine.model.logits_from_final_hidden(hidden).cpu())
+    return torch.cat(out)
+
+
+def _scratch_forward(engine, sequences: list[list[int]], index: torch.Tensor) -> torch.Tensor:
+    """[len(index), Dm] last-layer hidden states (before the final norm) at rows ``index`` of the flattened
+    ``sequences``, each from position 0 in its own slot of a scratch cache, in one forward."""
+    model, dtype, device = engine.model, engine.cache.k.dtype, engine.device
+    lengths = [len(s) for s in sequences]
+    cache = KVCache(model.args, num_slots=len(sequences), max_len=max(lengths), dtype=dtype, device=device)
+    layout = StepLayout.build(slots=list(range(len(sequences))), starts=[0] * len(sequences), lengths=lengths,
+                              groups=model.args.num_heads // model.args.num_kv_heads, device=device, dtype=dtype)
+    ids = torch.tensor([t for s in sequences for t in s], device=device)
     with torch.inference_mode():
-        hidden, _ = model.hidden_states(torch.tensor(token_ids, device=engine.device), cache=cache, layout=layout,
-                                        index=torch.arange(len(token_ids), device=engine.device))
+        hidden, _ = model.hidden_states(ids, cache=cache, layout=layout, index=index.to(device))
     return hidden
 
 

@@ -6,11 +6,8 @@ import dataclasses
 import math
 from typing import Sequence
 
-import torch
-
 from app.engine.logits_process import sampling_probs
-from app.engine.model import KVCache, StepLayout
-from app.engine.near_tie import controlled_logits
+from app.engine.near_tie import controlled_logits, teacher_forced_last_logits
 from app.engine.types import SamplingParams
 from app.loop import generate
 from tests.engine.proposers import TableProposer
@@ -35,34 +32,13 @@ def chi2_quantile_999(df: int) -> float:
     return df * (1 - 2 / (9 * df) + 3.090 * math.sqrt(2 / (9 * df))) ** 3
 
 
-def last_logits(engine, sequences: list[list[int]], chunk: int = 64) -> torch.Tensor:
-    """[N, V] float32 on the host: the target's teacher-forced next-token logits after each of ``sequences`` (all of
-    one length), ``chunk`` sequences a forward (scratch cache, one slot each): ``near_tie.teacher_forced_logits``'s
-    last row, batched."""
-    model, out = engine.model, []
-    groups = model.args.num_heads // model.args.num_kv_heads
-    length = len(sequences[0])
-    for i in range(0, len(sequences), chunk):
-        part = sequences[i : i + chunk]
-        cache = KVCache(model.args, num_slots=len(part), max_len=length, dtype=engine.cache.k.dtype,
-                        device=engine.device)
-        layout = StepLayout.build(slots=list(range(len(part))), starts=[0] * len(part), lengths=[length] * len(part),
-                                  groups=groups, device=engine.device, dtype=engine.cache.k.dtype)
-        ids = torch.tensor([t for seq in part for t in seq], device=engine.device)
-        last = torch.arange(length - 1, length * len(part), length, device=engine.device)
-        with torch.inference_mode():
-            hidden, _ = model.hidden_states(ids, cache=cache, layout=layout, index=last)
-            out.append(model.logits_from_final_hidden(hidden).cpu())
-    return torch.cat(out)
-
-
 def exact_joint(engine, prompt: list[int], params: SamplingParams, depth: int) -> dict[tuple[int, ...], float]:
     """P(first ``depth`` output tokens) under the processed, truncated target, by teacher forcing (the prefixes of
     one depth in batched forwards; their logits through ``params``' controls: ``near_tie.controlled_logits``)."""
     joint = {(): 1.0}
     for _ in range(depth):
         prefixes = list(joint)
-        logits = last_logits(engine, [prompt + list(prefix) for prefix in prefixes])
+        logits = teacher_forced_last_logits(engine, [prompt + list(prefix) for prefix in prefixes])
         nxt = {}
         for prefix, row in zip(prefixes, logits):
             probs = sampling_probs(controlled_logits(engine, prompt, params, list(prefix), row[None])[None], params)[0]

@@ -196,6 +196,21 @@ def test_a_failing_prefill_fails_that_request_only(replica, monkeypatch):
     assert num_tokens(served) == 12
 
 
+def test_messages_the_chat_template_refuses_answer_400_naming_messages(replica, monkeypatch):
+    encode_chat, calls = replica.engine.encode_chat, []
+
+    def refusing_the_first(messages):
+        calls.append(1)
+        if len(calls) == 1:
+            raise target_module.InvalidRequestError("the model's chat template refuses these messages", param="prompt")
+        return encode_chat(messages)
+
+    monkeypatch.setattr(replica.engine, "encode_chat", refusing_the_first)
+    refused, served = run_requests(replica, [4, 4], delays_s=[0.0, 0.2])
+    assert [(type(i), i.status, i.param) for i in refused] == [(ErrorItem, 400, "messages")], refused
+    assert num_tokens(served) == 4  # the replica serves on
+
+
 def _stream(rid: str, max_tokens: int) -> target_module._Stream:
     request = GenerateRequest(request_id=rid, prompt="x", params=SamplingParams(max_tokens=max_tokens))
     return target_module._Stream(request=request, prompt_ids=[1, 2, 3])

@@ -29,8 +29,9 @@ def _start_serve(**ray_init) -> str:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     try:
         init_local_ray(**ray_init)
-    except Exception as e:  # Ray's fixed 30 s for its raylet to register; seen right after the previous Ray's shutdown
-        if "timed out during startup" not in str(e):
+    except Exception as e:  # Ray's fixed waits for its raylet to register or its GCS to write its port; both seen
+        # right after the previous Ray's shutdown
+        if not any(m in str(e) for m in ("timed out during startup", "Timed out waiting for file")):
             raise
         warnings.warn(f"local Ray did not start ({e}); starting it once more", stacklevel=2)
         # the failed start's processes (GCS, dashboard, monitors) are no node's that ray.shutdown could stop

@@ -85,10 +85,8 @@ def check_greedy_speculation(engine, prompts: list[list[int]], reference: list[l
                              ) -> list:
     """Decode ``prompts`` on ``engine`` with no drafts, random drafts and perfect drafts (per-request draft lengths
     ``lengths``): each output is ``reference``'s except at near-ties of the target's logits (``check_greedy_output``
-    raises otherwise), at most half the prompts diverging, and perfect drafts are accepted in whole blocks: a
-    request whose output is ``reference``'s commits 3/4 or more of the tokens a round that whole blocks of its draft
-    length k give (n tokens after prefill in ceil(n / (k + 1)) rounds; a near-tie divergence leaves the rest of a
-    reference behind, so those requests are not counted), one of them drafting 3 tokens or more.
+    raises otherwise), at most half the prompts diverging, and perfect drafts are accepted in whole blocks
+    (``check_whole_blocks``).
 
     Returns:
         The perfect-draft run's results.
@@ -102,8 +100,17 @@ def check_greedy_speculation(engine, prompts: list[list[int]], reference: list[l
         ties = [t for p, ref, r in zip(prompts, reference, results)
                 if (t := check_greedy_output(engine, p, ref, r.token_ids))]
         assert len(ties) <= len(prompts) // 2, ties
+    check_whole_blocks(reference, results, lengths)
+    return results
+
+
+def check_whole_blocks(reference: list[list[int]], results, lengths: list[int]) -> None:
+    """Perfect drafts (``OracleProposer`` of ``reference``, per-request draft lengths ``lengths``) are accepted in
+    whole blocks: each request of ``results`` whose output is its reference commits 3/4 or more of the tokens a round
+    that whole blocks of its draft length k give (n tokens after prefill in ceil(n / (k + 1)) rounds; a near-tie
+    divergence leaves the rest of a reference behind, so those requests are not counted), one of them drafting 3
+    tokens or more."""
     drafted = [(r.accepted_length, len(ref) - 1, k) for i, (ref, r) in enumerate(zip(reference, results))
                if r.token_ids == ref and len(ref) > 1 and (k := lengths[i % len(lengths)]) > 0]  # k = 0: no drafts
     assert max((k for _, _, k in drafted), default=0) >= 3, drafted
     assert all(tau >= 0.75 * n / math.ceil(n / (k + 1)) for tau, n, k in drafted), drafted
-    return results

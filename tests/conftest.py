@@ -27,9 +27,10 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 @pytest.fixture(autouse=True)
 def _reproducible_randomness(request, monkeypatch) -> None:
-    """Every test draws from streams keyed by its own id, whatever ran before it: torch's global generator, and the
-    seeds the engine gives unseeded requests (``secrets.randbits``, the OS's entropy in the product). The sampled
-    chi-square tests (0.999 quantile) then pass or fail for their code, not for the draw of the day."""
+    """Every test's body and function-scoped fixtures draw, in this process, from streams keyed by the test's id,
+    whatever ran before: torch's global generator, and the seeds the engine gives unseeded requests
+    (``secrets.randbits``, the OS's entropy in the product). The sampled chi-square tests (0.999 quantile) then pass
+    or fail for their code, not for the draw of the day."""
     import random
     import secrets
     import sys

@@ -104,13 +104,13 @@ def check_greedy_speculation(engine, prompts: list[list[int]], reference: list[l
     return results
 
 
-def check_whole_blocks(reference: list[list[int]], results, lengths: list[int]) -> None:
+def check_whole_blocks(reference: list[list[int]], results, lengths: list[int], *, min_draft: int = 3) -> None:
     """Perfect drafts (``OracleProposer`` of ``reference``, per-request draft lengths ``lengths``) are accepted in
     whole blocks: each request of ``results`` whose output is its reference commits 3/4 or more of the tokens a round
     that whole blocks of its draft length k give (n tokens after prefill in ceil(n / (k + 1)) rounds; a near-tie
-    divergence leaves the rest of a reference behind, so those requests are not counted), one of them drafting 3
-    tokens or more."""
+    divergence leaves the rest of a reference behind, so those requests are not counted), one of them drafting
+    ``min_draft`` tokens or more."""
     drafted = [(r.accepted_length, len(ref) - 1, k) for i, (ref, r) in enumerate(zip(reference, results))
                if r.token_ids == ref and len(ref) > 1 and (k := lengths[i % len(lengths)]) > 0]  # k = 0: no drafts
-    assert max((k for _, _, k in drafted), default=0) >= 3, drafted
+    assert max((k for _, _, k in drafted), default=0) >= min_draft, drafted
     assert all(tau >= 0.75 * n / math.ceil(n / (k + 1)) for tau, n, k in drafted), drafted

@@ -115,10 +115,13 @@ def shared_datasets() -> Path:
 
 @pytest.fixture(scope="session")
 def engine():
+    """The real target (dtype 'auto'), prefix caching off: many tests compare two runs of one prompt token for token,
+    and a prefill reusing a prefix runs in another shape than one that does not (which earlier tests decide), which
+    in bfloat16 can move a token at a near-tie. ``engine32`` and ``tests/engine/test_prefix_cache.py`` run with it."""
     from app.engine.config import EngineConfig
     from app.engine.engine import TargetEngine
 
-    return TargetEngine(EngineConfig(max_num_seqs=24, max_model_len=1024))
+    return TargetEngine(EngineConfig(max_num_seqs=24, max_model_len=1024, enable_prefix_caching=False))
 
 
 @pytest.fixture(scope="session")
@@ -127,15 +130,15 @@ def engine32(engine):
     joint: its verify steps round as that joint does to ~1e-5 logits, far below the gaps at top-k, top-p and min-p
     cuts. bfloat16 steps of other shapes (batch mix, verify length, padding) move logits by up to ~0.3, which flips
     tokens at such cuts on some CPUs and fails a chi-square test although plain decoding flips them alike.
-    ``engine`` itself where dtype 'auto' is float32 (a CPU without bfloat16 kernels)."""
+    With prefix caching: these tests admit hundreds of copies of one prompt, and reuse it. It shares ``engine``'s
+    weights where dtype 'auto' is float32 (a CPU without bfloat16 kernels)."""
     import torch
 
     from app.engine.config import EngineConfig
     from app.engine.engine import TargetEngine
 
-    if engine.cache.k.dtype == torch.float32:
-        return engine
-    return TargetEngine(EngineConfig(dtype="float32", max_num_seqs=24, max_model_len=512))
+    config = EngineConfig(dtype="float32", max_num_seqs=24, max_model_len=512)
+    return TargetEngine(config, loaded=engine.target if engine.cache.k.dtype == torch.float32 else None)
 
 
 @pytest.fixture(scope="session")

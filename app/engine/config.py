@@ -56,6 +56,13 @@ class EngineConfig(BaseModel):
         "its whole KV slot, and is prefilled alone. Seeded requests then reproduce exactly, greedy ones are identical "
         "alone and in any batch. Costs one forward per request per step (docs/serving.md).",
     )
+    enable_prefix_caching: bool | None = Field(
+        None, description="A new prompt reuses the KV cache and drafter features of the longest prefix it shares with "
+        "a prompt a slot holds (a running request's, or a finished one's until its slot is taken again) and "
+        "prefills only the rest (app/engine/prefix_cache.py; vLLM's --enable-prefix-caching). Costs the prompts' "
+        "features kept beside the KV cache (F values per prompt token). None: on, except with batch_invariant "
+        "(a reused prefix was computed in another step's shape); true with batch_invariant is an error.",
+    )
     verify_step: VerifyStep = Field(
         "ragged", description="ragged: each verify step in its exact shape, its layout built on the host. bucketed: "
         "static shapes (slots, tokens per request and key length each padded up to a bucket), the layout built on "
@@ -90,4 +97,12 @@ class EngineConfig(BaseModel):
         if self.batch_invariant and self.verify_step != "ragged":
             raise ValueError(f"batch_invariant runs each request alone in one fixed shape; verify_step "
                              f"{self.verify_step!r} needs verify_step 'ragged'")
+        if self.batch_invariant and self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching reuses keys/values computed in other steps' shapes; it cannot be "
+                             "combined with batch_invariant")
         return self
+
+    @property
+    def prefix_caching(self) -> bool:
+        """``enable_prefix_caching`` resolved (None: on unless ``batch_invariant``)."""
+        return not self.batch_invariant if self.enable_prefix_caching is None else self.enable_prefix_caching

@@ -1,12 +1,13 @@
 """The verification engine: per-request KV caches and batched, ragged, lossless verification of draft blocks.
 
-Owns: request admission (validation, prefill into a free cache slot), one-forward verification of a ragged
-batch (request r brings its pending token plus ``l_r`` draft tokens, ``l_r = 0`` is plain decoding),
-acceptance, EOS / stop-token / stop-string / max_tokens handling, release. Works on token ids; text is produced only
-for the committed output. Sampling controls (penalties, logit_bias, top-k, min-p, min_tokens, grammars) apply at
-every verified row with the state the request would have after the earlier drafts of its block
-(``app/engine/logits_process.py``, ``app/engine/grammar.py``), so speculation does not change the output. Does not
-own: what to draft (``app/drafters``) or how much of it to verify (``app/scheduling``).
+Owns: request admission (validation, prefill into a free cache slot from the end of the longest prefix the prefix
+cache holds: ``prefix_cache.py``), one-forward verification of a ragged batch (request r brings its pending token plus
+``l_r`` draft tokens, ``l_r = 0`` is plain decoding), acceptance, EOS / stop-token / stop-string / max_tokens
+handling, release. Works on token ids; text is produced only for the committed output. Sampling controls
+(penalties, logit_bias, top-k, min-p, min_tokens, grammars) apply at every verified row with the state the request
+would have after the earlier drafts of its block (``app/engine/logits_process.py``, ``app/engine/grammar.py``), so
+speculation does not change the output. Does not own: what to draft (``app/drafters``) or how much of it to verify
+(``app/scheduling``).
 
 State per request: its slot, ``num_cached`` tokens in the slot's cache, and one *pending* token (committed,
 returned to the caller, not yet run through the target). A verify step feeds ``[pending, d_1 .. d_l]`` at
@@ -35,6 +36,7 @@ from app.engine.grammar import GrammarCompiler, RequestGrammar
 from app.engine.greedy_head import ScreenedArgmax
 from app.engine.loader import LoadedTarget, load_target
 from app.engine.model import EAGER, Elementwise, KVCache, StepLayout, compile_problem, flash_varlen_problem
+from app.engine.prefix_cache import MISS, PrefixCache, PrefixHit
 from app.engine.prepack import PrepackedLinear, prepack_linears, prepack_supported
 from app.engine.logits_process import RequestControls, sampling_probs, token_logprobs
 from app.engine.sampling import Acceptance, accept_greedy, accept_sampled, accept_sampled_batch, target_probs
@@ -125,6 +127,7 @@ class TargetEngine(Engine):
         # large temporaries are fresh pages every step.
         self._batch_sampling = self.device.type != "cpu"
         self._free_slots = list(range(c.max_num_seqs))
+        self._prefix = PrefixCache(c.max_num_seqs) if c.prefix_caching else None
         self._requests: dict[str, _Request] = {}
         self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
 
@@ -217,7 +220,9 @@ class TargetEngine(Engine):
 
         One forward over the concatenated prompts (``sum T`` rows) runs the linear layers once for all of them,
         which costs less than one forward per prompt. The caller bounds ``sum T`` (the step's activations and mask
-        grow with it).
+        grow with it). With prefix caching (``EngineConfig.enable_prefix_caching``) a prompt that shares its first
+        L tokens with a prompt a slot holds prefills only its last T - L tokens (``prefix_cache.py``); it takes the
+        donor's slot when that slot is free, else the lowest free slot.
 
         Returns:
             One StepOutput per request, in order: the first token and the prompt's features ``[T, F]``.
@@ -241,41 +246,62 @@ class TargetEngine(Engine):
                 f"{len(requests)} requests for {len(self._free_slots)} free KV cache slots "
                 f"(max_num_seqs {self.config.max_num_seqs})"
             )
-        reqs = [self._register(r, len(ids), grammar) for r, (ids, grammar) in zip(requests, checked)]
+        hits = [self._prefix.match(ids) for ids in prompts] if self._prefix is not None else [MISS] * len(prompts)
+        reqs = [self._register(r, len(ids), grammar, donor=hit.slot)
+                for r, (ids, grammar), hit in zip(requests, checked, hits)]
         try:  # from here on the slots are taken: any failure gives them back
+            if self._prefix is not None:
+                self._reuse_prefixes(reqs, hits)
             if self.config.batch_invariant:  # each prompt alone: its cache and first token do not depend on others
-                return [out for i in range(len(reqs)) for out in self._prefill(reqs[i : i + 1], prompts[i : i + 1])]
-            return self._prefill(reqs, prompts)
+                return [out for i in range(len(reqs)) for out in self._prefill(reqs[i : i + 1], prompts[i : i + 1],
+                                                                               hits[i : i + 1])]
+            return self._prefill(reqs, prompts, hits)
         except BaseException:
             for req in reqs:
                 if req.request_id in self._requests:
                     self.release(req.request_id)
             raise
 
-    def _prefill(self, reqs: list[_Request], prompts: list[torch.Tensor]) -> list[StepOutput]:
-        """One forward over the registered ``reqs``' prompts ([T_r] int64 each); their first outputs, in order."""
-        lengths = [len(ids) for ids in prompts]
+    def _reuse_prefixes(self, reqs: list[_Request], hits: list[PrefixHit]) -> None:
+        """Drop the records of the slots just taken (their prefill writes them from the end of the reused prefix on),
+        then copy each hit's shared keys/values from its donor slot (unless the request took that slot). Every donor
+        is read before any slot is written, so a donor another request of the batch took is still intact when read."""
+        for req in reqs:
+            self._prefix.forget(req.slot)
+        self.cache.copy_prefixes([(hit.slot, req.slot, hit.length) for req, hit in zip(reqs, hits)
+                                  if hit.length and hit.slot != req.slot])
+
+    def _prefill(self, reqs: list[_Request], prompts: list[torch.Tensor], hits: list[PrefixHit]) -> list[StepOutput]:
+        """One forward over the registered ``reqs``' prompts ([T_r] int64 each) from the end of each one's reused
+        prefix (``hits``; its keys/values already in the request's slot); their first outputs, in order."""
+        starts = [hit.length for hit in hits]
+        runs = [ids[start:] for ids, start in zip(prompts, starts)]
+        lengths = [len(run) for run in runs]
         with torch.inference_mode():
             layout = StepLayout.build(
-                slots=[r.slot for r in reqs], starts=[0] * len(reqs), lengths=lengths, groups=self._groups,
+                slots=[r.slot for r in reqs], starts=starts, lengths=lengths, groups=self._groups,
                 device=self.device, dtype=self.cache.k.dtype, slot_len=self.cache.slot_len,
             )
             last = torch.cumsum(torch.tensor(lengths), 0) - 1  # [B] each prompt's last row
             hidden, features = self.model.hidden_states(
-                torch.cat(prompts).to(self.device), cache=self.cache, layout=layout, index=last.to(self.device),
+                torch.cat(runs).to(self.device), cache=self.cache, layout=layout, index=last.to(self.device),
                 ops=self._ops,
             )
             heads = self._head(hidden, [1] * len(reqs), [r.screened for r in reqs])
         outputs, offset = [], 0
         empty = torch.zeros(0, dtype=torch.long)
-        for req, head, n in zip(reqs, heads, lengths):
+        for req, head, ids, hit, n in zip(reqs, heads, prompts, hits, lengths):
             head = head.cpu()
-            req.num_cached = n
+            req.num_cached = len(ids)
+            rows = features[offset : offset + n]  # [T - L, F]
+            if self._prefix is not None:  # the record keeps the prompt's rows: its own tensor, not the batch's
+                rows = torch.cat([hit.features, rows]) if hit.length else rows.clone()
+                self._prefix.store(req.slot, ids, rows)
             allowed = req.grammar.block_masks([])[1] if req.grammar is not None else None
-            # the first token sits at position n (the prompt's length); in a verify step row j predicts num_cached + 1 + j
-            result = self._decide(req, empty, None, head, allowed, first_position=n)
-            outputs.append(self._commit(req, result.tokens, num_draft=0, num_accepted=0,
-                                        features=features[offset : offset + n], head=head))
+            # the first token's position is T, the prompt's length (a verify step's row j: num_cached + 1 + j)
+            result = self._decide(req, empty, None, head, allowed, first_position=len(ids))
+            outputs.append(self._commit(req, result.tokens, num_draft=0, num_accepted=0, features=rows, head=head,
+                                        cached_tokens=hit.length))
             offset += n
         return outputs
 
@@ -312,17 +338,27 @@ class TargetEngine(Engine):
                                              eos_token_ids=sorted(self.eos_token_ids))
         return self._grammars.matcher(params.guided)
 
-    def _register(self, request: NewRequest, prompt_len: int, grammar: RequestGrammar | None) -> _Request:
-        """Take a free slot for a validated request, with its own generator, detokenizer and control state."""
+    def _register(self, request: NewRequest, prompt_len: int, grammar: RequestGrammar | None, *, donor: int = -1
+                  ) -> _Request:
+        """Take a free slot for a validated request (``donor`` if that one is free, else the lowest), with its own
+        generator, detokenizer and control state."""
         params = request.params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         controls = (RequestControls(params, request.prompt_ids, eos_token_ids=sorted(self.eos_token_ids),
                                     vocab_size=self.vocab_size) if params.controls() else None)
-        req = _Request(request_id=request.request_id, slot=heapq.heappop(self._free_slots), params=params,
+        req = _Request(request_id=request.request_id, slot=self._take_slot(donor), params=params,
                        prompt_len=prompt_len, detok=IncrementalDetokenizer(self.tokenizer, params.stop),
                        generator=torch.Generator().manual_seed(seed), controls=controls, grammar=grammar)
         self._requests[request.request_id] = req
         return req
+
+    def _take_slot(self, preferred: int) -> int:
+        """Remove ``preferred`` from the free slots if it is there, else the lowest free slot; return it."""
+        if preferred in self._free_slots:
+            self._free_slots.remove(preferred)
+            heapq.heapify(self._free_slots)
+            return preferred
+        return heapq.heappop(self._free_slots)
 
     def release(self, request_id: str) -> None:
         """Free a request's slot (client gone, or cleanup after an error).
@@ -567,11 +603,11 @@ class TargetEngine(Engine):
 
     def _commit(
         self, req: _Request, tokens: list[int], *, num_draft: int, num_accepted: int, features: torch.Tensor,
-        head: torch.Tensor,
+        head: torch.Tensor, cached_tokens: int = 0,
     ) -> StepOutput:
         """Append committed tokens one by one, ending the request exactly at EOS / stop token / stop string /
         max_tokens; advance the request's controls and grammar over them; their logprobs from ``head``'s raw
-        logits when asked for."""
+        logits when asked for. ``cached_tokens``: a prefill's prompt tokens reused from the prefix cache."""
         p = req.params
         kept: list[int] = []
         reason = None
@@ -606,4 +642,5 @@ class TargetEngine(Engine):
             text=req.detok.release(final=finished),
             features=features,
             logprobs=token_logprobs(head, kept, p.logprobs) if p.logprobs is not None else None,
+            num_cached_tokens=cached_tokens,
         )

@@ -598,6 +598,21 @@ class KVCache(nn.Module):
             return self.k[:, slot, :count].transpose(1, 2), self.v[:, slot, :count].transpose(1, 2)
         return self.k[:, slot, :, :count], self.v[:, slot, :, :count]
 
+    def copy_prefixes(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy the keys and values of the first ``count`` positions of slot ``src`` to slot ``dst``, every layer, for
+        each ``(src, dst, count)``; every source is read before any destination is written (a slot may be both)."""
+        staged = [(self._prefix_index(dst, n), self.k[self._prefix_index(src, n)].clone(),
+                   self.v[self._prefix_index(src, n)].clone()) for src, dst, n in copies]
+        for where, k, v in staged:
+            self.k[where] = k
+            self.v[where] = v
+
+    def _prefix_index(self, slot: int, count: int) -> tuple:
+        """Index of the first ``count`` positions of ``slot`` in ``k`` / ``v``, every layer and head."""
+        if self.token_major:
+            return slice(None), slot, slice(None, count)
+        return slice(None), slot, slice(None), slice(None, count)
+
     def bytes_per_token(self) -> int:
         """KV bytes one cached token costs over all layers (k and v)."""
         layers, dh = self.k.shape[0], self.k.shape[-1]

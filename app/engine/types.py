@@ -289,7 +289,11 @@ class StepOutput:
         features: target hidden states, at the engine's feature layers, of the tokens that entered the KV
             cache in this step (the drafter's conditioning input): after a prefill the prompt tokens
             (row j predicted prompt token j+1, the last row predicted ``new_token_ids[0]``); after a verify
-            step the pending token and the accepted drafts (row i predicted the i-th committed token).
+            step the pending token and the accepted drafts (row i predicted the i-th committed token). Shared with
+            the engine's prefix cache after a prefill: read, never modify.
+        num_cached_tokens: after a prefill, the prompt tokens whose keys/values (and features) came from the prefix
+            cache instead of the forward (OpenAI's ``usage.prompt_tokens_details.cached_tokens``); 0 after a verify
+            step.
     """
 
     request_id: str
@@ -302,6 +306,7 @@ class StepOutput:
     # [T_new, F] features of the tokens that entered the cache this step (dtype of the model)
     features: torch.Tensor | None = field(default=None, repr=False)
     logprobs: list[TokenLogprob] | None = None  # one per new_token_ids entry when SamplingParams.logprobs is set
+    num_cached_tokens: int = 0
 
 
 def accepted_length(accepted: int, rounds: int) -> float:

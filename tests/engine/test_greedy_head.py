@@ -106,7 +106,8 @@ def test_bad_arguments_are_rejected():
 def test_greedy_decoding_is_the_same_with_and_without_the_screen(bf16_engine, eval_prompts):
     engine = bf16_engine
     assert engine._screen is not None
-    plain = TargetEngine(EngineConfig(dtype="bfloat16", max_num_seqs=4, max_model_len=1024, greedy_screen=False))
+    plain = TargetEngine(EngineConfig(dtype="bfloat16", max_num_seqs=4, max_model_len=1024, greedy_screen=False,
+                                      enable_prefix_caching=False))
     assert plain._screen is None
     prompts = [engine.encode_chat([{"role": "user", "content": p}]) for p in eval_prompts[:3]]
     params = SamplingParams(max_tokens=24)

@@ -70,8 +70,9 @@ def test_compile_elementwise_by_default_where_triton_runs(engine, monkeypatch):
 
 @pytest.fixture(scope="module")
 def bucketed(engine):
-    return TargetEngine(EngineConfig(max_num_seqs=24, max_model_len=512, verify_step="bucketed"),
-                        loaded=engine.target)
+    """Prefix caching off, as ``engine`` (tests/conftest.py): greedy runs are compared token for token."""
+    return TargetEngine(EngineConfig(max_num_seqs=24, max_model_len=512, verify_step="bucketed",
+                                     enable_prefix_caching=False), loaded=engine.target)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +85,8 @@ def bucketed32(engine32):
 
 @pytest.fixture(scope="module")
 def ragged(engine):
-    return TargetEngine(EngineConfig(max_num_seqs=8, max_model_len=512), loaded=engine.target)
+    return TargetEngine(EngineConfig(max_num_seqs=8, max_model_len=512, enable_prefix_caching=False),
+                        loaded=engine.target)
 
 
 @pytest.fixture(scope="module")

@@ -103,12 +103,12 @@ def prompts(engine) -> list[list[int]]:
 def test_token_major_steps_decode_as_the_sdpa_engine(engine, prompts, step, monkeypatch):
     if engine.device.type != "cpu":
         pytest.skip("the reference kernel stands in for FlashAttention on a CPU (tests/gpu runs the kernel)")
-    sdpa = TargetEngine(EngineConfig(max_num_seqs=8, max_model_len=512, verify_step=step), loaded=engine.target)
+    config = EngineConfig(max_num_seqs=8, max_model_len=512, verify_step=step, enable_prefix_caching=False)  # as engine
+    sdpa = TargetEngine(config, loaded=engine.target)
     reference = [r.token_ids for r in generate(sdpa, prompts, GREEDY)[0]]
     monkeypatch.setattr(engine_module, "flash_varlen_problem", lambda *a, **k: None)
     monkeypatch.setattr(model_module, "flash_varlen", varlen_attention_math)
-    varlen = TargetEngine(EngineConfig(max_num_seqs=8, max_model_len=512, verify_step=step, attention="flash"),
-                          loaded=engine.target)
+    varlen = TargetEngine(config.model_copy(update={"attention": "flash"}), loaded=engine.target)
     assert varlen.attention == "flash" and varlen.cache.token_major
     check_greedy_speculation(varlen, prompts, reference, GREEDY, RAGGED)
     assert varlen.num_active == 0

@@ -47,8 +47,10 @@ def model_dir(tmp_path_factory):
 
 
 def device_engine(model_dir, dtype: str, **config) -> TargetEngine:
+    """An engine on the test device; prefix caching off (as ``tests/conftest.py``'s ``engine``: these tests compare runs
+    token for token)."""
     return TargetEngine(EngineConfig(model=str(model_dir), device=DEVICE, dtype=dtype, max_model_len=512,
-                                     **{"max_num_seqs": 16, **config}))
+                                     **{"max_num_seqs": 16, "enable_prefix_caching": False, **config}))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,128 @@
+"""Prefix caching (app/engine/prefix_cache.py): the longest-prefix match, the engine reusing a donor slot's keys/values
+and features, and outputs unchanged by it (greedy and seeded sampled; the sampled-distribution tests of this
+package run with it on as well, asserted here to hit).
+
+Uses the session-scoped ``engine`` fixture of ``tests/conftest.py``; the engines built here share its weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
+from app.engine.prefix_cache import PrefixCache
+from app.engine.types import DraftBlock, NewRequest, SamplingParams
+from tests.engine.near_tie import check_same_or_near_tie, check_seeded_same_or_near_tie
+
+GREEDY = SamplingParams(max_tokens=10)
+SEEDED = SamplingParams(max_tokens=10, temperature=0.9, seed=77)
+
+
+def ids(*tokens: int) -> torch.Tensor:
+    return torch.tensor(tokens, dtype=torch.long)
+
+
+def test_match_finds_the_longest_shared_prefix_and_leaves_the_last_token_to_compute():
+    cache = PrefixCache(num_slots=4)
+    feats = torch.arange(12.0).reshape(6, 2)
+    cache.store(1, ids(5, 6, 7, 8, 9, 10), feats)
+    cache.store(2, ids(5, 6, 7), feats[:3])
+    hit = cache.match(ids(5, 6, 7, 8, 1))
+    assert (hit.slot, hit.length) == (1, 4) and torch.equal(hit.features, feats[:4])
+    assert cache.match(ids(5, 6, 7, 8, 9, 10)).length == 5  # the whole prompt matches: its last token is recomputed
+    assert cache.match(ids(5, 6)).length == 1
+    assert cache.match(ids(4, 6, 7)).slot == -1 and cache.match(ids(5)).length == 0
+    assert (cache.match(ids(5, 6, 7, 2)).slot, cache.match(ids(5, 6, 7, 2)).length) == (1, 3)  # a tie: lowest slot
+    cache.store(1, ids(5, 9), feats[:2])  # the slot is given a shorter prompt: nothing of the old one is left
+    assert (cache.match(ids(5, 6, 7, 8, 1)).slot, cache.match(ids(5, 6, 7, 8, 1)).length) == (2, 3)
+    cache.forget(2)
+    assert cache.match(ids(5, 6, 7, 8, 1)).length == 1
+    cache.store(0, torch.arange(40), torch.zeros(40, 2))  # longer than any record so far: the table grows
+    assert cache.match(torch.arange(50)).length == 40
+
+
+def test_batch_invariant_mode_turns_prefix_caching_off_and_refuses_it():
+    assert EngineConfig().prefix_caching and not EngineConfig(batch_invariant=True).prefix_caching
+    assert not EngineConfig(enable_prefix_caching=False).prefix_caching
+    with pytest.raises(ValidationError, match="batch_invariant"):
+        EngineConfig(batch_invariant=True, enable_prefix_caching=True)
+
+
+@pytest.fixture
+def engines(engine) -> tuple[TargetEngine, TargetEngine]:
+    """The real target with prefix caching on and off (6 slots each, no record yet)."""
+    config = dict(max_num_seqs=6, max_model_len=512)
+    return (TargetEngine(EngineConfig(**config), loaded=engine.target),
+            TargetEngine(EngineConfig(**config, enable_prefix_caching=False), loaded=engine.target))
+
+
+def decode(engine: TargetEngine, requests: list[NewRequest]) -> dict[str, tuple[list[int], int]]:
+    """Plain decoding of ``requests`` admitted in one batch: per request its token ids and cached prompt tokens."""
+    firsts = engine.add_requests(requests)
+    out = {f.request_id: (list(f.new_token_ids), f.num_cached_tokens) for f in firsts}
+    live = [f.request_id for f in firsts if not f.finished]
+    while live:
+        steps = engine.verify([DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in live])
+        for s in steps:
+            out[s.request_id][0].extend(s.new_token_ids)
+        live = [s.request_id for s in steps if not s.finished]
+    return out
+
+
+def chat(engine: TargetEngine, text: str) -> list[int]:
+    return engine.encode_chat([{"role": "user", "content": text}])
+
+
+def test_prompts_sharing_prefixes_reuse_them_and_decode_as_without_the_cache(engines):
+    on, off = engines
+    a, b = chat(on, "Name three rivers in Europe."), chat(on, "Why is the sky blue? Answer briefly.")
+    system = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the chat template's system prompt
+    assert system > 10
+    on.add_requests([NewRequest("b", b, SamplingParams(max_tokens=40, ignore_eos=True))])  # slot 0, kept running
+    assert decode(on, [NewRequest("a", a, GREEDY)])["a"][1] == system  # slot 1, finished: its slot keeps "a"
+    kept = [t.clone() for t in on.cache.slot_tokens(1, len(a))]
+    # "p" reuses all of "b" (running) and takes the lowest free slot, "a"'s: it copies b's keys/values there; "q" reuses
+    # all of "a", from that same slot, into the next one: it must read "a"'s keys/values, not the copy "p" writes
+    p, q = b + chat(on, "And at sunset?")[1:], a + [28]
+    requests = [NewRequest("p", p, GREEDY), NewRequest("q", q, SEEDED)]
+    got = decode(on, requests)
+    assert (got["p"][1], got["q"][1]) == (len(b), len(a))
+    for before, after in zip(kept, on.cache.slot_tokens(2, len(a))):
+        assert torch.equal(before, after)
+    expected = decode(off, requests)
+    assert (expected["p"][1], expected["q"][1]) == (0, 0)
+    check_same_or_near_tie(on, p, expected["p"][0], got["p"][0])
+    check_seeded_same_or_near_tie(on, q, expected["q"][0], got["q"][0], SEEDED)
+    on.release("b")
+
+
+def test_reused_keys_values_and_features_are_the_donors(engines):
+    on, _ = engines
+    prompt = chat(on, "What is the capital of France?")
+    (first,) = on.add_requests([NewRequest("donor", prompt, SamplingParams(max_tokens=4, ignore_eos=True))])
+    donor = on._requests["donor"].slot
+    (second,) = on.add_requests([NewRequest("reuser", prompt + [28], SamplingParams(max_tokens=4))])
+    reuser = on._requests["reuser"].slot
+    n = len(prompt)
+    assert second.num_cached_tokens == n and reuser != donor
+    assert torch.equal(second.features[:n], first.features)
+    for donor_kv, reuser_kv in zip(on.cache.slot_tokens(donor, n), on.cache.slot_tokens(reuser, n)):
+        assert torch.equal(donor_kv, reuser_kv)
+    on.release("donor")
+    on.release("reuser")
+    (third,) = on.add_requests([NewRequest("again", prompt + [28, 29], SamplingParams(max_tokens=4))])
+    assert third.num_cached_tokens == n + 1 and on._requests["again"].slot == reuser  # the donor's free slot
+    on.release("again")
+
+
+def test_sampled_distribution_tests_run_on_prefix_hits(engine32):
+    """The float32 chi-square tests admit hundreds of copies of one prompt: all but the first wave's reuse it."""
+    assert engine32.config.prefix_caching
+    prompt = engine32.encode("The best fruit is")
+    params = SamplingParams(max_tokens=1, temperature=1.0)
+    firsts = engine32.add_requests([NewRequest(f"p{i}", prompt, params) for i in range(2)])
+    again = engine32.add_requests([NewRequest(f"q{i}", prompt, params) for i in range(2)])
+    assert [f.num_cached_tokens for f in firsts + again][2:] == [len(prompt) - 1] * 2

@@ -359,7 +359,7 @@ class Ingress:
         token_ids = [t for chunk in flight.choices[0].chunks for t in chunk.token_ids]
         return completion_body(
             chat=chat, request_id=request_id, model=self.config.served_model_name, choices=choices,
-            prompt_tokens=self._prompt_tokens(flight, req),
+            prompt_tokens=self._prompt_tokens(flight, req), cached_tokens=self._cached_tokens(flight, req),
             completion_tokens=sum(x.num_tokens for c in flight.choices for x in c.chunks),
             spec=SpecStats.total([c.chunks[-1].spec or SpecStats() for c in flight.choices]) if req.spec_stats
             else None, token_ids=token_ids if req.return_token_ids else None,
@@ -369,6 +369,11 @@ class Ingress:
     def _prompt_tokens(flight: _InFlight, req) -> int:
         """Prompt tokens of the request: each prompt once, however many choices it has."""
         return sum(c.first.prompt_tokens for c in flight.choices if c.index % req.num_choices == 0)
+
+    @staticmethod
+    def _cached_tokens(flight: _InFlight, req) -> int:
+        """Of ``_prompt_tokens``, those reused from the prefix cache."""
+        return sum(c.first.cached_tokens for c in flight.choices if c.index % req.num_choices == 0)
 
     async def _sse(self, flight: _InFlight, *, chat: bool, request_id: str, req) -> AsyncIterator[str]:
         """The streamed response: the choices' chunks as they come, then usage (if asked) and ``[DONE]``."""
@@ -433,7 +438,8 @@ class Ingress:
             if req.include_usage:
                 body = chunk_body(chat=chat, request_id=request_id, created=created, model=model, text=None)
                 body["choices"] = []
-                body["usage"] = usage(self._prompt_tokens(flight, req), completion_tokens)
+                body["usage"] = usage(self._prompt_tokens(flight, req), completion_tokens,
+                                      self._cached_tokens(flight, req))
                 yield event(body)
             yield "data: [DONE]\n\n"
         finally:

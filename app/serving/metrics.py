@@ -222,6 +222,10 @@ API_COUNTERS = (
     ("dspark_rounds", None, "Rounds (one verify step over a replica's batch).", "rounds"),
     ("dspark_output_tokens", None, "Tokens streamed to clients.", "output_tokens"),
     ("dspark_requests_finished", None, "Requests that finished (EOS, stop or length).", "requests_finished"),
+    ("dspark_prefix_cache_queries", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (every "
+     "admitted prompt token).", "prefix_cache_queries"),
+    ("dspark_prefix_cache_hits", "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
+     "prefix_cache_hits"),
 )
 PER_POSITION = ("dspark_spec_decode_accepted_tokens_per_pos", "vllm:spec_decode_num_accepted_tokens_per_pos",
                 "Draft tokens accepted at block position (0-based).")

@@ -393,11 +393,13 @@ def error_body(err: ErrorItem) -> dict:
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's ``usage`` object; ``cached_tokens``: prompt tokens reused from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -425,12 +427,12 @@ def completion_logprobs(entries: list[TokenLogprobText], offset: int) -> dict:
 
 def completion_body(
     *, chat: bool, request_id: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-    spec: SpecStats | None, token_ids: list[int] | None = None,
+    spec: SpecStats | None, token_ids: list[int] | None = None, cached_tokens: int = 0,
 ) -> dict:
     """A non-streamed response (``chat.completion`` or ``text_completion``); ``choices`` from ``choice_body``."""
     body = {
         "id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-        "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
+        "model": model, "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
     if spec is not None:
         body["spec_stats"] = spec.to_json()

@@ -105,6 +105,8 @@ class SpecCounters:
     rounds: int = 0
     output_tokens: int = 0  # tokens streamed to clients (prefill first tokens included)
     requests_finished: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens admitted
+    prefix_cache_hits: int = 0  # prompt tokens of them reused from the prefix cache
     # cause (``FALLBACK_CAUSES``) -> requests moved to plain decoding; a load report copies the replica's own count
     # (``ReplicaStats.fallbacks``) here
     fallbacks: dict[str, int] = field(default_factory=dict)
@@ -129,6 +131,8 @@ class SpecCounters:
                             accepted_tokens=self.accepted_tokens + other.accepted_tokens, accepted_per_pos=per_pos,
                             rounds=self.rounds + other.rounds, output_tokens=self.output_tokens + other.output_tokens,
                             requests_finished=self.requests_finished + other.requests_finished,
+                            prefix_cache_queries=self.prefix_cache_queries + other.prefix_cache_queries,
+                            prefix_cache_hits=self.prefix_cache_hits + other.prefix_cache_hits,
                             fallbacks={cause: self.fallbacks.get(cause, 0) + other.fallbacks.get(cause, 0)
                                        for cause in self.fallbacks.keys() | other.fallbacks.keys()})
 
@@ -151,6 +155,7 @@ class TextChunk:
     token_ids: list[int]  # tokens committed in this step
     prompt_tokens: int
     finish_reason: str | None = None  # 'stop' | 'length' on the last chunk
+    cached_tokens: int = 0  # on the first chunk: prompt tokens reused from the prefix cache
     spec: SpecStats | None = None  # on the last chunk
     logprobs: list[TokenLogprobText] | None = None  # one per token id when the request asked for logprobs
 
@@ -164,7 +169,7 @@ class TextChunk:
             (self.logprobs or []) + (later.logprobs or [])
         return TextChunk(text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
                          prompt_tokens=later.prompt_tokens, finish_reason=later.finish_reason, spec=later.spec,
-                         logprobs=logprobs)
+                         logprobs=logprobs, cached_tokens=self.cached_tokens + later.cached_tokens)
 
 
 @dataclass(frozen=True)

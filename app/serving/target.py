@@ -388,6 +388,7 @@ class TargetReplica:
             stream.queue.put_nowait(internal_error(result))
             return
         stream.record, first = result
+        self.telemetry.prefilled(len(stream.prompt_ids), first.num_cached_tokens)
         self._emit(stream, first)
         if not stream.done:
             self._active[req.request_id] = stream
@@ -493,6 +494,7 @@ class TargetReplica:
             text=out.text, token_ids=list(out.new_token_ids), prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,
             spec=spec if out.finished else None, logprobs=logprob_texts(self.engine.tokenizer, out.logprobs),
+            cached_tokens=out.num_cached_tokens,
         )
         if stream.held is not None:
             chunk = stream.held.then(chunk)

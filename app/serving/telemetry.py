@@ -103,6 +103,11 @@ class TargetTelemetry:
             self.metrics.finished(accepted_length=spec.mean_accepted_length if spec.draft_tokens else None,
                                   tpot_ms=tpot)
 
+    def prefilled(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request was admitted: ``prompt_tokens`` looked up in the prefix cache, ``cached_tokens`` of them found."""
+        self.counters.prefix_cache_queries += prompt_tokens
+        self.counters.prefix_cache_hits += cached_tokens
+
     def dropped(self, request_id: str) -> None:
         self.window.forget(request_id)
 

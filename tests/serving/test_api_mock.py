@@ -73,7 +73,8 @@ def test_chat_non_streaming_schema_usage_and_stats(url):
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": expected_text("hi", 20)}
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 20, "total_tokens": 23}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 20, "total_tokens": 23,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     stats = body["spec_stats"]
     assert stats["rounds"] >= 1 and stats["accepted_tokens"] > 0 and not stats["fallback"]
     assert stats["accepted_tokens"] + stats["rounds"] == 19  # every token after the prefill came from a round

@@ -159,6 +159,20 @@ def test_openai_client_text_parts_and_models_on_the_real_engine(url):
     assert client.models.retrieve("smollm2-135m").model_extra["max_model_len"] == 1024
 
 
+@pytest.mark.slow
+@DEFAULT_PLACEMENT_ONLY
+def test_a_repeated_prompt_reuses_its_prefix(url, engine):
+    """Prefix caching on the default config: a prompt sent again prefills only its last token, usage says so (OpenAI's
+    ``prompt_tokens_details.cached_tokens``), and the answer is the first one's up to a near-tie."""
+    body = chat_body("Name a large city in Africa.", max_tokens=12, return_token_ids=True)
+    first, again = (httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).json() for _ in range(2))
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert again["usage"]["prompt_tokens"] == prompt_tokens
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": prompt_tokens - 1}
+    ids = engine.encode_chat(body["messages"])
+    check_same_or_near_tie(engine, ids, first["token_ids"], again["token_ids"])
+
+
 NEWLINE = 198  # SmolLM2's "\n" token
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
           "additionalProperties": False}

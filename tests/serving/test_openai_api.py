@@ -146,8 +146,9 @@ def test_metrics_text_has_vllm_spec_decode_counters():
     counters.add_round([3, 0, 2], [2, 0, 2])
     counters.add_round([3], [0])
     counters.fallbacks = {"timeout": 2, "drafter_error": 1}
+    counters.prefix_cache_queries, counters.prefix_cache_hits = 40, 30
     total = counters + SpecCounters(drafts=1, draft_tokens=1, accepted_tokens=1, accepted_per_pos=[1],
-                                    fallbacks={"timeout": 1, "a_new_cause": 1})
+                                    fallbacks={"timeout": 1, "a_new_cause": 1}, prefix_cache_queries=9)
     text = prometheus_text(total, model_name='m"x', positions=4)
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     label = 'model_name="m\\"x"'
@@ -158,6 +159,8 @@ def test_metrics_text_has_vllm_spec_decode_counters():
     per_pos = [samples[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{label},position="{k}"}}']
                for k in range(4)]
     assert per_pos == ["3", "2", "0", "0"]
+    assert (samples[f"vllm:prefix_cache_queries_total{{{label}}}"], samples[f"vllm:prefix_cache_hits_total{{{label}}}"],
+            samples[f"dspark_prefix_cache_hits_total{{{label}}}"]) == ("49", "30", "30")
     fallbacks = {cause: samples[f'dspark_fallbacks_total{{{label},cause="{cause}"}}']
                  for cause in (*FALLBACK_CAUSES, "a_new_cause")}
     assert fallbacks == {**{cause: "0" for cause in FALLBACK_CAUSES}, "timeout": "3", "drafter_error": "1",

@@ -1,5 +1,6 @@
-"""Engine benchmark: plain decoding speed, verify-step cost by total tokens and batch size, and verify steps over
-mixed contexts (where a step's attention may be split into several calls, ``app/engine/model.py``).
+"""Engine benchmark: plain decoding speed, verify-step cost by total tokens and batch size, verify steps over
+mixed contexts (where a step's attention may be split into several calls, ``app/engine/model.py``), and prefill
+time with part of the prompt in the prefix cache (``app/engine/prefix_cache.py``).
 
 Usage: ``python -m app.engine.bench [--model smollm2-135m] [--runs 3] [--tokens 128]``
 
@@ -19,7 +20,7 @@ from app.loop import generate
 from app.engine.config import EngineConfig, VerifyStep
 from app.engine.engine import TargetEngine
 from app.engine.hardware import hardware_name
-from app.engine.timing import time_mixed_step, time_verify_step
+from app.engine.timing import time_mixed_step, time_prefill, time_verify_step
 from app.engine.types import SamplingParams
 
 # 16 requests: contexts spread over 100-350 tokens (fixed draw), and fifteen at 200 beside one at 1,700
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--verify-step", choices=get_args(VerifyStep), default="ragged",
                     help="verify steps in exact shapes, bucketed static shapes, or bucketed CUDA graphs "
                     "(EngineConfig.verify_step)")
+    ap.add_argument("--prefill-context", type=int, default=1024, help="prompt tokens of the prefill timings")
     ap.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=True,
                     help="oneDNN-prepacked linear layers on the CPU (EngineConfig.prepack)")
     args = ap.parse_args(argv)
@@ -85,6 +87,13 @@ def main(argv: list[str] | None = None) -> dict:
     for c in MIXED_CONTEXTS:
         print(f"{c:>32}" + "".join(f"{mixed[(c, t)]:>22.1f}" for t in MIXED_TOKENS))
 
+    n = args.prefill_context
+    prefill = {shared: time_prefill(engine, context=n, shared=shared) for shared in (0, n // 2, n - 32, n - 1)}
+    print(f"\nprefill and first token, a {n}-token prompt, its first tokens in the prefix cache:\n"
+          f"{'cached':>8} {'ms':>8}")
+    for shared, ms in prefill.items():
+        print(f"{shared:>8} {ms:>8.1f}")
+
     result = {
         "model": args.model,
         "dtype": str(engine.cache.k.dtype).removeprefix("torch."),
@@ -98,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         "verify_16_over_1": round(by_tokens[16] / by_tokens[1], 3),
         "verify_ms_by_batch": {f"{b}x{t}": round(ms, 2) for (b, t), ms in grid.items()},
         "verify_ms_mixed": {f"{c} / {t}": round(ms, 2) for (c, t), ms in mixed.items()},
+        "prefill_ms_by_cached": {str(shared): round(ms, 2) for shared, ms in prefill.items()},
     }
     print(json.dumps(result))
     return result

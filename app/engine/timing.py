@@ -1,7 +1,7 @@
 """Timing primitives shared by the engine benchmark and the throughput profiler.
 
-Owns: timing one verify step of a given shape and one drafter step on a live engine, with warm-up and
-medians. Requests used for timing get a prompt of ``context`` tokens of natural text (``TIMING_TEXT`` repeated)
+Owns: timing one verify step of a given shape, one prefill with part of its prompt in the prefix cache, and one
+drafter step on a live engine, with warm-up and medians. Requests used for timing get a prompt of ``context`` tokens of natural text (``TIMING_TEXT`` repeated)
 and are released afterwards; draft tokens continue that text.
 
 Why natural text: random token ids give the target flat next-token distributions, and on CPU the greedy screen
@@ -117,6 +117,41 @@ def time_mixed_step(
             _synchronize(engine)
             if i >= warmup:
                 times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
+
+
+PREFILL_MARKERS = " zero one two three four five six seven eight nine"  # a distinct token per timed prefill
+
+
+def time_prefill(engine: TargetEngine, *, context: int, shared: int, repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall time (ms) of admitting one greedy request (its prefill and first token) with a ``context``-token
+    prompt whose first ``shared`` tokens another prompt in the engine's prefix cache holds (``prefix_cache.py``), so
+    only ``context - shared`` are computed; 0 <= shared < context. Each prompt is ``TIMING_TEXT``'s tokens with a
+    distinct marker token at position ``shared``, so consecutive prompts share exactly ``shared`` tokens (the first
+    one, a warm-up, puts them in the cache).
+
+    Raises:
+        ValueError: ``shared`` outside [0, context), more prompts than markers, no free slot, or ``shared > 0`` on an
+            engine without prefix caching.
+    """
+    markers = engine.encode(PREFILL_MARKERS)
+    if not 0 <= shared < context or warmup + repeats > len(markers) or engine.num_free_slots == 0:
+        raise ValueError(f"need 0 <= shared < context ({shared}, {context}), at most {len(markers)} prompts "
+                         f"(got {warmup + repeats}) and a free slot ({engine.num_free_slots})")
+    if shared and not engine.config.prefix_caching:
+        raise ValueError("shared > 0 needs an engine with prefix caching (EngineConfig.enable_prefix_caching)")
+    text = timing_tokens(engine, context)
+    params = SamplingParams(max_tokens=1)
+    times = []
+    for i, marker in enumerate(markers[: warmup + repeats]):
+        prompt = text[:shared] + [marker] + text[shared + 1 :]
+        _synchronize(engine)
+        t0 = time.perf_counter()
+        first = engine.add_request(f"prefill-timing-{i}", prompt, params)  # one token: finished at once
+        _synchronize(engine)
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1000.0)
+            assert first.num_cached_tokens == shared, (first.num_cached_tokens, shared)
     return statistics.median(times)
 
 

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from app.engine import greedy_head
-from app.engine.timing import TIMING_TEXT, time_mixed_step, time_verify_step, timing_tokens
+from app.engine.config import EngineConfig
+from app.engine.engine import TargetEngine
+from app.engine.timing import TIMING_TEXT, time_mixed_step, time_prefill, time_verify_step, timing_tokens
 
 
 def test_timing_tokens_tile_the_text(engine):
@@ -52,3 +54,24 @@ def test_a_mixed_step_is_timed_at_its_contexts_and_leaves_no_request(engine, mon
         time_mixed_step(engine, contexts=[40, 300], tokens=[1])
     with pytest.raises(ValueError, match="one verify length"):
         time_mixed_step(engine, contexts=[40], tokens=[engine.config.max_draft_len + 2])
+
+
+def test_a_prefill_is_timed_with_the_planned_prefix_in_the_cache(engine, monkeypatch):
+    cached = TargetEngine(EngineConfig(max_num_seqs=4, max_model_len=256), loaded=engine.target)
+    computed = []
+    prefill = type(cached)._prefill
+
+    def recording(self, reqs, prompts, hits):
+        computed.extend(len(ids) - hit.length for ids, hit in zip(prompts, hits))
+        return prefill(self, reqs, prompts, hits)
+
+    monkeypatch.setattr(type(cached), "_prefill", recording)
+    for shared in (0, 30, 63):
+        assert time_prefill(cached, context=64, shared=shared, repeats=2) > 0
+    # each call's warm-up puts its shared prefix in the cache (it meets only the previous call's shorter one)
+    assert computed == [64, 64, 64] + [64, 34, 34] + [34, 1, 1]
+    assert cached.num_active == 0
+    with pytest.raises(ValueError, match="prefix caching"):
+        time_prefill(engine, context=64, shared=30)
+    with pytest.raises(ValueError, match="0 <= shared < context"):
+        time_prefill(cached, context=64, shared=64)

@@ -300,10 +300,15 @@ def test_sampled_drafts_the_grammar_forbids_are_rejected_not_cut(engine):
     """Rejection sampling against a draft distribution q must see a draft the grammar forbids (target probability 0)
     and draw from the residual (p - q)+ there; cutting the block before it draws from p instead, and the output leans
     to the tokens q favours. One-token blocks with q = w on an allowed token a (w = p(a)) and 1 - w on a forbidden
-    one: P(a) is p(a) when exact, w + (1 - w) p(a) = p(a) + p(a)(1 - p(a)) when cut. z-test of the count of a."""
+    one: P(a) is p(a) when exact, w + (1 - w) p(a) = p(a) + p(a)(1 - p(a)) when cut. z-test of the count of a.
+    The 384 copies of the prompt are prefilled by an engine with prefix caching (``engine``'s weights)."""
+    from app.engine.config import EngineConfig
+    from app.engine.engine import TargetEngine
     from app.engine.logits_process import sampling_probs
     from app.engine.near_tie import processed_logits
     from app.engine.types import NewRequest
+
+    engine = TargetEngine(EngineConfig(max_num_seqs=24, max_model_len=512), loaded=engine.target)
 
     params = SamplingParams(max_tokens=4, temperature=1.0, guided=_guided("json_object"))
     prompt = engine.encode_chat([{"role": "user", "content": JSON_QUESTIONS["json_object"][0]}])

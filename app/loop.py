@@ -20,6 +20,7 @@ Shape symbols: B requests in a round, K block size (gamma).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -254,15 +255,18 @@ class SpecLoop:
 
     # ------------------------------------------------------------------ admission
 
-    def admission_size(self, prompt_lens: Sequence[int], *, max_active: int | None = None) -> int:
-        """How many of the waiting prompts (lengths in queue order) the next ``admit`` takes: as many as fit the free
-        KV slots (and ``max_active`` active requests, when given) and ``max_prefill_tokens`` (0: none fits)."""
+    def admission_size(self, prompts: Sequence[Sequence[int]], *, max_active: int | None = None) -> int:
+        """How many of the waiting prompts (token ids, in queue order) the next ``admit`` takes: as many as fit the
+        free KV slots (and ``max_active`` active requests, when given) and ``max_prefill_tokens`` (0: none fits).
+        The budget counts the tokens each prefill computes (``Engine.prefill_tokens``: a prefix reused from the
+        prefix cache is free), as vLLM's ``max_num_batched_tokens`` does."""
         free = self.engine.num_free_slots
         if max_active is not None:
             free = min(free, max_active - len(self.active))
-        if free <= 0 or not prompt_lens:
+        if free <= 0 or not prompts:
             return 0
-        return prefill_batch_size(list(prompt_lens), max_tokens=self.max_prefill_tokens, max_requests=free)
+        lens = [self.engine.prefill_tokens(ids) for ids in itertools.islice(prompts, free)]
+        return prefill_batch_size(lens, max_tokens=self.max_prefill_tokens, max_requests=free)
 
     def admit(self, requests: Sequence[NewRequest]) -> list[tuple[RequestResult, StepOutput] | Exception]:
         """Prefill ``requests`` in one forward; per request its record and first output, or the exception that
@@ -543,7 +547,7 @@ def generate(
     stats = GenerateStats()
     start = time.perf_counter()
     while waiting or loop.active:
-        while n := loop.admission_size([len(prompts[i]) for i in waiting], max_active=limit):
+        while n := loop.admission_size([prompts[i] for i in waiting], max_active=limit):
             admitted, waiting = waiting[:n], waiting[n:]
             admissions = loop.admit([NewRequest(f"{id_prefix}-{i}", prompts[i], params_list[i]) for i in admitted])
             refused = [a for a in admissions if isinstance(a, Exception)]

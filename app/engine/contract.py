@@ -67,6 +67,11 @@ class Engine(ABC):
         """[V, Dm] the target's input embedding (a drafter in the same process shares it), or None without one."""
         return None
 
+    def prefill_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens an admission of ``prompt_ids`` computes now: all T of them, less any prefix the engine
+        reuses from earlier prompts (prefix caching). The admission budget counts these."""
+        return len(prompt_ids)
+
     @abstractmethod
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is held."""

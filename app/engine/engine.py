@@ -214,6 +214,12 @@ class TargetEngine(Engine):
         """Token ids of a raw completion prompt."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def prefill_tokens(self, prompt_ids: Sequence[int]) -> int:
+        """T less the prefix the prefix cache would reuse for ``prompt_ids`` now (T without prefix caching)."""
+        if self._prefix is None or len(prompt_ids) < 2:
+            return len(prompt_ids)
+        return len(prompt_ids) - self._prefix.match(torch.as_tensor(prompt_ids, dtype=torch.long)).length
+
     def add_requests(self, requests: Sequence[NewRequest]) -> list[StepOutput]:
         """Validate every request, then prefill all their prompts in one ragged forward (batched prefill) and sample
         each first token.

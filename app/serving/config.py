@@ -76,7 +76,8 @@ class AppConfig(BaseModel):
     )
     max_prefill_tokens: int = Field(
         2048, ge=1, description="Prompt tokens prefilled in one forward: requests admitted together (between two "
-        "rounds) share one batched prefill up to this many tokens (vLLM's max_num_batched_tokens for prefills)."
+        "rounds) share one batched prefill up to this many computed tokens; a prefix reused from the prefix cache "
+        "does not count (vLLM's max_num_batched_tokens for prefills)."
     )
     stream_interval: int = Field(
         1, ge=1, description="Tokens a request gathers before its text is sent (vLLM's --stream-interval): fewer, "

@@ -352,14 +352,15 @@ class TargetReplica:
     async def _admit(self) -> None:
         """Move waiting requests into free KV slots, prefilling those admitted together in one forward
         (``max_prefill_tokens`` per forward)."""
-        while self._waiting:
-            n = self.loop.admission_size([len(s.prompt_ids) for s in self._waiting])
+        # Sizing and admission run on the torch thread: the prefix cache's match (sizing) and the loop's copy of
+        # features for the drafter (``strip_for_drafter``) are enough for torch to start an OpenMP parallel region;
+        # started on the event loop thread, that gives the process a second pool and slows every later engine step
+        # (torch_thread.py).
+        while self._waiting and self.engine.num_free_slots:
+            n = await self._run(self.loop.admission_size, [s.prompt_ids for s in self._waiting])
             if n == 0:
                 return
             streams = [self._waiting.popleft() for _ in range(n)]
-            # On the torch thread: the loop copies features for the drafter (``strip_for_drafter``), and a prompt's rows
-            # are enough for torch to start an OpenMP parallel region; started on the event loop thread, that gives
-            # the process a second pool and slows every later engine step (torch_thread.py).
             try:
                 results = await self._run(self.loop.admit, [NewRequest(s.request.request_id, s.prompt_ids,
                                                                       s.request.params) for s in streams])

@@ -15,6 +15,7 @@ from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.prefix_cache import PrefixCache
 from app.engine.types import DraftBlock, NewRequest, SamplingParams
+from app.loop import SpecLoop
 from tests.engine.near_tie import check_same_or_near_tie, check_seeded_same_or_near_tie
 
 GREEDY = SamplingParams(max_tokens=10)
@@ -116,6 +117,23 @@ def test_reused_keys_values_and_features_are_the_donors(engines):
     (third,) = on.add_requests([NewRequest("again", prompt + [28, 29], SamplingParams(max_tokens=4))])
     assert third.num_cached_tokens == n + 1 and on._requests["again"].slot == reuser  # the donor's free slot
     on.release("again")
+
+
+def test_the_admission_budget_counts_only_the_tokens_a_prefill_computes(engines):
+    on, off = engines
+    prompt = chat(on, "Describe the water cycle in two sentences.")
+    decode(on, [NewRequest("seen", prompt, SamplingParams(max_tokens=1))])  # a finished slot keeps the prompt
+    waiting = [prompt + [28 + i] for i in range(4)]  # each computes its last token with the cache, all without
+    assert [on.prefill_tokens(w) for w in waiting] == [1] * 4 and off.prefill_tokens(waiting[0]) == len(prompt) + 1
+    assert on.prefill_tokens([28]) == 1 and on.prefill_tokens(chat(on, "Hi")) < len(chat(on, "Hi"))  # template
+    budget = len(prompt) + 8
+    assert SpecLoop(on, gamma=None, speculates=False, max_prefill_tokens=budget).admission_size(waiting) == 4
+    assert SpecLoop(off, gamma=None, speculates=False, max_prefill_tokens=budget).admission_size(waiting) == 1
+    firsts = on.add_requests([NewRequest(f"w{i}", w, GREEDY) for i, w in enumerate(waiting)])
+    assert [f.num_cached_tokens for f in firsts] == [len(prompt)] * 4
+    for f in firsts:
+        if not f.finished:
+            on.release(f.request_id)
 
 
 def test_sampled_distribution_tests_run_on_prefix_hits(engine32):

@@ -72,6 +72,10 @@ class TargetMetrics:
             "dspark_lookup_drafts", "Request-rounds that verified a prompt-lookup draft instead of the drafter's "
             "block (or in a round without a drafter call).")
         self.requests = counter("dspark_requests_finished", "Requests that finished (EOS, stop or length).")
+        self.prefix_queries = counter("dspark_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                      "(every admitted prompt token).")
+        self.prefix_hits = counter("dspark_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
+                                   "prefilled).")
         self.fallbacks = counter("dspark_fallbacks", FALLBACKS_HELP, TAGS + ("cause",))
         self.position_verified = counter(
             "dspark_position_verified", "Draft tokens verified at block position k (1-based).", TAGS + ("position",))
@@ -140,6 +144,12 @@ class TargetMetrics:
         """``n`` requests fell back to plain decoding for ``cause``."""
         if n:
             self.fallbacks.inc(n, tags={"cause": cause})
+
+    def prefilled(self, *, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request was admitted: ``prompt_tokens`` looked up in the prefix cache, ``cached_tokens`` found."""
+        self.prefix_queries.inc(prompt_tokens)
+        if cached_tokens:
+            self.prefix_hits.inc(cached_tokens)
 
     def tokens(self, n: int) -> None:
         if n:

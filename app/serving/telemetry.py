@@ -105,6 +105,7 @@ class TargetTelemetry:
 
     def prefilled(self, prompt_tokens: int, cached_tokens: int) -> None:
         """A request was admitted: ``prompt_tokens`` looked up in the prefix cache, ``cached_tokens`` of them found."""
+        self.metrics.prefilled(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
         self.counters.prefix_cache_queries += prompt_tokens
         self.counters.prefix_cache_hits += cached_tokens
 

@@ -72,6 +72,8 @@ def test_counters_move_consistently(served):
     completion = sum(b["usage"]["completion_tokens"] for b in bodies)
     accepted_sent = sum(b["spec_stats"]["accepted_tokens"] for b in bodies)
     assert completion == REQUESTS * MAX_TOKENS
+    prompt_tokens = sum(b["usage"]["prompt_tokens"] for b in bodies)
+    cached = sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)
 
     def settled(m: dict) -> bool:
         """Every replica (target, drafter, router) has exported its figures of the last round."""
@@ -79,7 +81,8 @@ def test_counters_move_consistently(served):
                 and total(m, "ray_dspark_requests_finished_total") == REQUESTS
                 and total(m, "ray_dspark_accepted_tokens_total") == accepted_sent
                 and total(m, "ray_dspark_draft_call_ms_count") >= total(m, "ray_dspark_drafted_rounds_total") > 0
-                and "ray_dspark_router_verify_capacity" in m)
+                and "ray_dspark_router_verify_capacity" in m
+                and total(m, "ray_dspark_prefix_cache_queries_total") == prompt_tokens)
 
     deadline = time.monotonic() + FLUSH_TIMEOUT_S
     while not settled(m := scrape(port)):  # each worker exports every few seconds, independently
@@ -92,6 +95,7 @@ def test_counters_move_consistently(served):
     wasted = total(m, "ray_dspark_wasted_tokens_total", policy="dspark")
     assert 0 < accepted < verified <= drafted  # the mock drafter errs once per block
     assert wasted == verified - accepted
+    assert total(m, "ray_dspark_prefix_cache_hits_total") == cached
     assert total(m, "ray_dspark_position_verified_total") == verified
     assert total(m, "ray_dspark_position_accepted_total") == accepted
     assert total(m, "ray_dspark_position_accepted_total", position="1") >= \

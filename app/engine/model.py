@@ -600,9 +600,14 @@ class KVCache(nn.Module):
 
     def copy_prefixes(self, copies: list[tuple[int, int, int]]) -> None:
         """Copy the keys and values of the first ``count`` positions of slot ``src`` to slot ``dst``, every layer, for
-        each ``(src, dst, count)``; every source is read before any destination is written (a slot may be both)."""
-        staged = [(self._prefix_index(dst, n), self.k[self._prefix_index(src, n)].clone(),
-                   self.v[self._prefix_index(src, n)].clone()) for src, dst, n in copies]
+        each ``(src, dst, count)``; every source is read before any destination is written (a slot may be both: such
+        a source is cloned first, the others are copied from in place)."""
+        written = {dst for _, dst, _ in copies}
+        staged = []
+        for src, dst, n in copies:
+            k, v = self.k[self._prefix_index(src, n)], self.v[self._prefix_index(src, n)]
+            staged.append((self._prefix_index(dst, n), k.clone() if src in written else k,
+                           v.clone() if src in written else v))
         for where, k, v in staged:
             self.k[where] = k
             self.v[where] = v

@@ -31,7 +31,7 @@ import time
 import requests
 from locust import User, constant, events, task
 
-from loadtest.prompts import DEFAULT_PROMPTS, load_prompt_spec, max_tokens_plan, shuffled
+from loadtest.prompts import DEFAULT_PROMPTS, chat_messages, load_prompt_spec, max_tokens_plan, shuffled
 from loadtest.stream import StreamObserver, observe_stream
 
 ROUTE = "/v1/chat/completions"
@@ -49,6 +49,9 @@ def _options(parser) -> None:
                         help="Each request's max_tokens uniform in max_tokens x [1 - r, 1 + r] (seeded by "
                              "--prompt-seed; 0: all the same).")
     parser.add_argument("--temperature", type=float, default=0.0, env_var="LOADTEST_TEMPERATURE")
+    parser.add_argument("--system-prompt", default="", env_var="LOADTEST_SYSTEM_PROMPT",
+                        help="A system message sent before every prompt (a shared prefix: what prefix caching "
+                             "reuses); default none.")
     parser.add_argument("--ignore-eos", action="store_true", env_var="LOADTEST_IGNORE_EOS",
                         help="Always generate max_tokens (fixed-length answers).")
     parser.add_argument("--no-spec-stats", action="store_true", env_var="LOADTEST_NO_SPEC_STATS",
@@ -137,7 +140,7 @@ class ChatCompletionUser(User):
     def body(self, prompt: str) -> dict:
         options = self.environment.parsed_options
         body = {
-            "model": options.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "model": options.model, "messages": chat_messages(prompt, options.system_prompt), "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": next(_state["max_tokens"]),
             "temperature": options.temperature,
         }

@@ -141,6 +141,13 @@ def spec_summary(records: list[RequestRecord]) -> dict:
     }
 
 
+def prefix_hit_rate(records: list[RequestRecord]) -> float | None:
+    """Prompt tokens the server's prefix cache held over prompt tokens sent, for the requests whose usage says
+    (``prompt_tokens_details.cached_tokens``); None when none does."""
+    told = [r for r in records if r.cached_tokens is not None and r.prompt_tokens]
+    return sum(r.cached_tokens for r in told) / sum(r.prompt_tokens for r in told) if told else None
+
+
 def summarize(records: list[RequestRecord], window: Window, slo: Slo) -> dict:
     """The level's metrics (see the module docstring for each definition)."""
     started = [r for r in records if r.start in window]
@@ -162,6 +169,7 @@ def summarize(records: list[RequestRecord], window: Window, slo: Slo) -> dict:
         "failed": len(started) - len(ok),
         "errors": dict(errors.most_common(3)),
         "total_input_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        "prefix_cache_hit_rate": prefix_hit_rate(ok),
         "total_output_tokens": output_tokens,
         "output_tokens_from_usage": all(r.usage_reported for r in ok),
         "request_throughput": len(ended) / duration,

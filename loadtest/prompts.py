@@ -69,6 +69,13 @@ def max_tokens_plan(max_tokens: int, range_ratio: float, seed: int) -> Iterator[
     return (rng.randint(low, high) for _ in itertools.count())
 
 
+def chat_messages(prompt: str, system_prompt: str = "") -> list[dict[str, str]]:
+    """The chat ``messages`` of one request: ``prompt`` as the user turn, after ``system_prompt`` as a system
+    message when it is not empty (the same for every request: a shared prefix, what prefix caching reuses)."""
+    user = [{"role": "user", "content": prompt}]
+    return [{"role": "system", "content": system_prompt}, *user] if system_prompt else user
+
+
 def shuffled(prompts: list[str], seed: int) -> list[str]:
     """A seeded permutation: every run (and every policy) draws prompts in the same order."""
     order = list(prompts)

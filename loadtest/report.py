@@ -32,6 +32,7 @@ CSV_FIELDS = (
     "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
     "p50_itl_ms", "p90_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms",
     "mean_accepted_length", "mean_verify_length", "draft_acceptance_rate", "spec_fallback_requests",
+    "prefix_cache_hit_rate",
 )
 TABLE = (  # header, key, format
     ("policy", "series", "{}"), ("conc", "concurrency", "{}"), ("done", "completed", "{}"),

@@ -72,6 +72,7 @@ class RequestRecord:
     itl_ms: list[float] = field(default_factory=list)
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache held
     usage_reported: bool = False
     finish_reason: str | None = None
     spec: dict | None = None  # the server's spec_stats: rounds, draft_tokens, accepted_tokens, ...
@@ -167,7 +168,9 @@ class StreamObserver:
             ok=error is None, status=status, error=error, ttft_ms=None if first is None else ms(first),
             e2el_ms=ms(end_perf), itl_ms=[round(x, 3) for x in self.itl_ms],
             output_tokens=usage_tokens if usage_tokens is not None else self.text_chunks,
-            prompt_tokens=(self.usage or {}).get("prompt_tokens"), usage_reported=usage_tokens is not None,
+            prompt_tokens=(self.usage or {}).get("prompt_tokens"),
+            cached_tokens=((self.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
+            usage_reported=usage_tokens is not None,
             finish_reason=self.finish_reason, spec=self.spec,
         )
 

@@ -86,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "every policy (0: all the same; answers of one length make closed-loop users arrive in "
                          "cohorts)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--system-prompt-file", type=Path, default=None,
+                    help="a text file sent as the system message of every request (a shared prompt prefix: the "
+                    "level reports the server's prefix_cache_hit_rate from usage.prompt_tokens_details)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     ap.add_argument("--no-spec-stats", action="store_true", help="do not ask for the spec_stats extension")
     ap.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY", ""), help="default $DSPARK_API_KEY")
@@ -101,6 +104,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 0 <= args.max_tokens_range_ratio < 1:
         ap.error(f"--max-tokens-range-ratio must be in [0, 1), got {args.max_tokens_range_ratio}")
     load_prompt_spec(args.prompts)  # fail now, not inside the first Locust process
+    args.system_prompt = ""
+    if args.system_prompt_file is not None:
+        try:
+            args.system_prompt = args.system_prompt_file.read_text(encoding="utf-8").strip()
+        except OSError as err:
+            ap.error(f"--system-prompt-file: {err}")
+        if not args.system_prompt:
+            ap.error(f"--system-prompt-file: {args.system_prompt_file} is empty")
     args.out = args.out or REPO_ROOT / "runs" / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
     return args
 
@@ -112,7 +123,7 @@ def locust_env(args: argparse.Namespace, *, model: str, records: Path) -> dict:
         "LOADTEST_MAX_TOKENS": str(args.max_tokens),
         "LOADTEST_MAX_TOKENS_RANGE_RATIO": str(args.max_tokens_range_ratio),
         "LOADTEST_TEMPERATURE": str(args.temperature), "LOADTEST_RECORDS": str(records),
-        "LOADTEST_API_KEY": args.api_key,
+        "LOADTEST_API_KEY": args.api_key, "LOADTEST_SYSTEM_PROMPT": args.system_prompt,
     })
     for flag, name in ((args.ignore_eos, "LOADTEST_IGNORE_EOS"), (args.no_spec_stats, "LOADTEST_NO_SPEC_STATS")):
         if flag:
@@ -219,6 +230,7 @@ def run_config(args: argparse.Namespace) -> dict:
             "label")
     config = {k: getattr(args, k) for k in keys}
     config.update(config_file=None if args.url else str(args.config), argv=args.argv,
+                  system_prompt_file=None if args.system_prompt_file is None else str(args.system_prompt_file),
                   started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), machine=platform.platform(),
                   cpus=os.cpu_count())
     return config

@@ -2,7 +2,8 @@
 
 Every streamed answer: headers at once, the role chunk, then after ``ttft_s`` the first text chunk, then a
 chunk of ``tokens_per_chunk`` tokens every ``itl_s`` until ``max_tokens``; a final chunk with
-``finish_reason`` (and ``spec_stats`` when asked), the usage chunk when asked, ``[DONE]``. Chunked transfer
+``finish_reason`` (and ``spec_stats`` when asked), the usage chunk when asked (a word per prompt token, a system
+message's words cached), ``[DONE]``. Chunked transfer
 encoding, one event per write, as a real server streams.
 """
 
@@ -22,6 +23,14 @@ class Timeline:
     itl_s: float = 0.1
     tokens_per_chunk: int = 2
     model: str = "stub-model"
+
+
+def usage(messages: list[dict], completion_tokens: int) -> dict:
+    """A word per prompt token; a system message's words count as found in the prefix cache."""
+    prompt = sum(len(m["content"].split()) for m in messages)
+    cached = sum(len(m["content"].split()) for m in messages if m["role"] == "system")
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def make_handler(timeline: Timeline):
@@ -90,7 +99,7 @@ def make_handler(timeline: Timeline):
             self._event(final)
             if (req.get("stream_options") or {}).get("include_usage"):
                 self._event({"object": "chat.completion.chunk", "choices": [],
-                             "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": n + 7}})
+                             "usage": usage(req.get("messages") or [], n)})
             self._event("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()

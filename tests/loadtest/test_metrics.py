@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -98,6 +99,13 @@ def test_goodput_needs_an_slo_and_checks_every_objective():
 def test_without_spec_stats_the_spec_fields_are_none():
     result = summarize([rec(1, 300, 1300, 11)], Window(T0, T0 + 10), Slo())
     assert result["mean_accepted_length"] is None and result["spec_requests"] == 0
+
+
+def test_prefix_cache_hit_rate_counts_the_requests_whose_usage_tells():
+    told = [replace(rec(1, 300, 1300, 11), prompt_tokens=p, cached_tokens=c) for p, c in ((100, 60), (50, 0))]
+    untold = replace(rec(2, 300, 1300, 11), prompt_tokens=400)  # a server without prompt_tokens_details
+    assert summarize(told + [untold], Window(T0, T0 + 10), Slo())["prefix_cache_hit_rate"] == pytest.approx(0.4)
+    assert summarize([untold], Window(T0, T0 + 10), Slo())["prefix_cache_hit_rate"] is None
 
 
 def test_read_records_splits_markers_and_requests(tmp_path):

@@ -87,16 +87,29 @@ def test_max_tokens_plan_is_seeded_and_in_range():
             max_tokens_plan(*bad, seed=0)  # at the call: a Locust process fails at start, not at its first request
 
 
-def test_sweep_varies_max_tokens_per_request(tmp_path, capsys):
+def test_sweep_varies_max_tokens_per_request_and_sends_a_system_prompt(tmp_path, capsys):
+    system = tmp_path / "system.txt"
+    system.write_text("You are a careful assistant who answers in one short paragraph.\n")  # 11 words
     with stub_server(TIMELINE) as url:
         code = sweep.main(["--url", url, "--policies", "stub", "--concurrency", "2", "--duration", "3",
                            "--warmup", "0", "--drain-timeout", "10", "--max-tokens", "12",
-                           "--max-tokens-range-ratio", "0.5", "--server-warmup", "1", "--out", str(tmp_path)])
+                           "--max-tokens-range-ratio", "0.5", "--server-warmup", "1", "--system-prompt-file",
+                           str(system), "--out", str(tmp_path / "out")])
     assert code == 0
-    assert json.loads((tmp_path / "results.json").read_text())["config"]["max_tokens_range_ratio"] == 0.5
-    records = [json.loads(line) for line in (tmp_path / "records" / "stub-c2.jsonl").read_text().splitlines()]
-    lengths = [r["output_tokens"] for r in records if r["kind"] == "request"]
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["config"]["max_tokens_range_ratio"] == 0.5 and data["config"]["system_prompt_file"] == str(system)
+    records = [json.loads(line) for line in (tmp_path / "out" / "records" / "stub-c2.jsonl").read_text().splitlines()]
+    requests = [r for r in records if r["kind"] == "request"]
+    lengths = [r["output_tokens"] for r in requests]
     assert all(6 <= n <= 18 for n in lengths) and len(set(lengths)) > 1, lengths
-    with pytest.raises(SystemExit):
-        sweep.parse_args(["--max-tokens-range-ratio", "1.0"])
-    assert "--max-tokens-range-ratio must be in [0, 1)" in capsys.readouterr().err
+    assert {r["cached_tokens"] for r in requests} == {11} and all(r["prompt_tokens"] > 11 for r in requests)
+    (level,) = data["levels"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n")
+    assert level["prefix_cache_hit_rate"] == pytest.approx(11 * level["completed"] / level["total_input_tokens"])
+    for argv, message in ((["--max-tokens-range-ratio", "1.0"], "--max-tokens-range-ratio must be in [0, 1)"),
+                          (["--system-prompt-file", str(tmp_path / "none.txt")], "--system-prompt-file: "),
+                          (["--system-prompt-file", str(empty)], "is empty")):
+        with pytest.raises(SystemExit):
+            sweep.parse_args(argv)
+        assert message in capsys.readouterr().err

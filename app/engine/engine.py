@@ -228,7 +228,8 @@ class TargetEngine(Engine):
         which costs less than one forward per prompt. The caller bounds ``sum T`` (the step's activations and mask
         grow with it). With prefix caching (``EngineConfig.enable_prefix_caching``) a prompt that shares its first
         L tokens with a prompt a slot holds prefills only its last T - L tokens (``prefix_cache.py``); it takes the
-        donor's slot when that slot is free, else the lowest free slot.
+        donor's slot when that slot is free and its whole record is in the prompt, else the free slot whose record
+        was used least recently.
 
         Returns:
             One StepOutput per request, in order: the first token and the prompt's features ``[T, F]``.
@@ -253,7 +254,10 @@ class TargetEngine(Engine):
                 f"(max_num_seqs {self.config.max_num_seqs})"
             )
         hits = [self._prefix.match(ids) for ids in prompts] if self._prefix is not None else [MISS] * len(prompts)
-        reqs = [self._register(r, len(ids), grammar, donor=hit.slot)
+        for hit in hits:  # this batch's donors are given out last: a request not taking its donor's goes elsewhere
+            if hit.length:
+                self._prefix.touch(hit.slot)
+        reqs = [self._register(r, len(ids), grammar, donor=hit.slot if hit.whole else -1)
                 for r, (ids, grammar), hit in zip(requests, checked, hits)]
         try:  # from here on the slots are taken: any failure gives them back
             if self._prefix is not None:
@@ -346,8 +350,8 @@ class TargetEngine(Engine):
 
     def _register(self, request: NewRequest, prompt_len: int, grammar: RequestGrammar | None, *, donor: int = -1
                   ) -> _Request:
-        """Take a free slot for a validated request (``donor`` if that one is free, else the lowest), with its own
-        generator, detokenizer and control state."""
+        """Take a free slot for a validated request (``donor`` if that one is free, else ``_take_slot``'s choice),
+        with its own generator, detokenizer and control state."""
         params = request.params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         controls = (RequestControls(params, request.prompt_ids, eos_token_ids=sorted(self.eos_token_ids),
@@ -359,7 +363,10 @@ class TargetEngine(Engine):
         return req
 
     def _take_slot(self, preferred: int) -> int:
-        """Remove ``preferred`` from the free slots if it is there, else the lowest free slot; return it."""
+        """Remove ``preferred`` from the free slots if it is there, else, with prefix caching, the slot whose record
+        was used least recently (``PrefixCache.least_recent``), else the lowest free slot; return it."""
+        if preferred not in self._free_slots and self._prefix is not None:
+            preferred = self._prefix.least_recent(self._free_slots)
         if preferred in self._free_slots:
             self._free_slots.remove(preferred)
             heapq.heapify(self._free_slots)

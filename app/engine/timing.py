@@ -43,8 +43,8 @@ def timing_requests(
     engine: TargetEngine, *, contexts: list[int], max_tokens: int, prefix: str, temperature: float = 0.0
 ) -> Iterator[list[tuple[list[int], StepOutput]]]:
     """Add one request per entry of ``contexts``, request i with the prompt ``timing_tokens(engine, contexts[i])``,
-    one at a time (into the lowest free slots), greedy or sampled at ``temperature`` (unseeded, no other control);
-    release whatever is left on exit.
+    one at a time, greedy or sampled at ``temperature`` (unseeded, no other control); release whatever is left on
+    exit.
 
     Yields:
         Each request's prompt and prefill output (request ids are ``f"{prefix}-{i}"``).

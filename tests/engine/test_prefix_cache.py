@@ -32,17 +32,32 @@ def test_match_finds_the_longest_shared_prefix_and_leaves_the_last_token_to_comp
     cache.store(1, ids(5, 6, 7, 8, 9, 10), feats)
     cache.store(2, ids(5, 6, 7), feats[:3])
     hit = cache.match(ids(5, 6, 7, 8, 1))
-    assert (hit.slot, hit.length) == (1, 4) and torch.equal(hit.features, feats[:4])
-    assert cache.match(ids(5, 6, 7, 8, 9, 10)).length == 5  # the whole prompt matches: its last token is recomputed
+    assert (hit.slot, hit.length, hit.whole) == (1, 4, False) and torch.equal(hit.features, feats[:4])
+    same = cache.match(ids(5, 6, 7, 8, 9, 10))  # the whole prompt matches: its last token is recomputed
+    assert (same.slot, same.length, same.whole) == (1, 5, True)
     assert cache.match(ids(5, 6)).length == 1
     assert cache.match(ids(4, 6, 7)).slot == -1 and cache.match(ids(5)).length == 0
-    assert (cache.match(ids(5, 6, 7, 2)).slot, cache.match(ids(5, 6, 7, 2)).length) == (1, 3)  # a tie: lowest slot
+    tie = cache.match(ids(5, 6, 7, 2))  # slots 1 and 2 share 3 tokens: slot 2's record is all in the prompt
+    assert (tie.slot, tie.length, tie.whole) == (2, 3, True)
+    assert (cache.match(ids(5, 6, 9)).slot, cache.match(ids(5, 6, 9)).whole) == (1, False)  # a tie: lowest slot
     cache.store(1, ids(5, 9), feats[:2])  # the slot is given a shorter prompt: nothing of the old one is left
     assert (cache.match(ids(5, 6, 7, 8, 1)).slot, cache.match(ids(5, 6, 7, 8, 1)).length) == (2, 3)
     cache.forget(2)
     assert cache.match(ids(5, 6, 7, 8, 1)).length == 1
     cache.store(0, torch.arange(40), torch.zeros(40, 2))  # longer than any record so far: the table grows
     assert cache.match(torch.arange(50)).length == 40
+
+
+def test_slots_are_given_out_least_recently_used_first():
+    cache = PrefixCache(num_slots=4)
+    for slot in (2, 0, 1):
+        cache.store(slot, ids(slot, 9), torch.zeros(2, 2))
+    assert cache.least_recent([0, 1, 2, 3]) == 3  # no record: nothing is lost
+    assert cache.least_recent([0, 1, 2]) == 2  # stored first
+    cache.touch(2)  # a hit reused it
+    assert cache.least_recent([0, 1, 2]) == 0
+    cache.forget(1)
+    assert cache.least_recent([0, 1, 2]) == 1
 
 
 def test_batch_invariant_mode_turns_prefix_caching_off_and_refuses_it():
@@ -84,15 +99,16 @@ def test_prompts_sharing_prefixes_reuse_them_and_decode_as_without_the_cache(eng
     assert system > 10
     on.add_requests([NewRequest("b", b, SamplingParams(max_tokens=40, ignore_eos=True))])  # slot 0, kept running
     assert decode(on, [NewRequest("a", a, GREEDY)])["a"][1] == system  # slot 1, finished: its slot keeps "a"
-    kept = [t.clone() for t in on.cache.slot_tokens(1, len(a))]
-    # "p" reuses all of "b" (running) and takes the lowest free slot, "a"'s: it copies b's keys/values there; "q" reuses
-    # all of "a", from that same slot, into the next one: it must read "a"'s keys/values, not the copy "p" writes
+    kept = {slot: [t.clone() for t in on.cache.slot_tokens(slot, n)] for slot, n in ((0, len(b)), (1, len(a)))}
+    # "p" reuses all of "b" (running) and takes a slot no record is in, not "a"'s: b's keys/values are copied there;
+    # "q" reuses all of "a" and takes its slot, with nothing to copy
     p, q = b + chat(on, "And at sunset?")[1:], a + [28]
     requests = [NewRequest("p", p, GREEDY), NewRequest("q", q, SEEDED)]
     got = decode(on, requests)
     assert (got["p"][1], got["q"][1]) == (len(b), len(a))
-    for before, after in zip(kept, on.cache.slot_tokens(2, len(a))):
-        assert torch.equal(before, after)
+    for slot, n, donor in ((2, len(b), 0), (1, len(a), 1)):
+        for before, after in zip(kept[donor], on.cache.slot_tokens(slot, n)):
+            assert torch.equal(before, after)
     expected = decode(off, requests)
     assert (expected["p"][1], expected["q"][1]) == (0, 0)
     check_same_or_near_tie(on, p, expected["p"][0], got["p"][0])
@@ -117,6 +133,22 @@ def test_reused_keys_values_and_features_are_the_donors(engines):
     (third,) = on.add_requests([NewRequest("again", prompt + [28, 29], SamplingParams(max_tokens=4))])
     assert third.num_cached_tokens == n + 1 and on._requests["again"].slot == reuser  # the donor's free slot
     on.release("again")
+
+
+def test_a_prompt_that_shares_part_of_a_record_leaves_it_and_takes_the_least_recently_used_slot(engines):
+    on, _ = engines  # 6 slots
+    questions = [chat(on, f"Question {i}: what is {i} plus {i}? Explain the sum.") for i in range(6)]
+    decode(on, [NewRequest(f"r{i}", q, SamplingParams(max_tokens=1)) for i, q in enumerate(questions)])
+    def record(q: list[int]):  # the record q + one token would reuse
+        return on._prefix.match(torch.tensor(q + [28]))
+
+    assert [record(q).slot for q in questions] == list(range(6))  # a record per slot, slot 0's stored first
+    decode(on, [NewRequest("again", questions[0] + [28], SamplingParams(max_tokens=1))])  # all of record 0: its slot
+    # shares only the chat template with every record: takes slot 1 (least recently used), copying what it reuses
+    (other,) = on.add_requests([NewRequest("other", chat(on, "Name a colour."), SamplingParams(max_tokens=4))])
+    assert 10 < other.num_cached_tokens < 30 and on._requests["other"].slot == 1
+    assert [record(q).length for q in questions[2:]] == [len(q) for q in questions[2:]]  # the others are kept
+    on.release("other")
 
 
 def test_the_admission_budget_counts_only_the_tokens_a_prefill_computes(engines):

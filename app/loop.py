@@ -29,7 +29,7 @@ from typing import Protocol, Sequence
 import torch
 
 from app.drafters.lookup import PromptLookup, prefer_lookup
-from app.engine.admission import prefill_batch_size
+from app.engine.admission import first_deferred, prefill_batch_size
 from app.engine.contract import Engine, Proposer
 from app.engine.types import (
     DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob, accepted_length,
@@ -259,14 +259,18 @@ class SpecLoop:
         """How many of the waiting prompts (token ids, in queue order) the next ``admit`` takes: as many as fit the
         free KV slots (and ``max_active`` active requests, when given) and ``max_prefill_tokens`` (0: none fits).
         The budget counts the tokens each prefill computes (``Engine.prefill_tokens``: a prefix reused from the
-        prefix cache is free), as vLLM's ``max_num_batched_tokens`` does."""
+        prefix cache is free), as vLLM's ``max_num_batched_tokens`` does. With prefix caching, a prompt that would
+        reuse a long prefix from an earlier prompt of the same batch waits for the next admission
+        (``admission.first_deferred``)."""
         free = self.engine.num_free_slots
         if max_active is not None:
             free = min(free, max_active - len(self.active))
         if free <= 0 or not prompts:
             return 0
-        lens = [self.engine.prefill_tokens(ids) for ids in itertools.islice(prompts, free)]
-        return prefill_batch_size(lens, max_tokens=self.max_prefill_tokens, max_requests=free)
+        window = list(itertools.islice(prompts, free))
+        lens = [self.engine.prefill_tokens(ids) for ids in window]
+        n = prefill_batch_size(lens, max_tokens=self.max_prefill_tokens, max_requests=free)
+        return first_deferred(window[:n], lens[:n]) if self.engine.prefix_caching else n
 
     def admit(self, requests: Sequence[NewRequest]) -> list[tuple[RequestResult, StepOutput] | Exception]:
         """Prefill ``requests`` in one forward; per request its record and first output, or the exception that

@@ -67,6 +67,11 @@ class Engine(ABC):
         """[V, Dm] the target's input embedding (a drafter in the same process shares it), or None without one."""
         return None
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether a prompt reuses the prefix an earlier prompt left in the cache (``prefill_tokens``)."""
+        return False
+
     def prefill_tokens(self, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens an admission of ``prompt_ids`` computes now: all T of them, less any prefix the engine
         reuses from earlier prompts (prefix caching). The admission budget counts these."""

@@ -214,6 +214,10 @@ class TargetEngine(Engine):
         """Token ids of a raw completion prompt."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    @property
+    def prefix_caching(self) -> bool:
+        return self._prefix is not None
+
     def prefill_tokens(self, prompt_ids: Sequence[int]) -> int:
         """T less the prefix the prefix cache would reuse for ``prompt_ids`` now (T without prefix caching)."""
         if self._prefix is None or len(prompt_ids) < 2:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.engine.admission import prefill_batch_size
+from app.engine.admission import first_deferred, prefill_batch_size
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from app.engine.sampling import Acceptance
 from app.engine.types import NewRequest, SamplingParams
@@ -25,6 +25,24 @@ GREEDY = SamplingParams(max_tokens=8)
 ])
 def test_prefill_batch_size(lens, max_tokens, max_requests, expected):
     assert prefill_batch_size(lens, max_tokens=max_tokens, max_requests=max_requests) == expected
+
+
+LONG = list(range(100, 200))  # 100 tokens
+
+
+@pytest.mark.parametrize("prompts, computed, expected", [
+    ([LONG + [1], LONG + [2], LONG + [3]], [101, 101, 101], 1),  # the second would reuse 100 tokens of the first
+    ([LONG + [1], LONG + [2]], [101, 40], 2),  # the cache gives 61: 39 more is below the threshold
+    ([LONG + [1], LONG + [2]], [101, 1], 2),  # the cache gives it all already
+    ([[7] + LONG, LONG + [1], LONG + [2]], [101, 101, 101], 2),  # the first shares nothing
+    ([LONG[:70] + [1], LONG[:70] + [2]], [71, 71], 1),  # 70 shared
+    ([LONG[:60] + [1], LONG[:60] + [2]], [61, 61], 2),  # 60: not worth another forward
+    ([LONG, LONG], [100, 100], 1),  # the same prompt twice: 99 reusable
+    ([LONG + [1]], [101], 1),
+    ([], [], 0),
+])
+def test_first_deferred(prompts, computed, expected):
+    assert first_deferred(prompts, computed, min_tokens=64) == expected
 
 
 @pytest.fixture(scope="module")

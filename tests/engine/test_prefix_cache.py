@@ -168,6 +168,23 @@ def test_the_admission_budget_counts_only_the_tokens_a_prefill_computes(engines)
             on.release(f.request_id)
 
 
+def test_prompts_sharing_a_long_prefix_in_one_batch_are_admitted_in_two_forwards(engines):
+    on, off = engines
+    system = on.encode("You are a terse assistant. " * 12)  # ~70 tokens no record holds
+    waiting = [system + on.encode(f" Question {i}: name a colour.") for i in range(4)]
+    assert [on.prefill_tokens(w) for w in waiting] == [len(w) for w in waiting]
+    loop, plain = (SpecLoop(e, gamma=None, speculates=False) for e in engines)
+    assert plain.admission_size(waiting) == 4  # without the cache nothing is gained by waiting
+    assert loop.admission_size(waiting) == 1
+    (first,) = [out for _, out in loop.admit([NewRequest("w0", waiting[0], GREEDY)])]
+    assert loop.admission_size(waiting[1:]) == 3
+    rest = [out for _, out in loop.admit([NewRequest(f"w{i}", w, GREEDY) for i, w in enumerate(waiting) if i])]
+    assert first.num_cached_tokens == 0 and all(r.num_cached_tokens >= len(system) for r in rest)
+    for rid in ["w0", "w1", "w2", "w3"]:
+        if loop.active.get(rid):
+            loop.cancel(rid)
+
+
 def test_sampled_distribution_tests_run_on_prefix_hits(engine32):
     """The float32 chi-square tests admit hundreds of copies of one prompt: all but the first wave's reuse it."""
     assert engine32.config.prefix_caching

@@ -43,6 +43,7 @@ TABLE = (  # header, key, format
     ("tpot p90", "p90_tpot_ms", "{:.1f}"), ("tpot p99", "p99_tpot_ms", "{:.1f}"),
     ("itl p50", "p50_itl_ms", "{:.1f}"), ("itl p99", "p99_itl_ms", "{:.1f}"),
     ("acc len", "mean_accepted_length", "{:.2f}"), ("verify len", "mean_verify_length", "{:.2f}"),
+    ("cached", "prefix_cache_hit_rate", "{:.0%}"),
 )
 
 

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                        title=f"Throughput vs interactivity{' - ' + args.label if args.label else ''}")
     print(format_table(levels))
     keep = ("policy", "concurrency", "output_throughput", "median_user_tok_s", "p90_tpot_ms", "request_goodput",
-            "mean_accepted_length", "mean_verify_length")
+            "mean_accepted_length", "mean_verify_length", "prefix_cache_hit_rate")
     print(json.dumps({"results": str(json_path), "csv": str(csv_path), "plot": str(plot), "errors": len(errors),
                       "levels": [{k: lv.get(k) for k in keep} for lv in levels]}))
     return 1 if errors else 0

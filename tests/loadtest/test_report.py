@@ -72,6 +72,8 @@ def test_table_formats_missing_values():
     header, rule, row = table.splitlines()
     assert header.split()[:3] == ["policy", "conc", "done"] and set(rule) <= {"-", " "}
     assert row.split()[0] == "none" and " - " in row
+    header, _, row = report.format_table([level("dspark", 4, 80.0, 10.0, prefix_cache_hit_rate=0.8914)]).splitlines()
+    assert header.split()[-1] == "cached" and row.split()[-1] == "89%"
 
 
 def test_report_cli_merges_and_plots(tmp_path, capsys):

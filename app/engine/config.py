@@ -58,9 +58,10 @@ class EngineConfig(BaseModel):
     )
     enable_prefix_caching: bool | None = Field(
         None, description="A new prompt reuses the KV cache and drafter features of the longest prefix it shares with "
-        "a prompt a slot holds (a running request's, or a finished one's until its slot is taken again) and "
-        "prefills only the rest (app/engine/prefix_cache.py; vLLM's --enable-prefix-caching). Costs the prompts' "
-        "features kept beside the KV cache (F values per prompt token). None: on, except with batch_invariant "
+        "what a slot holds (a running request's prompt, or a finished one's prompt and answer until its slot is taken "
+        "again: the next turn of a chat reuses both) and prefills only the rest (app/engine/prefix_cache.py; vLLM's "
+        "--enable-prefix-caching). Costs the tokens' features kept beside the KV cache (F values per token). None: "
+        "on, except with batch_invariant "
         "(a reused prefix was computed in another step's shape); true with batch_invariant is an error.",
     )
     verify_step: VerifyStep = Field(

@@ -60,6 +60,9 @@ class _Request:
     num_cached: int = 0
     pending: int = -1
     output_ids: list[int] = field(default_factory=list)
+    # with prefix caching: the feature rows of the tokens verify steps ran and kept ([a + 1, F] a step), so the slot's
+    # record takes the answer when the request ends (``TargetEngine._keep_answer``)
+    answer_rows: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def screened(self) -> bool:
@@ -231,7 +234,8 @@ class TargetEngine(Engine):
         One forward over the concatenated prompts (``sum T`` rows) runs the linear layers once for all of them,
         which costs less than one forward per prompt. The caller bounds ``sum T`` (the step's activations and mask
         grow with it). With prefix caching (``EngineConfig.enable_prefix_caching``) a prompt that shares its first
-        L tokens with a prompt a slot holds prefills only its last T - L tokens (``prefix_cache.py``); it takes the
+        L tokens with what a slot holds (a prompt, or a finished request's prompt and answer) prefills only its last
+        T - L tokens (``prefix_cache.py``); it takes the
         donor's slot when that slot is free and its whole record is in the prompt, else the free slot whose record
         was used least recently.
 
@@ -386,7 +390,19 @@ class TargetEngine(Engine):
         req = self._requests.pop(request_id, None)
         if req is None:
             raise UnknownRequestError(f"unknown request {request_id!r} (never added, finished or released)")
+        if self._prefix is not None:
+            self._keep_answer(req)
         heapq.heappush(self._free_slots, req.slot)
+
+    def _keep_answer(self, req: _Request) -> None:
+        """Extend the record of an ending request's slot (its prompt) with the answer tokens the slot holds: those
+        verify steps ran and kept, as far as they are output (a stop inside an accepted run commits fewer)."""
+        answer = min(req.num_cached, req.prompt_len + len(req.output_ids)) - req.prompt_len
+        if answer <= 0 or self._prefix.length(req.slot) != req.prompt_len:  # nothing run, or the prefill failed
+            return
+        tokens = torch.tensor(req.output_ids[:answer], dtype=torch.long)
+        self._prefix.extend(req.slot, tokens, torch.cat(req.answer_rows)[:answer])
+        req.answer_rows = []
 
     # ------------------------------------------------------------------ verification
 
@@ -579,9 +595,12 @@ class TargetEngine(Engine):
         """Commit the outcome ``result`` of verifying ``draft`` [l] against the target's ``head`` (``_head``: [l + 1]
         greedy tokens or [l + 1, V] logits); ``features`` [l + 1, F] are the block's rows."""
         req.num_cached += result.num_accepted + 1
+        kept = features[: result.num_accepted + 1]
+        if self._prefix is not None:  # its own tensor: the step's would be held for the request's life
+            kept = kept.clone()
+            req.answer_rows.append(kept)
         return self._commit(
-            req, result.tokens, num_draft=len(draft), num_accepted=result.num_accepted,
-            features=features[: result.num_accepted + 1], head=head,
+            req, result.tokens, num_draft=len(draft), num_accepted=result.num_accepted, features=kept, head=head,
         )
 
     def _decide(

@@ -1,13 +1,17 @@
 """Prefix caching over the slot KV cache: a new prompt reuses the keys/values, and the features, of the longest
-prefix it shares with a prompt another slot still holds.
+prefix it shares with what another slot still holds: a running request's prompt, or a finished request's prompt
+and answer (the next turn of a chat reuses both).
 
 A slot's positions [0, P) hold its request's prompt (P tokens) from the prefill on: decoding writes only at later
-positions, and a freed slot keeps them until a new request takes it. So every slot is a cache entry for the prompt
-it was last given, live or finished, with no memory beyond the KV cache itself except the prompt's features (the
-drafter's conditioning input, ``StepOutput.features``), which the engine keeps with the record: F values per prompt
-token. A prompt that shares L tokens with a record starts its prefill at position L after copying the donor slot's
-first L positions (nothing to copy when it takes the donor's free slot), and gets the donor's first L feature rows.
-At least the prompt's last token is always computed (its logits give the first token).
+positions, and a freed slot keeps them until a new request takes it. Each verify step then writes the tokens it
+runs (the pending token and the drafts) at the next positions, and those it accepts stay: when the request ends,
+positions [P, P + A) hold the A answer tokens the target has run (all but the last token, which is committed
+without being run, or fewer where a stop cut an accepted run). So every slot is a cache entry for what it was last
+given, live (its prompt) or finished (``extend``: its prompt and answer), with no memory beyond the KV cache itself
+except the tokens' features (the drafter's conditioning input, ``StepOutput.features``), which the engine keeps with
+the record: F values per token. A prompt that shares L tokens with a record starts its prefill at position L after
+copying the donor slot's first L positions (nothing to copy when it takes the donor's free slot), and gets the
+donor's first L feature rows. At least the prompt's last token is always computed (its logits give the first token).
 
 Matching is exact and token-granular: the new prompt against every record in one tensor comparison (no hashes, no
 blocks: slots are contiguous, so any shared length can be reused).
@@ -16,10 +20,11 @@ A request that cannot take its donor's slot takes the free slot whose record was
 reused by a hit; a slot with no record first), so the prefixes in use survive, as vLLM evicts its least recently
 used free blocks first.
 
-Owns: the records (slot -> prompt ids, prompt features), the longest-prefix match and the eviction order. Does not
+Owns: the records (slot -> token ids, their features), the longest-prefix match and the eviction order. Does not
 own: the free slots, the copy and the prefill (``engine.py``; ``KVCache.copy_prefixes``).
 
-Shape symbols as in ``app/engine/types.py``; S slots, P a record's prompt length, W the longest record.
+Shape symbols as in ``app/engine/types.py``; S slots, P a prompt's length, A the answer tokens a finished request
+left in its slot, W the longest record.
 """
 
 from __future__ import annotations
@@ -51,14 +56,14 @@ MISS = PrefixHit()
 
 
 class PrefixCache:
-    """Records of the prompts the slots hold, and the longest-prefix match against them (module docstring).
+    """Records of what the slots hold, and the longest-prefix match against them (module docstring).
 
     Args:
         num_slots: S, the KV cache's slots.
     """
 
     def __init__(self, num_slots: int) -> None:
-        self._ids = torch.full((num_slots, 0), -1, dtype=torch.int32)  # [S, W] prompt ids, -1 past each record
+        self._ids = torch.full((num_slots, 0), -1, dtype=torch.int32)  # [S, W] token ids, -1 past each record
         self._lengths = torch.zeros(num_slots, dtype=torch.long)  # [S] P per slot, 0 without a record
         self._features: list[torch.Tensor | None] = [None] * num_slots  # [P, F] per slot
         self._last_use = [-1] * num_slots  # per slot, the clock of its record's last store or hit; -1 without a record
@@ -85,19 +90,38 @@ class PrefixCache:
             return MISS
         return PrefixHit(slot=slot, length=length, features=self._features[slot][:length], whole=bool(whole[slot]))
 
-    def store(self, slot: int, prompt: torch.Tensor, features: torch.Tensor) -> None:
-        """Record that ``slot`` holds ``prompt`` ([P] int64) at positions [0, P), with its feature rows [P, F] (kept
-        by reference: not to be modified)."""
-        p = len(prompt)
+    def store(self, slot: int, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """Record that ``slot`` holds ``tokens`` ([P] int64, a prompt) at positions [0, P), with their feature rows
+        [P, F] (kept by reference: not to be modified)."""
+        p = len(tokens)
         if p > self._ids.shape[1]:
             grown = torch.full((self._ids.shape[0], max(p, 2 * self._ids.shape[1])), -1, dtype=torch.int32)
             grown[:, : self._ids.shape[1]] = self._ids
             self._ids = grown
         self._ids[slot] = -1
-        self._ids[slot, :p] = prompt.to(torch.int32)
+        self._ids[slot, :p] = tokens.to(torch.int32)
         self._lengths[slot] = p
         self._features[slot] = features
         self.touch(slot)
+
+    def length(self, slot: int) -> int:
+        """Tokens ``slot``'s record holds (0: no record)."""
+        return int(self._lengths[slot])
+
+    def extend(self, slot: int, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """Record that ``slot`` also holds ``tokens`` ([A] int64) right after its record, with their feature rows
+        [A, F] (a finished request's answer after its prompt): the record becomes [P + A] tokens, used now.
+
+        Raises:
+            ValueError: ``slot`` holds no record, or ``features`` is not one row per token.
+        """
+        p, a = self.length(slot), len(tokens)
+        if p == 0:
+            raise ValueError(f"slot {slot} holds no record to extend")
+        if features.shape[0] != a:
+            raise ValueError(f"{features.shape[0]} feature rows for {a} tokens")
+        ids = torch.cat([self._ids[slot, :p].long(), tokens.to(torch.long)])
+        self.store(slot, ids, torch.cat([self._features[slot], features]))
 
     def touch(self, slot: int) -> None:
         """``slot``'s record was just used (a hit reuses it): it is evicted after every record used earlier."""

@@ -193,3 +193,71 @@ def test_sampled_distribution_tests_run_on_prefix_hits(engine32):
     firsts = engine32.add_requests([NewRequest(f"p{i}", prompt, params) for i in range(2)])
     again = engine32.add_requests([NewRequest(f"q{i}", prompt, params) for i in range(2)])
     assert [f.num_cached_tokens for f in firsts + again][2:] == [len(prompt) - 1] * 2
+
+
+def test_an_extended_record_is_matched_through_its_answer():
+    cache = PrefixCache(num_slots=2)
+    cache.store(0, ids(5, 6, 7), torch.zeros(3, 2))
+    cache.extend(0, ids(8, 9), torch.ones(2, 2))
+    hit = cache.match(ids(5, 6, 7, 8, 9, 4))
+    assert (hit.slot, hit.length, hit.whole) == (0, 5, True) and torch.equal(hit.features[3:], torch.ones(2, 2))
+    with pytest.raises(ValueError, match="slot 1 holds no record"):
+        cache.extend(1, ids(8), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="3 feature rows for 2 tokens"):
+        cache.extend(0, ids(1, 2), torch.ones(3, 2))
+
+
+def run(engine: TargetEngine, rid: str, prompt: list[int], params: SamplingParams, drafts: list[list[int]] = ()):
+    """Decode one request, verifying ``drafts[i]`` in round i (none after the list); returns its outputs in order."""
+    outputs = engine.add_requests([NewRequest(rid, prompt, params)])
+    while not outputs[-1].finished:
+        draft = drafts[len(outputs) - 1] if len(outputs) - 1 < len(drafts) else []
+        outputs += engine.verify([DraftBlock(rid, torch.tensor(draft, dtype=torch.long))])
+    return outputs
+
+
+def test_the_next_turn_reuses_the_answer_and_decodes_as_without_the_cache(engines):
+    on, off = engines
+    turn = [{"role": "user", "content": "Name three rivers in Europe."}]
+    first = run(on, "t1", on.encode_chat(turn), SamplingParams(max_tokens=12))
+    answer = [t for out in first for t in out.new_token_ids]
+    text = on.tokenizer.decode(answer, skip_special_tokens=True)
+    turn += [{"role": "assistant", "content": text}, {"role": "user", "content": "And in Asia?"}]
+    prompt = on.encode_chat(turn)
+    p = len(on.encode_chat(turn[:1]))
+    assert prompt[: p + len(answer)] == on.encode_chat(turn[:1]) + answer  # the template gives the answer back
+    # every answer token but the last (committed, never run through the target) is in the slot, with its features
+    second = run(on, "t2", prompt, GREEDY)
+    assert second[0].num_cached_tokens == p + len(answer) - 1
+    assert torch.equal(second[0].features[: p + len(answer) - 1], torch.cat([out.features for out in first]))
+    got = [t for out in second for t in out.new_token_ids]
+    expected = run(off, "t2", prompt, GREEDY)
+    assert expected[0].num_cached_tokens == 0
+    check_same_or_near_tie(on, prompt, [t for out in expected for t in out.new_token_ids], got)
+    seeded = run(on, "t2-seeded", prompt, SEEDED)
+    assert seeded[0].num_cached_tokens == len(prompt) - 1  # t2's prompt and answer are in the cache now
+    check_seeded_same_or_near_tie(on, prompt, [t for out in run(off, "s", prompt, SEEDED) for t in out.new_token_ids],
+                                  [t for out in seeded for t in out.new_token_ids], SEEDED)
+
+
+def test_an_answer_cut_by_a_stop_inside_accepted_drafts_is_recorded_as_far_as_it_is_output(engine32):
+    """Accepted drafts past a stop token are in the slot but not in the output: the record ends at the stop token,
+    its keys/values and features those of a prefill of the same tokens (float32: equal to ~1e-5)."""
+    config = dict(dtype="float32", max_model_len=256)
+    on = TargetEngine(EngineConfig(**config, max_num_seqs=2), loaded=engine32.target)
+    off = TargetEngine(EngineConfig(**config, max_num_seqs=1, enable_prefix_caching=False), loaded=engine32.target)
+    prompt = on.encode("The three largest cities of France are")
+    reference = [t for out in run(off, "ref", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+                 for t in out.new_token_ids]
+    stop = next(i for i in range(3, 8) if reference[i] not in reference[:i])
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[reference[stop]])
+    outputs = run(on, "cut", prompt, params, drafts=[reference[1:8]])  # one round: 7 perfect drafts, cut at the stop
+    assert [t for out in outputs for t in out.new_token_ids] == reference[: stop + 1]
+    assert len(outputs) == 2 and outputs[1].num_accepted == stop  # the drafts after the stop were accepted too
+    n = len(prompt) + stop + 1
+    record = on._prefix.match(torch.tensor(prompt + reference[: stop + 1] + [28]))
+    assert (record.length, record.whole) == (n, True)
+    prefilled = run(off, "prefilled", prompt + reference[: stop + 1], SamplingParams(max_tokens=1))
+    for kept, fresh in zip(on.cache.slot_tokens(record.slot, n), off.cache.slot_tokens(0, n)):
+        torch.testing.assert_close(kept, fresh, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(record.features, prefilled[0].features, atol=1e-4, rtol=1e-4)

@@ -51,8 +51,8 @@ EVAL_SETS = {
 }
 
 
-def load_prompts(prompt_set: PromptSet, datasets_dir: Path = DEFAULT_DATASETS_DIR) -> list[str]:
-    """First user turns of ``prompt_set``'s lines.
+def load_conversations(prompt_set: PromptSet, datasets_dir: Path = DEFAULT_DATASETS_DIR) -> list[list[str]]:
+    """Every user turn of ``prompt_set``'s lines, one list a line (mt-bench has two turns a line, the others one).
 
     Raises:
         FileNotFoundError: the prompt file is missing.
@@ -62,7 +62,16 @@ def load_prompts(prompt_set: PromptSet, datasets_dir: Path = DEFAULT_DATASETS_DI
         path = datasets_dir / path
     lines = path.read_text().splitlines()
     last = len(lines) if prompt_set.last is None else prompt_set.last
-    return [json.loads(line)["turns"][0] for line in lines[prompt_set.first - 1 : last] if line.strip()]
+    return [list(json.loads(line)["turns"]) for line in lines[prompt_set.first - 1 : last] if line.strip()]
+
+
+def load_prompts(prompt_set: PromptSet, datasets_dir: Path = DEFAULT_DATASETS_DIR) -> list[str]:
+    """First user turns of ``prompt_set``'s lines.
+
+    Raises:
+        FileNotFoundError: the prompt file is missing.
+    """
+    return [turns[0] for turns in load_conversations(prompt_set, datasets_dir)]
 
 
 def normalized(text: str) -> str:

@@ -5,7 +5,9 @@ Run it through the sweep (``python -m loadtest.sweep``) or directly::
     locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 4 -r 4 -t 60s \\
         --model smollm2-135m --max-tokens 128 --records runs/records.jsonl
 
-Each user sends one request after another (no wait) with a prompt from ``--prompts``; the answer is read
+Each user sends one request after another (no wait) with a prompt from ``--prompts``; with ``--multi-turn`` a user
+plays each prompt line as a conversation, every later turn sent with the earlier turns and the server's answers
+to them (a prompt set with one turn a line sends the same requests either way). The answer is read
 with ``iter_content(chunk_size=None)``, which returns each chunk as the socket delivers it (Locust's and
 requests' line iterators wait to fill a buffer, which delays the timestamps). Every request is reported to
 Locust's statistics (so the web UI and ``--csv`` files show it):
@@ -31,7 +33,7 @@ import time
 import requests
 from locust import User, constant, events, task
 
-from loadtest.prompts import DEFAULT_PROMPTS, chat_messages, load_prompt_spec, max_tokens_plan, shuffled
+from loadtest.prompts import DEFAULT_PROMPTS, chat_messages, load_conversation_spec, max_tokens_plan, shuffled
 from loadtest.stream import StreamObserver, observe_stream
 
 ROUTE = "/v1/chat/completions"
@@ -52,6 +54,9 @@ def _options(parser) -> None:
     parser.add_argument("--system-prompt", default="", env_var="LOADTEST_SYSTEM_PROMPT",
                         help="A system message sent before every prompt (a shared prefix: what prefix caching "
                              "reuses); default none.")
+    parser.add_argument("--multi-turn", action="store_true", env_var="LOADTEST_MULTI_TURN",
+                        help="Send every turn of a prompt line in order, each after the answers to the earlier ones "
+                             "(mt-bench has two turns a line); default first turns only.")
     parser.add_argument("--ignore-eos", action="store_true", env_var="LOADTEST_IGNORE_EOS",
                         help="Always generate max_tokens (fixed-length answers).")
     parser.add_argument("--no-spec-stats", action="store_true", env_var="LOADTEST_NO_SPEC_STATS",
@@ -90,7 +95,10 @@ _state: dict = {}
 @events.init.add_listener
 def _init(environment, **_kwargs) -> None:
     options = environment.parsed_options
-    _state["prompts"] = itertools.cycle(shuffled(load_prompt_spec(options.prompts), options.prompt_seed))
+    conversations = load_conversation_spec(options.prompts)
+    if not options.multi_turn:
+        conversations = [turns[:1] for turns in conversations]
+    _state["conversations"] = itertools.cycle(shuffled(conversations, options.prompt_seed))
     _state["max_tokens"] = max_tokens_plan(options.max_tokens, options.max_tokens_range_ratio, options.prompt_seed)
     _state["records"] = _Records(options.records)
 
@@ -122,7 +130,8 @@ def _quitting(**_kwargs) -> None:
 
 
 class ChatCompletionUser(User):
-    """One simulated user: a closed loop of streamed chat completions."""
+    """One simulated user: a closed loop of streamed chat completions, a conversation's turns in order (the next
+    conversation after its last turn, or after a failed request)."""
 
     wait_time = constant(0)
     _ids = itertools.count()
@@ -133,6 +142,8 @@ class ChatCompletionUser(User):
         options = self.environment.parsed_options
         self.headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
         self.url = self.environment.host.rstrip("/") + ROUTE
+        self.turns: list[str] = []  # the conversation's user turns not sent yet
+        self.history: list[tuple[str, str]] = []  # its (user turn, answer) pairs so far
 
     def on_stop(self) -> None:
         self.session.close()
@@ -140,7 +151,8 @@ class ChatCompletionUser(User):
     def body(self, prompt: str) -> dict:
         options = self.environment.parsed_options
         body = {
-            "model": options.model, "messages": chat_messages(prompt, options.system_prompt), "stream": True,
+            "model": options.model, "messages": chat_messages(prompt, options.system_prompt, self.history),
+            "stream": True,
             "stream_options": {"include_usage": True}, "max_tokens": next(_state["max_tokens"]),
             "temperature": options.temperature,
         }
@@ -152,9 +164,13 @@ class ChatCompletionUser(User):
 
     @task
     def chat(self) -> None:
-        body = self.body(next(_state["prompts"]))
+        if not self.turns:
+            self.turns, self.history = list(next(_state["conversations"])), []
+        prompt = self.turns.pop(0)
+        body = self.body(prompt)
         timeout = (10.0, self.environment.parsed_options.request_timeout)
-        observer = StreamObserver(user=self.user_id, start_wall=time.time(), start_perf=time.perf_counter())
+        observer = StreamObserver(user=self.user_id, start_wall=time.time(), start_perf=time.perf_counter(),
+                                  turn=len(self.history))
         status, error = None, None
         try:
             with self.session.post(self.url, json=body, headers=self.headers, stream=True, timeout=timeout) as r:
@@ -166,6 +182,10 @@ class ChatCompletionUser(User):
         except requests.RequestException as err:
             error = f"{type(err).__name__}: {err}"
         record = observer.record(end_perf=time.perf_counter(), status=status, error=error)
+        if record.ok:
+            self.history.append((prompt, observer.text))
+        else:  # no answer to carry on from
+            self.turns = []
         self.report(record)
         _state["records"].write(record.to_json())
 

@@ -13,6 +13,8 @@ SLO checks, and the aggregation:
     request_throughput  requests that ended inside the window / window length
     request_goodput   of those, the ones meeting every SLO given (ttft, tpot, e2el) / window length
     user_tok_s        per request (output_tokens - 1) / (e2el - ttft); median and mean
+    p50_ttft_ms_later_turns  the median TTFT of the requests that carry a conversation's later turn
+                      (``--multi-turn``: the earlier turns and answers are a prefix the prefix cache may hold)
     mean_accepted_length, mean_verify_length   the server's spec_stats summed over the started requests:
                       (accepted + rounds) / rounds and draft_tokens / rounds
 
@@ -162,6 +164,7 @@ def summarize(records: list[RequestRecord], window: Window, slo: Slo) -> dict:
         "e2el": [r.e2el_ms for r in ok],
     }
     speeds = [r.user_tok_s for r in ok if r.user_tok_s is not None]
+    later = [r.ttft_ms for r in ok if r.turn > 0 and r.ttft_ms is not None]
     errors = Counter(r.error for r in started if not r.ok)
     result = {
         "duration": duration,
@@ -177,6 +180,7 @@ def summarize(records: list[RequestRecord], window: Window, slo: Slo) -> dict:
         "output_throughput": output_tokens / duration,
         "median_user_tok_s": float(np.median(speeds)) if speeds else None,
         "mean_user_tok_s": float(np.mean(speeds)) if speeds else None,
+        "p50_ttft_ms_later_turns": float(np.median(later)) if later else None,
     }
     for name in LATENCIES:
         result.update(distribution(values[name], f"{name}_ms"))

@@ -2,7 +2,8 @@
 
 A prompt spec is a comma-separated list of evaluation set names (``gsm8k-eval``, ``mt-bench``, ``humaneval``;
 see ``app/datasets.py``) or paths to JSONL files with one ``{"turns": ["first user turn", ...]}`` a line.
-Only first turns are sent. Training sets are refused by name: the load test reports acceptance lengths, and
+First turns are sent; with ``--multi-turn`` every turn of a line, in order, each after the answers to the earlier
+ones (one conversation). Training sets are refused by name: the load test reports acceptance lengths, and
 no prompt a drafter was trained on may be used for that (``shared/datasets/README.md``).
 """
 
@@ -11,12 +12,14 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
-from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, TRAIN_SETS, PromptSet, load_prompts
+from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, TRAIN_SETS, PromptSet, load_conversations
 
 DEFAULT_PROMPTS = "gsm8k-eval"
+T = TypeVar("T")
 SHARED_ENV = "DSPARK_SHARED_DIR"  # the project's shared folder (its datasets/ holds the prompt sets)
 
 
@@ -26,28 +29,37 @@ def datasets_dir() -> Path:
 
 
 def load_prompt_spec(spec: str) -> list[str]:
-    """All first turns named by ``spec`` in order.
+    """All first turns named by ``spec`` in order (``load_conversation_spec``'s first turns).
+
+    Raises:
+        ValueError, FileNotFoundError: as ``load_conversation_spec``.
+    """
+    return [turns[0] for turns in load_conversation_spec(spec)]
+
+
+def load_conversation_spec(spec: str) -> list[list[str]]:
+    """Every line named by ``spec`` in order, as its list of user turns.
 
     Raises:
         ValueError: a training set name, an unknown name, or a spec naming no prompt.
         FileNotFoundError: a named file is missing.
     """
-    prompts: list[str] = []
+    conversations: list[list[str]] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         if item in TRAIN_SETS:
             raise ValueError(f"prompt set {item!r} is a drafter training set; use {sorted(EVAL_SETS)} or a file")
         if item in EVAL_SETS:
-            prompts += load_prompts(EVAL_SETS[item], datasets_dir())
+            conversations += load_conversations(EVAL_SETS[item], datasets_dir())
         elif item.endswith(".jsonl"):
             path = Path(item).expanduser()
             if not path.is_file():
                 raise FileNotFoundError(f"prompts: no such file {item}")
-            prompts += load_prompts(PromptSet(path.stem, str(path.resolve())))
+            conversations += load_conversations(PromptSet(path.stem, str(path.resolve())))
         else:
             raise ValueError(f"prompts: {item!r} is neither an evaluation set {sorted(EVAL_SETS)} nor a .jsonl path")
-    if not prompts:
+    if not conversations:
         raise ValueError(f"prompts: {spec!r} names no prompt")
-    return prompts
+    return conversations
 
 
 def max_tokens_plan(max_tokens: int, range_ratio: float, seed: int) -> Iterator[int]:
@@ -69,15 +81,19 @@ def max_tokens_plan(max_tokens: int, range_ratio: float, seed: int) -> Iterator[
     return (rng.randint(low, high) for _ in itertools.count())
 
 
-def chat_messages(prompt: str, system_prompt: str = "") -> list[dict[str, str]]:
-    """The chat ``messages`` of one request: ``prompt`` as the user turn, after ``system_prompt`` as a system
-    message when it is not empty (the same for every request: a shared prefix, what prefix caching reuses)."""
-    user = [{"role": "user", "content": prompt}]
-    return [{"role": "system", "content": system_prompt}, *user] if system_prompt else user
+def chat_messages(prompt: str, system_prompt: str = "", history: Sequence[tuple[str, str]] = ()
+                  ) -> list[dict[str, str]]:
+    """The chat ``messages`` of one request: ``prompt`` as the user turn, after the earlier turns of its conversation
+    (``history``: (user turn, answer) pairs, oldest first), after ``system_prompt`` as a system message when it is
+    not empty (the same for every request: a shared prefix, what prefix caching reuses)."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for user, answer in history:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return [*messages, {"role": "user", "content": prompt}]
 
 
-def shuffled(prompts: list[str], seed: int) -> list[str]:
-    """A seeded permutation: every run (and every policy) draws prompts in the same order."""
+def shuffled(prompts: list[T], seed: int) -> list[T]:
+    """A seeded permutation: every run (and every policy) draws prompts (or conversations) in the same order."""
     order = list(prompts)
     random.Random(seed).shuffle(order)
     return order

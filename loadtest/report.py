@@ -32,7 +32,7 @@ CSV_FIELDS = (
     "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
     "p50_itl_ms", "p90_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms",
     "mean_accepted_length", "mean_verify_length", "draft_acceptance_rate", "spec_fallback_requests",
-    "prefix_cache_hit_rate",
+    "prefix_cache_hit_rate", "p50_ttft_ms_later_turns",
 )
 TABLE = (  # header, key, format
     ("policy", "series", "{}"), ("conc", "concurrency", "{}"), ("done", "completed", "{}"),
@@ -43,7 +43,7 @@ TABLE = (  # header, key, format
     ("tpot p90", "p90_tpot_ms", "{:.1f}"), ("tpot p99", "p99_tpot_ms", "{:.1f}"),
     ("itl p50", "p50_itl_ms", "{:.1f}"), ("itl p99", "p99_itl_ms", "{:.1f}"),
     ("acc len", "mean_accepted_length", "{:.2f}"), ("verify len", "mean_verify_length", "{:.2f}"),
-    ("cached", "prefix_cache_hit_rate", "{:.0%}"),
+    ("cached", "prefix_cache_hit_rate", "{:.0%}"), ("ttft p50 later turns", "p50_ttft_ms_later_turns", "{:.0f}"),
 )
 
 

@@ -76,6 +76,7 @@ class RequestRecord:
     usage_reported: bool = False
     finish_reason: str | None = None
     spec: dict | None = None  # the server's spec_stats: rounds, draft_tokens, accepted_tokens, ...
+    turn: int = 0  # the request's user turn in its conversation (0: a first turn; ``--multi-turn`` sends later ones)
 
     @property
     def tpot_ms(self) -> float | None:
@@ -112,10 +113,12 @@ class RequestRecord:
 
 
 class StreamObserver:
-    """Collects one streamed response's events (``on_event(t, data)``, ``t`` from ``time.perf_counter``)."""
+    """Collects one streamed response's events (``on_event(t, data)``, ``t`` from ``time.perf_counter``); ``text``
+    is the answer so far (the first choice's)."""
 
-    def __init__(self, *, user: int, start_wall: float, start_perf: float) -> None:
-        self.user, self.start_wall, self.start_perf = user, start_wall, start_perf
+    def __init__(self, *, user: int, start_wall: float, start_perf: float, turn: int = 0) -> None:
+        self.user, self.start_wall, self.start_perf, self.turn = user, start_wall, start_perf, turn
+        self.text = ""
         self.first_text_t: float | None = None
         self.finish_t: float | None = None
         self.last_text_t: float | None = None
@@ -142,6 +145,8 @@ class StreamObserver:
         for choice in body.get("choices") or ():
             text = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
             if text:
+                if choice.get("index", 0) == 0:
+                    self.text += text
                 if self.last_text_t is None:
                     self.first_text_t = t
                 else:
@@ -171,7 +176,7 @@ class StreamObserver:
             prompt_tokens=(self.usage or {}).get("prompt_tokens"),
             cached_tokens=((self.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
             usage_reported=usage_tokens is not None,
-            finish_reason=self.finish_reason, spec=self.spec,
+            finish_reason=self.finish_reason, spec=self.spec, turn=self.turn,
         )
 
 

@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--system-prompt-file", type=Path, default=None,
                     help="a text file sent as the system message of every request (a shared prompt prefix: the "
                     "level reports the server's prefix_cache_hit_rate from usage.prompt_tokens_details)")
+    ap.add_argument("--multi-turn", action="store_true",
+                    help="play each prompt line as a conversation: every turn in order, each after the answers to the "
+                    "earlier ones (mt-bench: two turns); the level reports the later turns' TTFT apart")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     ap.add_argument("--no-spec-stats", action="store_true", help="do not ask for the spec_stats extension")
     ap.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY", ""), help="default $DSPARK_API_KEY")
@@ -125,7 +128,9 @@ def locust_env(args: argparse.Namespace, *, model: str, records: Path) -> dict:
         "LOADTEST_TEMPERATURE": str(args.temperature), "LOADTEST_RECORDS": str(records),
         "LOADTEST_API_KEY": args.api_key, "LOADTEST_SYSTEM_PROMPT": args.system_prompt,
     })
-    for flag, name in ((args.ignore_eos, "LOADTEST_IGNORE_EOS"), (args.no_spec_stats, "LOADTEST_NO_SPEC_STATS")):
+    flags = ((args.ignore_eos, "LOADTEST_IGNORE_EOS"), (args.no_spec_stats, "LOADTEST_NO_SPEC_STATS"),
+             (args.multi_turn, "LOADTEST_MULTI_TURN"))
+    for flag, name in flags:
         if flag:
             env[name] = "true"
         else:
@@ -227,7 +232,7 @@ def run_sweep(args: argparse.Namespace, config: dict) -> tuple[list[dict], list[
 def run_config(args: argparse.Namespace) -> dict:
     keys = ("concurrency", "duration", "warmup", "drain_timeout", "policies", "url", "model", "overrides",
             "num_cpus", "prompts", "prompt_seed", "max_tokens", "max_tokens_range_ratio", "temperature", "ignore_eos",
-            "label")
+            "multi_turn", "label")
     config = {k: getattr(args, k) for k in keys}
     config.update(config_file=None if args.url else str(args.config), argv=args.argv,
                   system_prompt_file=None if args.system_prompt_file is None else str(args.system_prompt_file),
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                        title=f"Throughput vs interactivity{' - ' + args.label if args.label else ''}")
     print(format_table(levels))
     keep = ("policy", "concurrency", "output_throughput", "median_user_tok_s", "p90_tpot_ms", "request_goodput",
-            "mean_accepted_length", "mean_verify_length", "prefix_cache_hit_rate")
+            "mean_accepted_length", "mean_verify_length", "prefix_cache_hit_rate", "p50_ttft_ms_later_turns")
     print(json.dumps({"results": str(json_path), "csv": str(csv_path), "plot": str(plot), "errors": len(errors),
                       "levels": [{k: lv.get(k) for k in keep} for lv in levels]}))
     return 1 if errors else 0

@@ -2,9 +2,9 @@
 
 Every streamed answer: headers at once, the role chunk, then after ``ttft_s`` the first text chunk, then a
 chunk of ``tokens_per_chunk`` tokens every ``itl_s`` until ``max_tokens``; a final chunk with
-``finish_reason`` (and ``spec_stats`` when asked), the usage chunk when asked (a word per prompt token, a system
-message's words cached), ``[DONE]``. Chunked transfer
-encoding, one event per write, as a real server streams.
+``finish_reason`` (and ``spec_stats`` when asked), the usage chunk when asked (a word per prompt token, the words of
+every message before the last cached), ``[DONE]``. Chunked transfer encoding, one event per write, as a real server
+streams.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ class Timeline:
 
 
 def usage(messages: list[dict], completion_tokens: int) -> dict:
-    """A word per prompt token; a system message's words count as found in the prefix cache."""
+    """A word per prompt token; the words of every message before the last (a system message, earlier turns and
+    answers) count as found in the prefix cache."""
     prompt = sum(len(m["content"].split()) for m in messages)
-    cached = sum(len(m["content"].split()) for m in messages if m["role"] == "system")
+    cached = sum(len(m["content"].split()) for m in messages[:-1])
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 

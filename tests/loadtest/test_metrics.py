@@ -108,6 +108,13 @@ def test_prefix_cache_hit_rate_counts_the_requests_whose_usage_tells():
     assert summarize([untold], Window(T0, T0 + 10), Slo())["prefix_cache_hit_rate"] is None
 
 
+def test_later_turns_ttft_is_the_median_over_the_requests_past_a_first_turn():
+    records = [rec(1, 900, 1300, 11), replace(rec(2, 200, 1300, 11), turn=1), replace(rec(3, 400, 1300, 11), turn=2),
+               replace(rec(4, 300, 1300, 11, ok=False), turn=1)]
+    assert summarize(records, Window(T0, T0 + 10), Slo())["p50_ttft_ms_later_turns"] == pytest.approx(300)
+    assert summarize(records[:1], Window(T0, T0 + 10), Slo())["p50_ttft_ms_later_turns"] is None
+
+
 def test_read_records_splits_markers_and_requests(tmp_path):
     path = tmp_path / "r.jsonl"
     rows = [{"kind": "test_start", "t": T0}, {"kind": "spawning_complete", "t": T0 + 1, "user_count": 2},

@@ -73,7 +73,9 @@ def test_table_formats_missing_values():
     assert header.split()[:3] == ["policy", "conc", "done"] and set(rule) <= {"-", " "}
     assert row.split()[0] == "none" and " - " in row
     header, _, row = report.format_table([level("dspark", 4, 80.0, 10.0, prefix_cache_hit_rate=0.8914)]).splitlines()
-    assert header.split()[-1] == "cached" and row.split()[-1] == "89%"
+    assert header.endswith("cached  ttft p50 later turns") and row.split()[-2:] == ["89%", "-"]
+    _, _, row = report.format_table([level("dspark", 4, 80.0, 10.0, p50_ttft_ms_later_turns=212.4)]).splitlines()
+    assert row.split()[-2:] == ["-", "212"]
 
 
 def test_report_cli_merges_and_plots(tmp_path, capsys):

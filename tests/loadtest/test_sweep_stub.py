@@ -14,7 +14,7 @@ import json
 import pytest
 
 from loadtest import sweep
-from loadtest.prompts import max_tokens_plan
+from loadtest.prompts import chat_messages, load_conversation_spec, load_prompt_spec, max_tokens_plan
 from loadtest.server import app_args, parse_overrides
 from tests.loadtest.stub_server import Timeline, stub_server
 
@@ -113,3 +113,37 @@ def test_sweep_varies_max_tokens_per_request_and_sends_a_system_prompt(tmp_path,
         with pytest.raises(SystemExit):
             sweep.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_multi_turn_sends_each_turn_after_the_answers_to_the_earlier_ones(tmp_path):
+    prompts = tmp_path / "talks.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"first turn {i}", f"and the second turn {i}"]}) + "\n"
+                               for i in range(3)))
+    with stub_server(TIMELINE) as url:
+        code = sweep.main(["--url", url, "--policies", "stub", "--concurrency", "2", "--duration", "3",
+                           "--warmup", "0", "--drain-timeout", "10", "--max-tokens", "5", "--server-warmup", "1",
+                           "--prompts", str(prompts), "--multi-turn", "--out", str(tmp_path / "out")])
+    assert code == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert data["config"]["multi_turn"] is True
+    records = [json.loads(line) for line in (tmp_path / "out" / "records" / "stub-c2.jsonl").read_text().splitlines()]
+    requests = [r for r in records if r["kind"] == "request"]
+    for user in (0, 1):
+        turns = [r["turn"] for r in requests if r["user"] == user]
+        assert len(turns) >= 4 and turns == [i % 2 for i in range(len(turns))], turns
+    # the second turn carries the first (3 words) and the stub's 5-word answer to it, all found in the "cache"
+    assert {(r["prompt_tokens"], r["cached_tokens"]) for r in requests if r["turn"] == 1} == {(13, 8)}
+    assert {(r["prompt_tokens"], r["cached_tokens"]) for r in requests if r["turn"] == 0} == {(3, 0)}
+    (level,) = data["levels"]
+    assert 290 <= level["p50_ttft_ms_later_turns"] <= 450
+
+
+def test_conversations_keep_every_turn_and_messages_carry_the_earlier_ones(tmp_path):
+    prompts = tmp_path / "mixed.jsonl"
+    prompts.write_text(json.dumps({"turns": ["q1", "q2"]}) + "\n" + json.dumps({"turns": ["only"]}) + "\n")
+    assert load_conversation_spec(str(prompts)) == [["q1", "q2"], ["only"]]
+    assert load_prompt_spec(str(prompts)) == ["q1", "only"]
+    assert chat_messages("q2", "be brief", [("q1", "a1")]) == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    assert chat_messages("q1") == [{"role": "user", "content": "q1"}]

@@ -173,6 +173,24 @@ def test_a_repeated_prompt_reuses_its_prefix(url, engine):
     check_same_or_near_tie(engine, ids, first["token_ids"], again["token_ids"])
 
 
+@pytest.mark.slow
+@DEFAULT_PLACEMENT_ONLY
+def test_the_next_turn_of_a_chat_reuses_the_previous_prompt_and_answer(url, engine):
+    """A finished request's answer stays in the prefix cache: the second turn, sent with the first answer's text,
+    prefills only what follows the answer's last token (committed without being run)."""
+    first = chat_body("Name two planets.", max_tokens=12, return_token_ids=True, ignore_eos=True)
+    reply = httpx.post(f"{url}/v1/chat/completions", json=first, timeout=300).json()
+    answer = reply["choices"][0]["message"]["content"]
+    messages = first["messages"] + [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    ids = engine.encode_chat(messages)
+    prompt, answer_ids = reply["usage"]["prompt_tokens"], reply["token_ids"]
+    assert ids[: prompt + len(answer_ids)] == engine.encode_chat(first["messages"]) + answer_ids  # template round trip
+    second = httpx.post(f"{url}/v1/chat/completions", json={**chat_body("Why?"), "messages": messages}, timeout=300)
+    second = second.json()
+    assert second["usage"]["prompt_tokens"] == len(ids)
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": prompt + len(answer_ids) - 1}
+
+
 NEWLINE = 198  # SmolLM2's "\n" token
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
           "additionalProperties": False}

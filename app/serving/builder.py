@@ -56,6 +56,9 @@ def build_app(args: dict) -> Application:
     router = serve.deployment(
         Router, name="Router", num_replicas=1,
         ray_actor_options={"num_cpus": config.router_num_cpus, "resources": dict(config.router_resources)},
+        # every request an ingress admits may ask for its target at once, beside the targets' load reports: Serve's
+        # default of 5 in flight made a burst's calls wait in back-off retries (25 ms and more each)
+        max_ongoing_requests=config.ingress.num_replicas * admission_limit(config) + max_targets + SERVE_QUEUE_MARGIN,
         # its calls (load reports every stats_interval_s, one target choice per request) are not worth a log line
         logging_config={"enable_access_log": False},
     ).bind(config)

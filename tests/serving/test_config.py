@@ -184,21 +184,38 @@ def test_verification_capacity_shrinks_with_load_and_grows_with_acceptance():
         profile, batch=8, acceptance=0.9, gamma=7)
 
 
+def deployments(app):
+    """The deployments an application binds (its own, then those bound into its arguments)."""
+    from ray.serve.deployment import Application
+
+    bound = app._bound_deployment
+    yield bound
+    for arg in [*bound.init_args, *bound.init_kwargs.values()]:
+        if isinstance(arg, Application):
+            yield from deployments(arg)
+
+
+MOCK_APP = {"mock_engine": True, "drafter": "mock", "profile": "tests/fixtures/profiles/test-mock-model-any.json"}
+
+
 def test_per_round_deployments_log_no_access_line_per_call():
     """The Drafter (one call per target round) and the Router (load reports) have Serve's access log off; the
     ingress and the target keep theirs (one line per request)."""
-    from ray.serve.deployment import Application
-
     from app.serving.builder import build_app
 
-    def deployments(app: Application):
-        bound = app._bound_deployment
-        yield bound
-        for arg in [*bound.init_args, *bound.init_kwargs.values()]:
-            if isinstance(arg, Application):
-                yield from deployments(arg)
-
-    app = build_app({"mock_engine": True, "drafter": "mock",
-                     "profile": "tests/fixtures/profiles/test-mock-model-any.json"})
-    access_log = {d.name: (d.logging_config or {}).get("enable_access_log", True) for d in deployments(app)}
+    access_log = {d.name: (d.logging_config or {}).get("enable_access_log", True)
+                  for d in deployments(build_app(MOCK_APP))}
     assert access_log == {"Ingress": True, "Target": True, "Drafter": False, "Router": False}
+
+
+@pytest.mark.parametrize("ingress_replicas", [1, 3])
+def test_the_router_takes_every_admitted_request_s_target_choice_at_once(ingress_replicas):
+    """Each request an ingress admits asks the Router for its target: a burst of them must not exceed the Router's
+    max_ongoing_requests (Serve rejects the excess, and the ingress retries with back-off)."""
+    from app.serving.builder import build_app
+    from app.serving.ingress import admission_limit
+
+    args = {**MOCK_APP, "ingress": {"num_replicas": ingress_replicas}}
+    config = AppConfig.model_validate(args)
+    limits = {d.name: d._deployment_config.max_ongoing_requests for d in deployments(build_app(args))}
+    assert limits["Router"] > ingress_replicas * admission_limit(config) >= 16

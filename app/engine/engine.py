@@ -235,9 +235,8 @@ class TargetEngine(Engine):
         which costs less than one forward per prompt. The caller bounds ``sum T`` (the step's activations and mask
         grow with it). With prefix caching (``EngineConfig.enable_prefix_caching``) a prompt that shares its first
         L tokens with what a slot holds (a prompt, or a finished request's prompt and answer) prefills only its last
-        T - L tokens (``prefix_cache.py``); it takes the
-        donor's slot when that slot is free and its whole record is in the prompt, else the free slot whose record
-        was used least recently.
+        T - L tokens (``prefix_cache.py``); it takes the donor's slot when that slot is free and its whole record is in
+        the prompt, else the free slot whose record was used least recently.
 
         Returns:
             One StepOutput per request, in order: the first token and the prompt's features ``[T, F]``.
@@ -382,7 +381,8 @@ class TargetEngine(Engine):
         return heapq.heappop(self._free_slots)
 
     def release(self, request_id: str) -> None:
-        """Free a request's slot (client gone, or cleanup after an error).
+        """Free a request's slot (finished, client gone, or cleanup after an error); with prefix caching the slot's
+        record keeps the request's prompt and answer for a later prompt that continues them.
 
         Raises:
             UnknownRequestError: the id is not held (never added, finished or already released).

@@ -396,7 +396,7 @@ class TargetEngine(Engine):
 
     def _keep_answer(self, req: _Request) -> None:
         """Extend the record of an ending request's slot (its prompt) with the answer tokens the slot holds: those
-        verify steps ran and kept, as far as they are output (a stop inside an accepted run commits fewer)."""
+        verify steps ran and kept, as far as they are output (drafts accepted after a stop are not)."""
         answer = min(req.num_cached, req.prompt_len + len(req.output_ids)) - req.prompt_len
         if answer <= 0 or self._prefix.length(req.slot) != req.prompt_len:  # nothing run, or the prefill failed
             return

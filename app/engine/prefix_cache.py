@@ -6,7 +6,8 @@ A slot's positions [0, P) hold its request's prompt (P tokens) from the prefill 
 positions, and a freed slot keeps them until a new request takes it. Each verify step then writes the tokens it
 runs (the pending token and the drafts) at the next positions, and those it accepts stay: when the request ends,
 positions [P, P + A) hold the A answer tokens the target has run (all but the last token, which is committed
-without being run, or fewer where a stop cut an accepted run). So every slot is a cache entry for what it was last
+without being run, unless the answer ended at a stop inside accepted drafts: then all of them, and the drafts after
+the stop stay out of the record). So every slot is a cache entry for what it was last
 given, live (its prompt) or finished (``extend``: its prompt and answer), with no memory beyond the KV cache itself
 except the tokens' features (the drafter's conditioning input, ``StepOutput.features``), which the engine keeps with
 the record: F values per token. A prompt that shares L tokens with a record starts its prefill at position L after

@@ -152,8 +152,7 @@ class ChatCompletionUser(User):
         options = self.environment.parsed_options
         body = {
             "model": options.model, "messages": chat_messages(prompt, options.system_prompt, self.history),
-            "stream": True,
-            "stream_options": {"include_usage": True}, "max_tokens": next(_state["max_tokens"]),
+            "stream": True, "stream_options": {"include_usage": True}, "max_tokens": next(_state["max_tokens"]),
             "temperature": options.temperature,
         }
         if options.ignore_eos:

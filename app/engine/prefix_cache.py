@@ -7,10 +7,10 @@ positions, and a freed slot keeps them until a new request takes it. Each verify
 runs (the pending token and the drafts) at the next positions, and those it accepts stay: when the request ends,
 positions [P, P + A) hold the A answer tokens the target has run (all but the last token, which is committed
 without being run, unless the answer ended at a stop inside accepted drafts: then all of them, and the drafts after
-the stop stay out of the record). So every slot is a cache entry for what it was last
-given, live (its prompt) or finished (``extend``: its prompt and answer), with no memory beyond the KV cache itself
-except the tokens' features (the drafter's conditioning input, ``StepOutput.features``), which the engine keeps with
-the record: F values per token. A prompt that shares L tokens with a record starts its prefill at position L after
+the stop stay out of the record). So every slot is a cache entry for what it was last given, live (its prompt) or
+finished (``extend``: its prompt and answer), with no memory beyond the KV cache itself except the tokens' features
+(the drafter's conditioning input, ``StepOutput.features``), which the engine keeps with the record: F values per
+token. A prompt that shares L tokens with a record starts its prefill at position L after
 copying the donor slot's first L positions (nothing to copy when it takes the donor's free slot), and gets the
 donor's first L feature rows. At least the prompt's last token is always computed (its logits give the first token).
 

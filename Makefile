@@ -25,8 +25,13 @@ serve: install
 demo: install
 	$(PY) -m app.demo
 
+# The suite in two phases: the tests not marked `serial` on pytest-xdist workers (one per CPU, a module to a
+# worker: tests/conftest.py), then those marked `serial` (Ray, servers, Locust, thread timings) alone. Fails if
+# either phase fails; a plain `pytest` runs everything in one process.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not serial"; parallel=$$?; \
+	$(PY) -m pytest -q -m serial; serial=$$?; \
+	exit $$(( parallel || serial ))
 
 bench: install
 	$(PY) -m app.engine.bench

@@ -15,6 +15,31 @@ SHARED_SERVE_MODULES = (  # run just before the rest of tests/serving/
 )
 
 
+MAX_WORKERS = 4  # each pytest-xdist worker holds its own copies of the real target (~3 GB at its peak)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one, else the CPU count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: one pytest-xdist worker per usable CPU (a container's share, not the host's), at most
+    ``MAX_WORKERS``."""
+    return max(1, min(MAX_WORKERS, usable_cpus()))
+
+
+def pytest_configure(config) -> None:
+    """In a pytest-xdist worker, torch gets the usable CPUs divided among the workers (one each on 2 cores): the
+    CPU-bound engine tests then run side by side, each on its own core, instead of one at a time over all of them
+    through OpenMP, which splits steps of a few dozen rows into pieces too small to keep every core busy."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, usable_cpus() // int(workers)))
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """Move the tests of ``SHARED_SERVE_MODULES`` to just before the first other test of tests/serving/, so that
     every test deploying on the shared local Ray (``tests/serving/helpers.shared_serve``) runs in one stretch, before

@@ -18,6 +18,8 @@ from app.serving.config import REPO_ROOT, AppConfig
 from autoscale.policy import SLOAutoscalingPolicy
 from tests.serving.helpers import shared_serve
 
+pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
+
 APP = "scale"
 MODEL = "mock-model"
 SLO = {  # TPOT of the mock at 40 ms per verify step is far above 5 ms: violated as soon as requests run

@@ -13,6 +13,8 @@ import pytest
 
 from loadtest import sweep
 
+pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
+
 CHECKPOINT = sweep.REPO_ROOT / "checkpoints" / "dspark-smollm2-135m" / "config.json"
 DRAFTER = [] if CHECKPOINT.is_file() else ["--set", "drafter=ngram", "--set", "gamma=5"]
 

@@ -18,6 +18,8 @@ from loadtest.prompts import chat_messages, load_conversation_spec, load_prompt_
 from loadtest.server import app_args, parse_overrides
 from tests.loadtest.stub_server import Timeline, stub_server
 
+pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
+
 TIMELINE = Timeline(ttft_s=0.3, itl_s=0.1, tokens_per_chunk=2)
 MAX_TOKENS = 9  # first token + 4 chunks of 2: e2el ~ 0.7 s, TPOT = 400 ms / 8 = 50 ms
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import time
 import warnings
@@ -20,12 +21,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def require_serial() -> None:
+    """RuntimeError in a pytest-xdist worker: a test that starts Ray must be marked ``serial`` (``tests/conftest.py``),
+    so that it runs alone, after the parallel phase, not beside another worker's Ray or CPU-bound tests."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        raise RuntimeError("this test starts Ray: mark its module `pytestmark = pytest.mark.serial` "
+                           "(tests/conftest.py)")
+
+
 def _start_serve(**ray_init) -> str:
     """A fresh local Ray (CPU only, no dashboard) the way ``make serve`` starts it (``SERVE_ENV``) and Serve on a free
     loopback port; returns the base URL."""
     import ray
     from ray import serve
 
+    require_serial()
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     try:
         init_local_ray(**ray_init)

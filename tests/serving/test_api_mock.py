@@ -18,6 +18,8 @@ from app.serving.builder import build_app
 from app.engine.testing import next_token, token_text
 from tests.serving.helpers import delete_in_background, shared_serve, sse_events, stream_text, wait_until
 
+pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
+
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MODEL = "mock-model"

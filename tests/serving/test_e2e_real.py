@@ -25,6 +25,8 @@ from app.serving.config import AppConfig
 from tests.engine.near_tie import check_greedy_output, check_same_or_near_tie
 from tests.serving.helpers import delete_in_background, shared_serve, sse_events, stream_text
 
+pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
+
 MAX_TOKENS = 32
 CHECKPOINT = Path(AppConfig().drafter_checkpoint)
 DRAFTER = "dspark" if (CHECKPOINT / "config.json").is_file() else "ngram"

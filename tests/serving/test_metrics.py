@@ -17,6 +17,8 @@ from ray import serve
 from app.serving.builder import build_app
 from tests.serving.helpers import free_port, local_serve
 
+pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
+
 MODEL = "mock-model"
 ARGS = {
     "mock_engine": True, "drafter": "mock", "policy": "dspark", "gamma": 4, "served_model_name": MODEL,

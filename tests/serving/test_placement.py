@@ -4,15 +4,19 @@ node the drafter group), target and drafter replicas land on the node of their o
 from __future__ import annotations
 
 import httpx
+import pytest
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
 from app.serving.builder import build_app
-from tests.serving.helpers import end_shared_serve, free_port
+from tests.serving.helpers import end_shared_serve, free_port, require_serial
+
+pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
 
 
 def test_replicas_land_on_their_resource_groups():
+    require_serial()
     end_shared_serve()  # this test needs a Ray of its own
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
                                                             "resources": {"target_group": 2}})

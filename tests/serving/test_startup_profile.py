@@ -10,12 +10,15 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from ray import serve
 
 from app.serving.builder import build_app
 from app.serving.config import AppConfig
 from tests.conftest import save_tiny_model
 from tests.serving.helpers import shared_serve
+
+pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
 
 LLAMA3 = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,

@@ -35,6 +35,8 @@ from app.serving.protocol import (
     DraftReplyTooLargeError, ErrorItem, GenerateRequest, TextChunk, call_bytes, check_reply, reply_bytes_bound,
 )
 
+pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
+
 
 class _Router:
     """Stands in for the Router actor handle: accepts load reports."""

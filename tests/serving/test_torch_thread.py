@@ -10,6 +10,8 @@ import pytest
 from app.serving import torch_thread
 from app.serving.torch_thread import TorchThread, thread_cpu_ms
 
+pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="schedstat is Linux's")
 def test_thread_cpu_ms_counts_this_threads_cpu_time_only():

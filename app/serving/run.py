@@ -3,16 +3,18 @@
 What ``serve run`` does (Ray's CLI, run in this process), plus: Ray starts the way this project needs it
 (``local_ray.init_local_ray``: ``SERVE_ENV``; node address and metrics export endpoint on 127.0.0.1 when the YAML's
 HTTP host is a loopback address, on a fixed port), one log line per application says when it is ready to serve,
-with its URL and model, and Ctrl-C (or SIGTERM) shuts Serve and Ray down. Exit status 1 when an application fails
-to deploy.
+with its URL and model, and Ctrl-C (or SIGTERM) shuts Serve and Ray down, waiting at most ``SHUTDOWN_TIMEOUT_S``.
+Exit status 1 when an application fails to deploy or the shutdown does not end in time.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +27,9 @@ log = logging.getLogger("dspark.serve")
 DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port (Prometheus scrapes it; the port Ray's docs use)
 READY_POLL_S = 1.0  # how often the deployment's status is read until every application runs
 SERVE_DEFAULT_HOST, SERVE_DEFAULT_PORT = "127.0.0.1", 8000  # Serve's http_options defaults
+# Serve's graceful shutdown (each replica drains for up to its graceful_shutdown_timeout_s, 20 s by default; Serve
+# gives its controller 30 s), then Ray's
+SHUTDOWN_TIMEOUT_S = 60.0
 
 
 def http_host(config: dict) -> str:
@@ -57,6 +62,23 @@ def wait_until_running(names: list[str]) -> dict[str, str]:
         time.sleep(READY_POLL_S)
 
 
+def shutdown(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
+    """Shut Serve, then Ray, down, waiting at most ``timeout_s`` seconds. Returns False when the wait ran out: the
+    shutdown goes on in a daemon thread, which a process exiting does not wait for (seen when a signal to the whole
+    process group took Ray's own processes, raylet and dashboard, down with this one)."""
+    import ray
+    from ray import serve
+
+    def run() -> None:
+        serve.shutdown()
+        ray.shutdown()
+
+    thread = threading.Thread(target=run, name="shutdown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
+
+
 def _interrupt(signum: int, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM shuts down like Ctrl-C (a background job started by a script ignores SIGINT)
 
@@ -70,8 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = yaml.safe_load(args.config.read_text())
 
-    import ray
-    from ray import serve
     from ray.serve.scripts import cli
 
     # as `serve run` starts Ray: the replicas' logs in this terminal, Ray's default dashboard (it writes the metrics
@@ -93,8 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         log.info("shutting down")
         return 0
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if not shutdown():
+            log.error("Serve and Ray did not shut down within %.0f s (were Ray's own processes signalled too?): "
+                      "exiting without waiting for them", SHUTDOWN_TIMEOUT_S)
+            logging.shutdown()
+            os._exit(1)  # Ray's exit handler would wait for the same shutdown
 
 
 if __name__ == "__main__":

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 import yaml
 
 from app.serving.config import REPO_ROOT
 from app.serving.local_ray import is_loopback
-from app.serving.run import http_host, ready_lines
+from app.serving.run import http_host, ready_lines, shutdown
 
 
 def test_make_serve_runs_the_launcher():
@@ -26,3 +28,34 @@ def test_ready_line_names_url_and_model_and_loopback_hosts():
         == ["ready: application 'a' serves model 'm' at http://127.0.0.1:8000/x/v1"]
     assert [is_loopback(h) for h in ("localhost", "127.0.0.2", "::1", "0.0.0.0", "10.1.2.3", "example.org")] == \
         [True, True, True, False, False, False]
+
+
+def test_the_launcher_shuts_serve_then_ray_down(monkeypatch):
+    import ray
+    from ray import serve
+
+    calls = []
+    monkeypatch.setattr(serve, "shutdown", lambda: calls.append("serve"))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray"))
+    assert shutdown(timeout_s=5.0) is True
+    assert calls == ["serve", "ray"]
+
+
+def test_a_shutdown_that_hangs_is_given_up_after_its_timeout(monkeypatch):
+    """Serve's shutdown waiting on Ray processes that are gone: the launcher stops waiting when its time is up."""
+    import ray
+    from ray import serve
+
+    release, calls = threading.Event(), []
+    monkeypatch.setattr(serve, "shutdown", lambda: release.wait(30))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("ray"))
+    t0 = time.perf_counter()
+    try:
+        assert shutdown(timeout_s=0.3) is False
+        assert time.perf_counter() - t0 < 5 and calls == []
+    finally:  # let the abandoned thread end while ``ray.shutdown`` is still the stand-in
+        release.set()
+        for thread in threading.enumerate():
+            if thread.name == "shutdown":
+                thread.join(5)
+    assert calls == ["ray"]

@@ -230,25 +230,38 @@ class SpecLoop:
         lookup: prompt lookup (drafts from each request's own context, chosen per request against the drafter's
             block), or None.
         max_prefill_tokens: prompt tokens per admission forward.
+        chunked_prefill: a prompt over what is left of ``max_prefill_tokens`` is prefilled in pieces of at most
+            ``max_prefill_tokens`` tokens, one piece per ``continue_prefill`` (one prompt at a time, as vLLM's
+            ``max_num_partial_prefills`` = 1), and while requests are active one prefill forward (an admission or a
+            piece) runs between two rounds, so a round waits for at most one budget of prefill; else a longer prompt
+            is prefilled whole, alone, and admissions fill the free slots before the next round.
         strip: what an output becomes on its way to the drafter (the Target replica drops what the drafter does not
             read); default unchanged.
 
     Raises:
-        ValueError: no ``gamma`` with a scheduler or a lookup.
+        ValueError: no ``gamma`` with a scheduler or a lookup; ``chunked_prefill`` on an engine without it
+            (``Engine.supports_chunked_prefill``).
     """
 
     def __init__(self, engine: Engine, *, gamma: int | None, speculates: bool, scheduler: Scheduler | None = None,
-                 lookup: PromptLookup | None = None, max_prefill_tokens: int = 2048, strip=None) -> None:
+                 lookup: PromptLookup | None = None, max_prefill_tokens: int = 2048, chunked_prefill: bool = False,
+                 strip=None) -> None:
         if gamma is None and (scheduler is not None or lookup is not None):
             raise ValueError("a loop with a scheduler or a prompt lookup needs gamma")
+        if chunked_prefill and not engine.supports_chunked_prefill:
+            raise ValueError(f"chunked prefill needs an engine that supports it; {type(engine).__name__} here does "
+                             "not (batch-invariant mode?)")
         self.engine = engine
         self.gamma = gamma
         self.speculates = speculates
         self.scheduler = scheduler
         self.lookup = lookup if speculates else None
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill = chunked_prefill
         self.strip = strip or (lambda out: out)
         self.active: dict[str, RequestResult] = {}
+        self.prefilling: dict[str, NewRequest] = {}  # admitted, prompt not wholly prefilled yet (chunked prefill)
+        self._prefilled = False  # a prefill forward ran since the last round
         self._starts: list[DraftStart] = []
         self._updates: list[StepOutput] = []
         self._finished: list[str] = []
@@ -259,55 +272,117 @@ class SpecLoop:
         """How many of the waiting prompts (token ids, in queue order) the next ``admit`` takes: as many as fit the
         free KV slots (and ``max_active`` active requests, when given) and ``max_prefill_tokens`` (0: none fits).
         The budget counts the tokens each prefill computes (``Engine.prefill_tokens``: a prefix reused from the
-        prefix cache is free), as vLLM's ``max_num_batched_tokens`` does. With prefix caching, a prompt that would
-        reuse a long prefix from an earlier prompt of the same batch waits for the next admission
-        (``admission.first_deferred``)."""
+        prefix cache is free), as vLLM's ``max_num_batched_tokens`` does. With chunked prefill the last prompt taken
+        may pass it (its first piece fills the budget); none is taken while a prompt is still being prefilled, nor,
+        while requests are active, after a prefill forward since the last round.
+        With prefix caching, a prompt that would reuse a long prefix from an earlier prompt of the same batch waits
+        for the next admission (``admission.first_deferred``)."""
         free = self.engine.num_free_slots
         if max_active is not None:
-            free = min(free, max_active - len(self.active))
-        if free <= 0 or not prompts:
+            free = min(free, max_active - len(self.active) - len(self.prefilling))
+        if free <= 0 or not prompts or self.prefilling or (self.chunked_prefill and self._prefilled and self.active):
             return 0
         window = list(itertools.islice(prompts, free))
         lens = [self.engine.prefill_tokens(ids) for ids in window]
         n = prefill_batch_size(lens, max_tokens=self.max_prefill_tokens, max_requests=free)
+        if self.chunked_prefill and n < len(window) and sum(lens[:n]) < self.max_prefill_tokens:
+            n += 1  # the rest of the budget starts the next prompt
         return first_deferred(window[:n], lens[:n]) if self.engine.prefix_caching else n
 
-    def admit(self, requests: Sequence[NewRequest]) -> list[tuple[RequestResult, StepOutput] | Exception]:
-        """Prefill ``requests`` in one forward; per request its record and first output, or the exception that
-        refused it (an ``EngineError``, or a bug's). A batch that raises is admitted again one by one (a failed
-        ``add_requests`` holds no slot), so only the request at fault fails. Admitted requests that did not finish at
-        once join ``active`` (and speculate when the loop does)."""
+    def _limits(self, requests: Sequence[NewRequest]) -> list[int] | None:
+        """Per request, the prompt tokens its admission computes now (chunked prefill), or None when every
+        prompt is prefilled whole.
+
+        Raises:
+            ValueError: a request beyond the budget (the batch was not sized by ``admission_size``).
+        """
+        if not self.chunked_prefill:
+            return None
+        lens = [self.engine.prefill_tokens(r.prompt_ids) for r in requests]
+        if sum(lens) <= self.max_prefill_tokens or len(requests) == 0:
+            return None
+        before = sum(lens[:-1])
+        if before >= self.max_prefill_tokens:
+            raise ValueError(f"{len(requests)} prompts of {lens} tokens to prefill exceed max_prefill_tokens "
+                             f"{self.max_prefill_tokens} before the last (size admissions with admission_size)")
+        return lens[:-1] + [self.max_prefill_tokens - before]
+
+    def admit(self, requests: Sequence[NewRequest]) -> list[tuple[RequestResult, StepOutput] | Exception | None]:
+        """Prefill ``requests`` in one forward; per request its record and first output, the exception that
+        refused it (an ``EngineError``, or a bug's), or None: a chunked prefill under way (``continue_prefill``
+        goes on with it). A batch that raises is admitted again one by one (a failed ``add_requests`` holds no slot),
+        so only the request at fault fails. Admitted requests that did not finish at once join ``active`` (and
+        speculate when the loop does).
+
+        Raises:
+            ValueError: a prompt is still being prefilled, or the batch was not sized by ``admission_size``.
+        """
+        if self.prefilling:
+            raise ValueError(f"request {next(iter(self.prefilling))!r} is still being prefilled; admit after it")
+        limits = self._limits(requests)
+        self._prefilled = True
         try:
-            results: list[StepOutput | Exception] = list(self.engine.add_requests(list(requests)))
+            results: list[StepOutput | Exception | None] = list(
+                self.engine.add_requests(list(requests), limits=limits) if limits
+                else self.engine.add_requests(list(requests)))
         except Exception as err:
             if len(requests) == 1:
                 return [err]
             log.warning("batched prefill of %d requests failed (%s: %s); admitting them one by one", len(requests),
                         type(err).__name__, err)
             results = []
-            for r in requests:
+            for i, r in enumerate(requests):
                 try:
-                    results.append(self.engine.add_request(r.request_id, r.prompt_ids, r.params))
+                    results.append(self.engine.add_requests([r], limits=[limits[i]])[0] if limits
+                                   else self.engine.add_request(r.request_id, r.prompt_ids, r.params))
                 except Exception as one:
                     results.append(one)
-        admitted: list[tuple[RequestResult, StepOutput] | Exception] = []
+        admitted: list[tuple[RequestResult, StepOutput] | Exception | None] = []
         for request, result in zip(requests, results):
-            if isinstance(result, Exception):
-                admitted.append(result)
-                continue
-            res = RequestResult(request.request_id, list(request.prompt_ids), request.params)
-            res.record(result)
-            admitted.append((res, result))
-            if result.finished:
-                continue
+            if result is None:
+                self.prefilling[request.request_id] = request
+            admitted.append(result if result is None or isinstance(result, Exception) else self._started(request,
+                                                                                                         result))
+        return admitted
+
+    def continue_prefill(self) -> tuple[str, tuple[RequestResult, StepOutput] | Exception | None]:
+        """The next piece (at most ``max_prefill_tokens`` tokens) of the prompt being prefilled in pieces.
+
+        Returns:
+            Its request id and, as ``admit`` gives it: its record and first output once the prompt is wholly
+            prefilled, None while pieces are left, or the exception that ended it (its slot is free then).
+
+        Raises:
+            ValueError: no prompt is being prefilled.
+        """
+        if not self.prefilling:
+            raise ValueError("no prompt is being prefilled")
+        rid, request = next(iter(self.prefilling.items()))
+        self._prefilled = True
+        try:
+            out = self.engine.continue_prefill({rid: self.max_prefill_tokens})[0]
+        except Exception as err:  # a bug: the request fails, its slot is freed
+            self.cancel(rid)
+            return rid, err
+        if out is None:
+            return rid, None
+        del self.prefilling[rid]
+        return rid, self._started(request, out)
+
+    def _started(self, request: NewRequest, first: StepOutput) -> tuple[RequestResult, StepOutput]:
+        """The record of a request whose prefill is done; unless it finished at once it joins ``active`` (and
+        speculates when the loop does)."""
+        res = RequestResult(request.request_id, list(request.prompt_ids), request.params)
+        res.record(first)
+        if not first.finished:
             self.active[request.request_id] = res
             if self.speculates:
                 res.speculates = True
-                self._starts.append(DraftStart(request.request_id, list(request.prompt_ids), self.strip(result),
+                self._starts.append(DraftStart(request.request_id, list(request.prompt_ids), self.strip(first),
                                                request.params))
                 if self.lookup is not None:
-                    self.lookup.start(request.request_id, request.prompt_ids, result)
-        return admitted
+                    self.lookup.start(request.request_id, request.prompt_ids, first)
+        return res, first
 
     # ------------------------------------------------------------------ the round
 
@@ -359,6 +434,7 @@ class SpecLoop:
         t0 = time.perf_counter()
         outputs = self.engine.verify([blocks[rid] for rid in ids])
         verify_ms = (time.perf_counter() - t0) * 1000
+        self._prefilled = False
         if self.scheduler is not None:  # the draft gate weighs the drafter call: it learns from its blocks only
             observed = [o for o in outputs if blocks[o.request_id].tokens.numel() and o.request_id not in from_lookup]
             if observed:
@@ -457,11 +533,13 @@ class SpecLoop:
     # ------------------------------------------------------------------ ending requests early
 
     def cancel(self, request_id: str) -> RequestResult | None:
-        """End a request before it finished: its KV slot is freed now, its drafter state with the next call.
+        """End a request before it finished (a chunked prefill under way included): its KV slot is freed now, its
+        drafter state with the next call.
 
         Returns:
             the request's record, or None when it is not active.
         """
+        self.prefilling.pop(request_id, None)
         res = self.active.pop(request_id, None)
         if res is not None:
             self._forget(res)
@@ -523,11 +601,13 @@ def generate(
     proposer: Proposer | None = None,
     max_batch: int | None = None,
     max_prefill_tokens: int = 2048,
+    chunked_prefill: bool = False,
     id_prefix: str = "req",
 ) -> tuple[list[RequestResult], GenerateStats]:
     """Decode ``prompts`` to completion with continuous batching (at most ``max_batch`` active at once) through a
     ``SpecLoop`` whose drafter is hosted in this process; waiting prompts are prefilled together, up to
-    ``max_prefill_tokens`` prompt tokens per forward. Every round drafts, and verifies each block as proposed.
+    ``max_prefill_tokens`` prompt tokens per forward (``chunked_prefill``: a longer prompt in pieces, one before each
+    round, ``SpecLoop``). Every round drafts, and verifies each block as proposed.
 
     With ``proposer=None`` this is plain decoding (every round verifies 0 drafts). The proposer's hooks run as a
     Drafter replica runs them (``ProposerHost``): ``start`` and the last round's ``update`` and ``finish`` before each
@@ -544,22 +624,28 @@ def generate(
     if len(params_list) != len(prompts):
         raise ValueError(f"{len(params_list)} params for {len(prompts)} prompts")
     host = ProposerHost(proposer, gamma=int(getattr(proposer, "gamma", 0))) if proposer is not None else None
-    loop = SpecLoop(engine, gamma=None, speculates=host is not None, max_prefill_tokens=max_prefill_tokens)
+    loop = SpecLoop(engine, gamma=None, speculates=host is not None, max_prefill_tokens=max_prefill_tokens,
+                    chunked_prefill=chunked_prefill)
     limit = min(max_batch or engine.max_num_seqs, engine.max_num_seqs)
-    results: list[RequestResult] = []
+    results: dict[str, RequestResult] = {}
     waiting = list(range(len(prompts)))
     stats = GenerateStats()
     start = time.perf_counter()
-    while waiting or loop.active:
+
+    def started(admissions: list) -> None:
+        refused = [a for a in admissions if isinstance(a, Exception)]
+        if refused:  # the engine keeps no request of this call: the caller may reuse it
+            for rid in list(loop.active) + list(loop.prefilling):
+                loop.cancel(rid)
+            raise refused[0]
+        results.update((a[0].request_id, a[0]) for a in admissions if a is not None)
+
+    while waiting or loop.active or loop.prefilling:
+        if loop.prefilling:
+            started([loop.continue_prefill()[1]])
         while n := loop.admission_size([prompts[i] for i in waiting], max_active=limit):
             admitted, waiting = waiting[:n], waiting[n:]
-            admissions = loop.admit([NewRequest(f"{id_prefix}-{i}", prompts[i], params_list[i]) for i in admitted])
-            refused = [a for a in admissions if isinstance(a, Exception)]
-            if refused:  # the engine keeps no request of this call: the caller may reuse it
-                for rid in list(loop.active):
-                    loop.cancel(rid)
-                raise refused[0]
-            results.extend(record for record, _ in admissions)
+            started(loop.admit([NewRequest(f"{id_prefix}-{i}", prompts[i], params_list[i]) for i in admitted]))
         if not loop.active:
             continue
         t0 = time.perf_counter()
@@ -573,4 +659,4 @@ def generate(
     if host is not None:
         host.draft(loop.take_call())  # the last outputs and finishes reach the drafter
     stats.wall_s = time.perf_counter() - start
-    return results, stats
+    return [results[f"{id_prefix}-{i}"] for i in range(len(prompts))], stats

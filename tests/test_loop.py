@@ -234,3 +234,62 @@ def test_verify_lengths_are_priced_over_the_whole_step():
     assert result.sampled == (False, True)
     assert recording.profile.sampled_fraction(result.sampled, [o.num_draft for o in result.outputs]) == \
         pytest.approx(1 / (2 + result.verified))  # one sampled row of the step
+
+
+def test_a_prompt_over_the_budget_is_prefilled_in_pieces_between_rounds():
+    """Chunked prefill: the last prompt that passes ``max_prefill_tokens`` starts with what is left of the budget and
+    goes on one budget per ``continue_prefill``; no admission meanwhile, and one prefill forward between two rounds;
+    the running request decodes between pieces; the prompt's request starts on the drafter once, when its prefill is
+    done."""
+    engine = mock_engine(max_model_len=1024)
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, max_prefill_tokens=100, chunked_prefill=True)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    waiting = [[7] * 60, [3] * 250, [5] * 10]
+    assert loop.admission_size(waiting) == 2  # 60 whole, then 40 of the 250
+    first, second = loop.admit([NewRequest("a", waiting[0], params), NewRequest("b", waiting[1], params)])
+    assert first[0].request_id == "a" and second is None and list(loop.prefilling) == ["b"]
+    assert engine.has_request("b") and list(loop.active) == ["a"]
+    assert loop.admission_size(waiting[2:]) == 0  # one prompt in pieces at a time
+    with pytest.raises(ValueError, match="still being prefilled"):
+        loop.admit([NewRequest("c", waiting[2], params)])
+    assert [s.request_id for s in loop.take_call().starts] == ["a"]
+    pieces = 0
+    while loop.prefilling:
+        loop.step(None)
+        rid, result = loop.continue_prefill()
+        pieces += 1
+        assert rid == "b"
+    assert pieces == 3  # 40 + 100 + 100 + 10 tokens: done at the third continuation
+    record, out = result
+    assert record.token_ids == out.new_token_ids == expected_tokens(3, 1, engine.vocab_size)
+    assert list(loop.active) == ["a", "b"] and len(loop.active["a"].token_ids) == 1 + pieces
+    assert [s.request_id for s in loop.take_call().starts] == ["b"]
+    assert loop.admission_size(waiting[2:]) == 0  # one prefill forward between two rounds while requests run
+    loop.step(None)
+    assert loop.admission_size(waiting[2:]) == 1
+    loop.admit([NewRequest("c", waiting[2], params)])
+    assert loop.admission_size([[1] * 5]) == 0
+    with pytest.raises(ValueError, match="no prompt"):
+        loop.continue_prefill()
+
+
+def test_a_request_cancelled_while_prefilled_in_pieces_frees_its_slot():
+    engine = mock_engine(max_model_len=1024)
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True, max_prefill_tokens=100, chunked_prefill=True)
+    assert loop.admit([NewRequest("b", [3] * 250, SamplingParams(max_tokens=4))]) == [None]
+    assert loop.cancel("b") is None
+    assert not engine.has_request("b") and not loop.prefilling and not loop.take_call().starts
+    assert loop.admission_size([[1] * 10]) == 1
+
+
+@pytest.mark.parametrize("budget", [1, 7, 64])
+def test_generate_with_chunked_prefill_gives_the_same_results(budget):
+    prompts = [[5] * 40, [9] * 3, [1, 2, 3] * 30, [4] * 200]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    whole, _ = generate(mock_engine(max_model_len=1024), prompts, params, proposer=HookLog(512))
+    engine = mock_engine(max_model_len=1024)
+    log = HookLog(engine.vocab_size)
+    pieces, _ = generate(engine, prompts, params, proposer=log, max_prefill_tokens=budget, chunked_prefill=True)
+    assert [r.token_ids for r in pieces] == [r.token_ids for r in whole]
+    assert [r.request_id for r in pieces] == [r.request_id for r in whole]
+    assert all(log.updated[r.request_id] == r.token_ids for r in pieces) and engine.num_active == 0

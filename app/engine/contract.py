@@ -102,6 +102,22 @@ class Engine(ABC):
             InvalidRequestError, ContextLengthError, CapacityError (``errors.py``): nothing is admitted.
         """
 
+    @property
+    def supports_chunked_prefill(self) -> bool:
+        """Whether the engine prefills a prompt in pieces: its ``add_requests`` then also takes ``limits`` (per
+        request the prompt tokens to compute now; a request not wholly prefilled gets None and holds its slot) and
+        ``continue_prefill`` computes the next pieces (``TargetEngine``)."""
+        return False
+
+    def continue_prefill(self, limits: dict[str, int]) -> list[StepOutput | None]:
+        """The next piece of each named chunked prefill, at most ``limits[r]`` tokens, in one forward; per request its
+        first output once its prompt is wholly prefilled, else None.
+
+        Raises:
+            NotImplementedError: the engine does not prefill in pieces (``supports_chunked_prefill``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not prefill in pieces")
+
     def add_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> StepOutput:
         """``add_requests`` of one request."""
         return self.add_requests([NewRequest(request_id, prompt_ids, params)])[0]

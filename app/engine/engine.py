@@ -63,6 +63,16 @@ class _Request:
     # with prefix caching: the feature rows of the tokens verify steps ran and kept ([a + 1, F] a step), so the slot's
     # record takes the answer when the request ends (``TargetEngine._keep_answer``)
     answer_rows: list[torch.Tensor] = field(default_factory=list)
+    # until its prefill is done (over several calls with chunked prefill): the prompt [T] int64, and the feature rows
+    # of the prompt tokens already in the slot ([n, F] pieces, the reused prefix's first)
+    prompt: torch.Tensor | None = None
+    prompt_rows: list[torch.Tensor] = field(default_factory=list)
+    reused: int = 0  # prompt tokens whose keys/values came from the prefix cache
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether its prompt is not wholly in its slot yet (no first token, no verify step)."""
+        return self.prompt is not None
 
     @property
     def screened(self) -> bool:
@@ -227,7 +237,14 @@ class TargetEngine(Engine):
             return len(prompt_ids)
         return len(prompt_ids) - self._prefix.match(torch.as_tensor(prompt_ids, dtype=torch.long)).length
 
-    def add_requests(self, requests: Sequence[NewRequest]) -> list[StepOutput]:
+    @property
+    def supports_chunked_prefill(self) -> bool:
+        """Whether ``add_requests`` takes ``limits``: everywhere but in batch-invariant mode (a prompt's keys/values
+        would depend on where the caller cut it)."""
+        return not self.config.batch_invariant
+
+    def add_requests(self, requests: Sequence[NewRequest], *, limits: Sequence[int] | None = None
+                     ) -> list[StepOutput | None]:
         """Validate every request, then prefill all their prompts in one ragged forward (batched prefill) and sample
         each first token.
 
@@ -238,8 +255,15 @@ class TargetEngine(Engine):
         T - L tokens (``prefix_cache.py``); it takes the donor's slot when that slot is free and its whole record is in
         the prompt, else the free slot whose record was used least recently.
 
+        Chunked prefill (``limits``, where ``supports_chunked_prefill``): request i computes at most ``limits[i]``
+        prompt tokens now (after its reused prefix); a request whose prompt is not wholly in its slot then holds its
+        slot, gets None instead of a StepOutput and goes on with ``continue_prefill``. The prompt's keys/values and
+        features are those of a prefill in one piece, up to rounding (later pieces attend to the cached keys of
+        earlier ones).
+
         Returns:
-            One StepOutput per request, in order: the first token and the prompt's features ``[T, F]``.
+            One StepOutput per request, in order: the first token and the prompt's features ``[T, F]`` (None: a
+            chunked prefill not done yet).
 
         Raises:
             InvalidRequestError: duplicate id (held, or twice in the batch), empty prompt, token id outside [0, V)
@@ -247,10 +271,17 @@ class TargetEngine(Engine):
                 rejects, or combined with ``ignore_eos`` or ``min_tokens``.
             ContextLengthError: T + max_tokens + max_draft_len > max_model_len.
             CapacityError: fewer free slots than requests.
+            ValueError: ``limits`` not one positive count per request, or given in batch-invariant mode.
             Validation errors name the first bad request; nothing is changed then.
         """
         if not requests:
             return []
+        if limits is not None:
+            if not self.supports_chunked_prefill:
+                raise ValueError("chunked prefill is off in batch-invariant mode (batch_invariant: true)")
+            if len(limits) != len(requests) or any(n < 1 for n in limits):
+                raise ValueError(f"limits must be one count >= 1 per request, got {list(limits)} for "
+                                 f"{len(requests)} requests")
         checked = [self._check_new(r) for r in requests]
         prompts = [ids for ids, _ in checked]
         if len({r.request_id for r in requests}) < len(requests):
@@ -269,10 +300,12 @@ class TargetEngine(Engine):
         try:  # from here on the slots are taken: any failure gives them back
             if self._prefix is not None:
                 self._reuse_prefixes(reqs, hits)
+            for req, ids, hit in zip(reqs, prompts, hits):
+                req.prompt, req.num_cached, req.reused = ids, hit.length, hit.length
+                req.prompt_rows = [hit.features] if hit.length else []
             if self.config.batch_invariant:  # each prompt alone: its cache and first token do not depend on others
-                return [out for i in range(len(reqs)) for out in self._prefill(reqs[i : i + 1], prompts[i : i + 1],
-                                                                               hits[i : i + 1])]
-            return self._prefill(reqs, prompts, hits)
+                return [out for i in range(len(reqs)) for out in self._prefill(reqs[i : i + 1])]
+            return self._prefill(reqs, limits)
         except BaseException:
             for req in reqs:
                 if req.request_id in self._requests:
@@ -288,38 +321,76 @@ class TargetEngine(Engine):
         self.cache.copy_prefixes([(hit.slot, req.slot, hit.length) for req, hit in zip(reqs, hits)
                                   if hit.length and hit.slot != req.slot])
 
-    def _prefill(self, reqs: list[_Request], prompts: list[torch.Tensor], hits: list[PrefixHit]) -> list[StepOutput]:
-        """One forward over the registered ``reqs``' prompts ([T_r] int64 each) from the end of each one's reused
-        prefix (``hits``; its keys/values already in the request's slot); their first outputs, in order."""
-        starts = [hit.length for hit in hits]
-        runs = [ids[start:] for ids, start in zip(prompts, starts)]
+    def continue_prefill(self, limits: dict[str, int]) -> list[StepOutput | None]:
+        """The next piece of chunked prefills (``add_requests`` with ``limits``), in one forward: request ``r``
+        computes at most ``limits[r]`` more prompt tokens.
+
+        Returns:
+            Per request, in ``limits``' order, its first output once its prompt is wholly in its slot, else None.
+
+        Raises:
+            UnknownRequestError: a request not held. InvalidRequestError: a request whose prefill is done.
+            ValueError: a count < 1. Nothing is changed then.
+        """
+        reqs = []
+        for rid, n in limits.items():
+            req = self._requests.get(rid)
+            if req is None:
+                raise UnknownRequestError(f"unknown request {rid!r} (never added, finished or released)")
+            if not req.prefilling:
+                raise InvalidRequestError(f"request {rid!r} has no prefill left to continue")
+            if n < 1:
+                raise ValueError(f"a prefill piece needs at least 1 token, got {n} for {rid!r}")
+            reqs.append(req)
+        return self._prefill(reqs, list(limits.values()))
+
+    def _prefill(self, reqs: list[_Request], limits: Sequence[int] | None = None) -> list[StepOutput | None]:
+        """One forward over the prefilling ``reqs``' prompts from the first token not in each one's slot, at most
+        ``limits[i]`` tokens each (None: to the end); the first output of each request whose prompt is then wholly in
+        its slot, else None, in order."""
+        starts = [r.num_cached for r in reqs]
+        ends = [len(r.prompt) if limits is None else min(len(r.prompt), start + n)
+                for r, start, n in zip(reqs, starts, limits or [0] * len(reqs))]
+        runs = [r.prompt[start:end] for r, start, end in zip(reqs, starts, ends)]
         lengths = [len(run) for run in runs]
+        done = [i for i, r in enumerate(reqs) if ends[i] == len(r.prompt)]
         with torch.inference_mode():
             layout = StepLayout.build(
                 slots=[r.slot for r in reqs], starts=starts, lengths=lengths, groups=self._groups,
                 device=self.device, dtype=self.cache.k.dtype, slot_len=self.cache.slot_len,
             )
-            last = torch.cumsum(torch.tensor(lengths), 0) - 1  # [B] each prompt's last row
+            last = (torch.cumsum(torch.tensor(lengths), 0) - 1)[done]  # [B'] the last row of each finished prompt
             hidden, features = self.model.hidden_states(
                 torch.cat(runs).to(self.device), cache=self.cache, layout=layout, index=last.to(self.device),
                 ops=self._ops,
             )
-            heads = self._head(hidden, [1] * len(reqs), [r.screened for r in reqs])
-        outputs, offset = [], 0
+            heads = {} if not done else dict(zip(done, self._head(hidden, [1] * len(done),
+                                                                  [reqs[i].screened for i in done])))
+        outputs: list[StepOutput | None] = []
+        offset = 0
         empty = torch.zeros(0, dtype=torch.long)
-        for req, head, ids, hit, n in zip(reqs, heads, prompts, hits, lengths):
-            head = head.cpu()
-            req.num_cached = len(ids)
-            rows = features[offset : offset + n]  # [T - L, F]
-            if self._prefix is not None:  # the record keeps the prompt's rows: its own tensor, not the batch's
-                rows = torch.cat([hit.features, rows]) if hit.length else rows.clone()
+        for i, (req, n) in enumerate(zip(reqs, lengths)):
+            rows = features[offset : offset + n]  # [n, F]
+            offset += n
+            req.num_cached = ends[i]
+            if i not in heads:  # a piece of a chunked prefill: its rows must outlive this step's features
+                req.prompt_rows.append(rows.clone())
+                outputs.append(None)
+                continue
+            ids, pieces = req.prompt, req.prompt_rows + [rows]
+            if len(pieces) > 1:
+                rows = torch.cat(pieces)
+            elif self._prefix is not None:  # the record keeps the prompt's rows: its own tensor, not the batch's
+                rows = rows.clone()
+            if self._prefix is not None:
                 self._prefix.store(req.slot, ids, rows)
+            req.prompt, req.prompt_rows = None, []
+            head = heads[i].cpu()
             allowed = req.grammar.block_masks([])[1] if req.grammar is not None else None
             # the first token's position is T, the prompt's length (a verify step's row j: num_cached + 1 + j)
             result = self._decide(req, empty, None, head, allowed, first_position=len(ids))
             outputs.append(self._commit(req, result.tokens, num_draft=0, num_accepted=0, features=rows, head=head,
-                                        cached_tokens=hit.length))
-            offset += n
+                                        cached_tokens=req.reused))
         return outputs
 
     def _check_new(self, request: NewRequest) -> tuple[torch.Tensor, RequestGrammar | None]:
@@ -553,6 +624,8 @@ class TargetEngine(Engine):
                 raise UnknownRequestError(f"unknown request {b.request_id!r} (never added, finished or released)")
             if b.request_id in seen:
                 raise InvalidRequestError(f"request {b.request_id!r} appears twice in one verify batch")
+            if req.prefilling:
+                raise InvalidRequestError(f"request {b.request_id!r} is still being prefilled (continue_prefill)")
             seen.add(b.request_id)
             if b.length > self.config.max_draft_len:
                 raise InvalidRequestError(

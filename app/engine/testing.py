@@ -69,6 +69,7 @@ class _MockRequest:
     last: int
     generated: int = 0
     text: str = ""
+    prefill_left: int = 0  # prompt tokens a chunked prefill has still to compute
 
 
 class MockEngine(Engine):
@@ -102,21 +103,45 @@ class MockEngine(Engine):
     def encode(self, text: str) -> list[int]:
         return [ord(c) % self.vocab_size for c in text]
 
-    def add_requests(self, requests: Sequence[NewRequest]) -> list[StepOutput]:
-        """All requests are validated before any is added, as ``TargetEngine.add_requests`` does."""
+    @property
+    def supports_chunked_prefill(self) -> bool:
+        return True
+
+    def add_requests(self, requests: Sequence[NewRequest], *, limits: Sequence[int] | None = None
+                     ) -> list[StepOutput | None]:
+        """All requests are validated before any is added, as ``TargetEngine.add_requests`` does; ``limits`` as
+        there (chunked prefill: None for a request whose prompt is not wholly prefilled)."""
         for r in requests:
             self._check_new(r)
         if len({r.request_id for r in requests}) < len(requests):
             raise InvalidRequestError("the same request id appears twice in one admission batch")
         if len(requests) > self.num_free_slots:
             raise CapacityError(f"{len(requests)} requests for {self.num_free_slots} free KV cache slots")
-        outputs = []
-        for r in requests:
+        if limits is not None and (len(limits) != len(requests) or any(n < 1 for n in limits)):
+            raise ValueError(f"limits must be one count >= 1 per request, got {list(limits)}")
+        outputs: list[StepOutput | None] = []
+        for i, r in enumerate(requests):
             req = _MockRequest(params=r.params, prompt_len=len(r.prompt_ids), last=int(r.prompt_ids[-1]))
             self._requests[r.request_id] = req
-            outputs.append(self._commit(r.request_id, req, [next_token(req.last, self.vocab_size)], 0, 0,
-                                        len(r.prompt_ids)))
+            req.prefill_left = len(r.prompt_ids)
+            outputs.append(self._prefill(r.request_id, req, None if limits is None else limits[i]))
         return outputs
+
+    def continue_prefill(self, limits: dict[str, int]) -> list[StepOutput | None]:
+        for rid, n in limits.items():
+            if rid not in self._requests:
+                raise UnknownRequestError(f"unknown request {rid!r} (never added, finished or released)")
+            if not self._requests[rid].prefill_left:
+                raise InvalidRequestError(f"request {rid!r} has no prefill left to continue")
+            if n < 1:
+                raise ValueError(f"a prefill piece needs at least 1 token, got {n} for {rid!r}")
+        return [self._prefill(rid, self._requests[rid], n) for rid, n in limits.items()]
+
+    def _prefill(self, request_id: str, req: _MockRequest, limit: int | None) -> StepOutput | None:
+        req.prefill_left -= req.prefill_left if limit is None else min(limit, req.prefill_left)
+        if req.prefill_left:
+            return None
+        return self._commit(request_id, req, [next_token(req.last, self.vocab_size)], 0, 0, req.prompt_len)
 
     def _check_new(self, request: NewRequest) -> None:
         if request.request_id in self._requests:
@@ -137,6 +162,8 @@ class MockEngine(Engine):
         for b in blocks:
             if b.request_id not in self._requests:
                 raise UnknownRequestError(f"unknown request {b.request_id!r} (never added, finished or released)")
+            if self._requests[b.request_id].prefill_left:
+                raise InvalidRequestError(f"request {b.request_id!r} is still being prefilled (continue_prefill)")
             if b.length > self.config.max_draft_len:
                 raise InvalidRequestError(f"draft of {b.length} tokens exceeds max_draft_len")
         if self.config.step_ms:

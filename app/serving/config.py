@@ -75,9 +75,16 @@ class AppConfig(BaseModel):
         32, ge=0, description="Requests waiting for a KV slot per target replica; beyond it answers 503."
     )
     max_prefill_tokens: int = Field(
-        2048, ge=1, description="Prompt tokens prefilled in one forward: requests admitted together (between two "
-        "rounds) share one batched prefill up to this many computed tokens; a prefix reused from the prefix cache "
-        "does not count (vLLM's max_num_batched_tokens for prefills)."
+        512, ge=1, description="Prompt tokens prefilled in one forward: requests admitted together share one batched "
+        "prefill up to this many computed tokens, and with chunked prefill a longer prompt goes in pieces of this "
+        "size, so a round waits for at most this much prefill; a prefix reused from the prefix cache does not count "
+        "(vLLM's max_num_batched_tokens for prefills)."
+    )
+    enable_chunked_prefill: bool | None = Field(
+        None, description="A prompt over what is left of max_prefill_tokens is prefilled in pieces of at most "
+        "max_prefill_tokens tokens, one piece between two rounds, so the running requests go on streaming while a "
+        "long prompt is prefilled (vLLM's --enable-chunked-prefill). None: on, except with engine.batch_invariant "
+        "(a prompt's keys/values would depend on where it was cut); true with batch_invariant is an error."
     )
     stream_interval: int = Field(
         1, ge=1, description="Tokens a request gathers before its text is sent (vLLM's --stream-interval): fewer, "
@@ -229,6 +236,9 @@ class AppConfig(BaseModel):
             raise ValueError(f"gamma {self.gamma} leaves no room in max_model_len {self.max_model_len}")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
+        if self.enable_chunked_prefill and self.engine.batch_invariant:
+            raise ValueError("enable_chunked_prefill cuts prompts where the budget falls; it cannot be combined with "
+                             "engine.batch_invariant")
         if self.mock_engine and self.drafter == "dspark" and self.speculates:
             raise ValueError("drafter 'dspark' needs the real engine (the mock engine has no features); use 'mock'")
         return self
@@ -243,6 +253,13 @@ class AppConfig(BaseModel):
 
             fields["feature_layers"] = tuple(read_checkpoint_config(self.drafter_checkpoint)["config"]["feature_layers"])
         return EngineConfig.model_validate(fields)
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """``enable_chunked_prefill`` resolved (None: on unless ``engine.batch_invariant``)."""
+        if self.enable_chunked_prefill is None:
+            return not self.engine.batch_invariant
+        return self.enable_chunked_prefill
 
     @property
     def model(self) -> str:

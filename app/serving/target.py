@@ -201,11 +201,12 @@ class TargetReplica:
         # speculation stops for good on this replica if a colocated drafter cannot drop its state
         self.loop = SpecLoop(self.engine, gamma=config.gamma, speculates=speculates, scheduler=self.scheduler,
                              lookup=self.lookup, max_prefill_tokens=config.max_prefill_tokens,
-                             strip=strip_for_drafter)
+                             chunked_prefill=config.chunked_prefill, strip=strip_for_drafter)
         self.telemetry = TargetTelemetry(slo=config.autoscaling, policy=config.policy, replica=self.replica_id,
                                          gamma=config.gamma, max_num_seqs=config.max_num_seqs)
         self._waiting: collections.deque[_Stream] = collections.deque()
-        self._active: dict[str, _Stream] = {}
+        self._active: dict[str, _Stream] = {}  # decoding
+        self._prefilling: dict[str, _Stream] = {}  # admitted, prompt prefilled in pieces (chunked prefill)
         self._cancelled: set[str] = set()
         self._drafted_last_round = False
         self._wakeup: asyncio.Event | None = None
@@ -236,8 +237,8 @@ class TargetReplica:
         except InvalidRequestError as err:
             yield ErrorItem(400, str(err), param=request.api_param(err.param))
             return
-        if len(self._waiting) + len(self._active) >= self.config.max_num_seqs + self.config.max_queued_requests:
-            yield ErrorItem(503, f"server overloaded: {len(self._active)} requests running and {len(self._waiting)} "
+        if len(self._waiting) + self._running >= self.config.max_num_seqs + self.config.max_queued_requests:
+            yield ErrorItem(503, f"server overloaded: {self._running} requests running and {len(self._waiting)} "
                             f"queued on this replica (limit {self.config.max_num_seqs} + "
                             f"{self.config.max_queued_requests} queued)", type="server_overloaded", code="overloaded")
             return
@@ -260,9 +261,15 @@ class TargetReplica:
             return self.engine.encode_chat(request.messages)
         return self.engine.encode(request.prompt)
 
+    @property
+    def _running(self) -> int:
+        """Requests holding a KV slot: decoding, or being prefilled in pieces."""
+        return len(self._active) + len(self._prefilling)
+
     def debug_state(self) -> dict:
         """Counts of held request state (leak checks and the autoscaler)."""
-        return {"active": len(self._active), "waiting": len(self._waiting), "engine_active": self.engine.num_active,
+        return {"active": len(self._active), "prefilling": len(self._prefilling), "waiting": len(self._waiting),
+                "engine_active": self.engine.num_active,
                 "colocated_drafter_states": None if self.colocated is None else self.colocated.num_states,
                 "lookup_states": None if self.lookup is None else self.lookup.num_states,
                 "cancelled_pending": len(self._cancelled), "node_id": ray.get_runtime_context().get_node_id(),
@@ -271,9 +278,9 @@ class TargetReplica:
 
     def record_autoscaling_stats(self) -> dict:
         """Custom autoscaling metrics (Ray Serve polls this; used by the autoscaling policy)."""
-        return {"active": float(len(self._active)), "waiting": float(len(self._waiting)),
+        return {"active": float(self._running), "waiting": float(len(self._waiting)),
                 "step_ms": self.stats.step_ms,
-                **self.telemetry.autoscaling_stats(active=len(self._active), queued=len(self._waiting))}
+                **self.telemetry.autoscaling_stats(active=self._running, queued=len(self._waiting))}
 
     # ------------------------------------------------------------------ loop
 
@@ -290,7 +297,7 @@ class TargetReplica:
 
     async def _loop(self) -> None:
         while True:
-            if not (self._waiting or self._active or self._cancelled or self.loop.has_pending_finishes):
+            if not (self._waiting or self._running or self._cancelled or self.loop.has_pending_finishes):
                 self._wakeup.clear()
                 await self._wakeup.wait()
             try:
@@ -300,19 +307,20 @@ class TargetReplica:
                     await self._round()
                 elif self.loop.has_pending_finishes and self.loop.speculates:
                     await self._call_drafter(self.loop.take_call())  # tell the drafter to forget cancelled requests
-                elif self._waiting:  # nothing running, yet no slot free: the engine lost track of a slot
+                elif self._waiting and not self._prefilling:  # nothing running, yet no slot free: a slot is lost
                     err = RuntimeError(f"no free KV slot with no request running ({len(self._waiting)} waiting)")
                     log.error("target step loop: %s; failing the waiting requests", err)
                     waiting, self._waiting = list(self._waiting), collections.deque()
                     await self._fail(waiting, err)
             except Exception as err:  # a bug must cost the requests it touched, not the replica's step loop
                 log.exception("target step loop: unexpected error; failing the running requests")
-                await self._fail(list(self._active.values()), err)
+                await self._fail(list(self._active.values()) + list(self._prefilling.values()), err)
 
     async def _fail(self, streams: list[_Stream], err: Exception) -> None:
         """End these requests with a 500 error and free their state (the step loop goes on)."""
         for stream in streams:
             self._active.pop(stream.request.request_id, None)
+            self._prefilling.pop(stream.request.request_id, None)
         for stream in streams:
             stream.queue.put_nowait(internal_error(err))
             try:
@@ -342,7 +350,7 @@ class TargetReplica:
     async def _drop_cancelled(self) -> None:
         for rid in list(self._cancelled):
             self._cancelled.discard(rid)
-            stream = self._active.pop(rid, None)
+            stream = self._active.pop(rid, None) or self._prefilling.pop(rid, None)
             if stream is None:
                 self.telemetry.dropped(rid)
                 self._waiting = collections.deque(s for s in self._waiting if s.request.request_id != rid)
@@ -351,11 +359,20 @@ class TargetReplica:
 
     async def _admit(self) -> None:
         """Move waiting requests into free KV slots, prefilling those admitted together in one forward
-        (``max_prefill_tokens`` per forward)."""
+        (``max_prefill_tokens`` per forward); with chunked prefill first the next piece of a prompt prefilled in
+        pieces. How many forwards run before the next round is the loop's rule (``SpecLoop.admission_size``)."""
         # Sizing and admission run on the torch thread: the prefix cache's match (sizing) and the loop's copy of
         # features for the drafter (``strip_for_drafter``) are enough for torch to start an OpenMP parallel region;
         # started on the event loop thread, that gives the process a second pool and slows every later engine step
         # (torch_thread.py).
+        if self._prefilling:
+            try:
+                rid, result = await self._run(self.loop.continue_prefill)
+            except Exception as err:  # a bug in the loop itself: the request being prefilled fails
+                await self._fail(list(self._prefilling.values()), err)
+                return
+            if result is not None:
+                self._admitted(self._prefilling.pop(rid), result)
         while self._waiting and self.engine.num_free_slots:
             n = await self._run(self.loop.admission_size, [s.prompt_ids for s in self._waiting])
             if n == 0:
@@ -368,7 +385,9 @@ class TargetReplica:
                 results = [err] * len(streams)
             deferred = [stream for stream, result in zip(streams, results) if isinstance(result, CapacityError)]
             for stream, result in zip(streams, results):
-                if stream not in deferred:
+                if result is None:  # its prompt goes on in pieces (chunked prefill)
+                    self._prefilling[stream.request.request_id] = stream
+                elif stream not in deferred:
                     self._admitted(stream, result)
             if deferred:  # back to the front of the queue, in order
                 log.warning("admission deferred: %s", next(r for r in results if isinstance(r, CapacityError)))

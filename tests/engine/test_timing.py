@@ -61,9 +61,9 @@ def test_a_prefill_is_timed_with_the_planned_prefix_in_the_cache(engine, monkeyp
     computed = []
     prefill = type(cached)._prefill
 
-    def recording(self, reqs, prompts, hits):
-        computed.extend(len(ids) - hit.length for ids, hit in zip(prompts, hits))
-        return prefill(self, reqs, prompts, hits)
+    def recording(self, reqs, limits=None):
+        computed.extend(len(r.prompt) - r.num_cached for r in reqs)  # the prompt past the reused prefix
+        return prefill(self, reqs, limits)
 
     monkeypatch.setattr(type(cached), "_prefill", recording)
     for shared in (0, 30, 63):

@@ -31,6 +31,13 @@ def test_bad_config_names_the_field(args, field):
     assert field in str(info.value)
 
 
+def test_chunked_prefill_is_on_unless_batch_invariant_where_asking_for_it_is_an_error():
+    assert AppConfig().chunked_prefill and not AppConfig(enable_chunked_prefill=False).chunked_prefill
+    assert not AppConfig(engine={"batch_invariant": True}).chunked_prefill
+    with pytest.raises(ValidationError, match="enable_chunked_prefill"):
+        AppConfig(enable_chunked_prefill=True, engine={"batch_invariant": True})
+
+
 def test_missing_files_name_the_field(tmp_path):
     with pytest.raises(FileNotFoundError, match="drafter_checkpoint"):
         AppConfig(drafter_checkpoint=str(tmp_path / "nothing")).check_files()

@@ -425,3 +425,83 @@ def test_stream_interval_gathers_tokens_but_never_delays_the_first_or_the_last(m
         assert items[-1].finish_reason == "length" and items[-1].spec is not None
         assert all(i.finish_reason is None and i.spec is None for i in items[:-1])
     assert len(gathered[0]) < len(plain[0])
+
+
+def _chat(rid: str, content: str, max_tokens: int) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, messages=[{"role": "user", "content": content}],
+                           params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+
+def test_a_long_prompt_is_prefilled_in_pieces_while_the_others_decode(monkeypatch):
+    """Chunked prefill (on by default): a 151-token prompt over a 40-token budget arrives while a request decodes; it
+    is prefilled in pieces with a round of the running request between any two, and both answers are those of a
+    replica that prefills it whole. Counted as running while prefilled (``debug_state``)."""
+
+    def serve_pair(replica) -> tuple[list, list]:
+        async def collect(request, delay_s: float) -> list:
+            await asyncio.sleep(delay_s)
+            return [item async for item in replica.generate(request)]
+
+        async def main():
+            try:
+                return await asyncio.wait_for(asyncio.gather(
+                    collect(_chat("short", "hi", 120), 0.0), collect(_chat("long", "x" * 150, 20), 0.05)), timeout=30)
+            finally:
+                for task in replica._tasks:
+                    task.cancel()
+
+        return asyncio.run(main())
+
+    chunked = make_replica(monkeypatch, max_prefill_tokens=40, mock_step_ms=5)
+    states, decoded = [], []
+    continue_prefill = chunked.loop.continue_prefill
+
+    def recording():
+        states.append(chunked.debug_state())
+        decoded.append(len(chunked.loop.active["short"].token_ids))
+        return continue_prefill()
+
+    monkeypatch.setattr(chunked.loop, "continue_prefill", recording)
+    got = serve_pair(chunked)
+    whole = serve_pair(make_replica(monkeypatch, max_prefill_tokens=40, mock_step_ms=5, enable_chunked_prefill=False))
+    assert len(decoded) == 3  # 40 tokens at admission, then 40, 40, 31
+    assert all(a < b for a, b in zip(decoded, decoded[1:])), decoded  # rounds between the pieces
+    assert all(s["prefilling"] == 1 and s["engine_active"] == 2 for s in states), states
+    for items, reference in zip(got, whole):
+        assert [t for i in items for t in i.token_ids] == [t for i in reference for t in i.token_ids]
+        assert items[-1].finish_reason == "length"
+    assert num_tokens(got[0]) == 120 and num_tokens(got[1]) == 20
+
+
+def test_a_request_that_goes_away_while_prefilled_in_pieces_frees_its_slot(monkeypatch):
+    replica = make_replica(monkeypatch, max_prefill_tokens=40, mock_step_ms=5)
+    continue_prefill, piece = replica.loop.continue_prefill, asyncio.Event()
+
+    def signalling():
+        piece.set()
+        return continue_prefill()
+
+    monkeypatch.setattr(replica.loop, "continue_prefill", signalling)
+
+    async def main():
+        try:
+            short = asyncio.create_task(_collect(replica, _chat("short", "hi", 100)))
+            await asyncio.sleep(0.05)
+            long = asyncio.create_task(_collect(replica, _chat("long", "x" * 150, 20)))
+            await asyncio.wait_for(piece.wait(), timeout=10)
+            long.cancel()  # the client goes away while its prompt is prefilled
+            items = await asyncio.wait_for(short, timeout=30)
+            replica.check_health()
+            return items, replica.debug_state()
+        finally:
+            for task in replica._tasks:
+                task.cancel()
+
+    items, state = asyncio.run(main())
+    assert num_tokens(items) == 100
+    assert (state["prefilling"], state["active"], state["engine_active"]) == (0, 0, 0), state
+    assert not replica.loop.prefilling and replica.engine.num_free_slots == replica.engine.max_num_seqs
+
+
+async def _collect(replica, request) -> list:
+    return [item async for item in replica.generate(request)]

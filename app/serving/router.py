@@ -44,7 +44,7 @@ class TargetLoad:
     """One target replica's load report."""
 
     replica_id: str
-    active: int  # requests decoding
+    active: int  # requests holding a KV slot: decoding, or prefilled in pieces
     waiting: int  # requests queued for a KV slot
     max_num_seqs: int
     step_ms: float  # EMA of one round (draft + verify)

@@ -541,7 +541,7 @@ class TargetReplica:
     def load(self) -> TargetLoad:
         """This replica's load report now (a copy: later rounds do not change it)."""
         return TargetLoad(
-            replica_id=self.replica_id, active=len(self._active), waiting=len(self._waiting),
+            replica_id=self.replica_id, active=self._running, waiting=len(self._waiting),
             max_num_seqs=self.config.max_num_seqs, step_ms=self.stats.step_ms,
             tokens_per_step=self.stats.tokens_per_step, acceptance=self.stats.acceptance,
             counters=replace(copy.deepcopy(self.telemetry.counters), fallbacks=dict(self.stats.fallbacks)),

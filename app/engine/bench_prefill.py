@@ -1,8 +1,9 @@
 """Chunked prefill benchmark: what a long prompt arriving costs the requests already decoding.
 
-Usage: ``python -m app.engine.bench_prefill [--prompt-tokens 1500] [--budgets 512,256] [--runs 3]``
+Usage: ``python -m app.engine.bench_prefill [--prompt-tokens 1500] [--budgets 512,256] [--runs 3] [--temperature 0.7]``
 
-Fifteen requests decode a short chat prompt (``--tokens`` each, plain greedy decoding); after ``--arrive-after``
+Fifteen requests decode a short chat prompt (``--tokens`` each, plain decoding, greedy or sampled at
+``--temperature``); after ``--arrive-after``
 rounds a prompt of ``--prompt-tokens`` tokens arrives. A ``SpecLoop`` drives the engine as the Target replica does
 (before each round: the next piece of a prompt being prefilled, then admissions, as ``SpecLoop.admission_size``
 allows; then the round), once with the prompt prefilled whole (``chunked_prefill`` off, ``max_prefill_tokens`` 2048)
@@ -38,11 +39,11 @@ NUM_DECODING = 15
 
 
 def run_once(engine: TargetEngine, *, chunked: bool, budget: int, long_prompt: list[int], tokens: int,
-             arrive_after: int) -> dict:
+             arrive_after: int, temperature: float) -> dict:
     """One run (module docstring): returns the gaps, the long prompt's TTFT and the output tok/s."""
     loop = SpecLoop(engine, gamma=None, speculates=False, max_prefill_tokens=budget, chunked_prefill=chunked)
     short = engine.encode_chat([{"role": "user", "content": SHORT}])
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=temperature, ignore_eos=True)
     waiting = [NewRequest(f"short-{i}", short, params) for i in range(NUM_DECODING)]
     last_token: dict[str, float] = {}
     gaps: list[float] = []
@@ -80,7 +81,8 @@ def run_once(engine: TargetEngine, *, chunked: bool, budget: int, long_prompt: l
                 last_token[out.request_id] = now
         if rounds == arrive_after and arrived is None:
             arrived = time.perf_counter()
-            waiting.append(NewRequest("long", long_prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+            waiting.append(NewRequest("long", long_prompt,
+                                      SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True)))
     wall = time.perf_counter() - start
     return {"max_gap_ms": max(gaps) * 1000, "p99_gap_ms": float(np.percentile(gaps, 99)) * 1000,
             "ttft_ms": (long_first - arrived) * 1000, "tok_s": committed / wall}
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=48, help="tokens each decoding request generates")
     ap.add_argument("--arrive-after", type=int, default=8, help="rounds before the long prompt arrives")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (unseeded)")
     args = ap.parse_args(argv)
 
     engine = TargetEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=NUM_DECODING + 1,
@@ -109,18 +112,19 @@ def main(argv: list[str] | None = None) -> dict:
             if len(prompt) < args.prompt_tokens:
                 raise SystemExit(f"--prompt-tokens {args.prompt_tokens}: the built-in prompt has {len(prompt)}")
             result = run_once(engine, chunked=chunked, budget=budget, long_prompt=prompt[: args.prompt_tokens],
-                              tokens=args.tokens, arrive_after=args.arrive_after)
+                              tokens=args.tokens, arrive_after=args.arrive_after, temperature=args.temperature)
             if run:
                 figures[name].append(result)
     medians = {name: {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0]}
                for name, runs in figures.items()}
-    print(f"\n{NUM_DECODING} requests decoding {args.tokens} tokens, a {args.prompt_tokens}-token prompt arriving "
-          f"after {args.arrive_after} rounds; medians of {args.runs} runs")
+    print(f"\n{NUM_DECODING} requests decoding {args.tokens} tokens at T = {args.temperature}, a {args.prompt_tokens}-"
+          f"token prompt arriving after {args.arrive_after} rounds; medians of {args.runs} runs")
     print(f"{'prefill':>14} {'max ITL ms':>11} {'p99 ITL ms':>11} {'long TTFT ms':>13} {'tok/s':>7}")
     for name, m in medians.items():
         print(f"{name:>14} {m['max_gap_ms']:>11.1f} {m['p99_gap_ms']:>11.1f} {m['ttft_ms']:>13.1f} {m['tok_s']:>7.1f}")
     result = {"model": args.model, "dtype": str(engine.cache.k.dtype).removeprefix("torch."),
               "hardware": hardware_name(engine.device), "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
+              "temperature": args.temperature,
               "runs": args.runs, "medians": medians}
     print(json.dumps(result))
     return result

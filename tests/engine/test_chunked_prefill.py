@@ -141,3 +141,15 @@ def test_limits_are_checked_and_refused_in_batch_invariant_mode(whole, long_prom
 
     with pytest.raises(ValueError, match="chunked prefill"):
         SpecLoop(invariant, gamma=None, speculates=False, chunked_prefill=True)
+
+
+def test_the_prefill_benchmark_runs_both_ways(engine):
+    """``app.engine.bench_prefill``'s run, small: whole and in pieces, greedy and sampled."""
+    from app.engine.bench_prefill import LONG, run_once
+
+    prompt = engine.encode_chat([{"role": "user", "content": LONG}])[:100]
+    for chunked, temperature in [(False, 0.0), (True, 0.7)]:
+        result = run_once(engine, chunked=chunked, budget=48, long_prompt=prompt, tokens=4, arrive_after=2,
+                          temperature=temperature)
+        assert 0 < result["p99_gap_ms"] <= result["max_gap_ms"] and result["ttft_ms"] > 0 and result["tok_s"] > 0
+    assert engine.num_active == 0

@@ -232,9 +232,11 @@ class SpecLoop:
         max_prefill_tokens: prompt tokens per admission forward.
         chunked_prefill: a prompt over what is left of ``max_prefill_tokens`` is prefilled in pieces of at most
             ``max_prefill_tokens`` tokens, one piece per ``continue_prefill`` (one prompt at a time, as vLLM's
-            ``max_num_partial_prefills`` = 1), and while requests are active one prefill forward (an admission or a
-            piece) runs between two rounds, so a round waits for at most one budget of prefill; else a longer prompt
-            is prefilled whole, alone, and admissions fill the free slots before the next round.
+            ``max_num_partial_prefills`` = 1); while requests are active one prefill forward runs between two rounds,
+            so a round waits for at most one budget of prefill, and while a prompt is in pieces those forwards
+            alternate between its next piece and admitting waiting prompts that fit the budget whole, so short
+            requests do not wait for a long prompt's last piece. Without it a longer prompt is prefilled whole,
+            alone, and admissions fill the free slots before the next round.
         strip: what an output becomes on its way to the drafter (the Target replica drops what the drafter does not
             read); default unchanged.
 
@@ -262,6 +264,7 @@ class SpecLoop:
         self.active: dict[str, RequestResult] = {}
         self.prefilling: dict[str, NewRequest] = {}  # admitted, prompt not wholly prefilled yet (chunked prefill)
         self._prefilled = False  # a prefill forward ran since the last round
+        self._piece_next = False  # while a prompt is in pieces: its piece, not an admission, is the next forward
         self._starts: list[DraftStart] = []
         self._updates: list[StepOutput] = []
         self._finished: list[str] = []
@@ -273,21 +276,32 @@ class SpecLoop:
         free KV slots (and ``max_active`` active requests, when given) and ``max_prefill_tokens`` (0: none fits).
         The budget counts the tokens each prefill computes (``Engine.prefill_tokens``: a prefix reused from the
         prefix cache is free), as vLLM's ``max_num_batched_tokens`` does. With chunked prefill the last prompt taken
-        may pass it (its first piece fills the budget); none is taken while a prompt is still being prefilled, nor,
-        while requests are active, after a prefill forward since the last round.
-        With prefix caching, a prompt that would reuse a long prefix from an earlier prompt of the same batch waits
-        for the next admission (``admission.first_deferred``)."""
+        may pass it (its first piece fills the budget); while requests are active none is taken after a prefill
+        forward since the last round; while a prompt is in pieces, only prompts that fit the budget whole, and only
+        on admission's turn (``piece_due``: the forwards alternate). With prefix caching, a prompt that would reuse
+        a long prefix from an earlier prompt of the same batch waits for the next admission
+        (``admission.first_deferred``)."""
         free = self.engine.num_free_slots
         if max_active is not None:
             free = min(free, max_active - len(self.active) - len(self.prefilling))
-        if free <= 0 or not prompts or self.prefilling or (self.chunked_prefill and self._prefilled and self.active):
+        if free <= 0 or not prompts or (self.chunked_prefill and self._prefilled and self.active):
+            return 0
+        if self.prefilling and self._piece_next:
             return 0
         window = list(itertools.islice(prompts, free))
         lens = [self.engine.prefill_tokens(ids) for ids in window]
         n = prefill_batch_size(lens, max_tokens=self.max_prefill_tokens, max_requests=free)
-        if self.chunked_prefill and n < len(window) and sum(lens[:n]) < self.max_prefill_tokens:
+        if self.prefilling:  # one prompt in pieces at a time: the others only whole
+            n = n if sum(lens[:n]) <= self.max_prefill_tokens else 0
+        elif self.chunked_prefill and n < len(window) and sum(lens[:n]) < self.max_prefill_tokens:
             n += 1  # the rest of the budget starts the next prompt
-        return first_deferred(window[:n], lens[:n]) if self.engine.prefix_caching else n
+        return first_deferred(window[:n], lens[:n]) if self.engine.prefix_caching and n else n
+
+    @property
+    def piece_due(self) -> bool:
+        """Whether ``continue_prefill`` is the next prefill forward: a prompt is in pieces and, while requests are
+        active, no prefill forward ran since the last round."""
+        return bool(self.prefilling) and not (self._prefilled and self.active)
 
     def _limits(self, requests: Sequence[NewRequest]) -> list[int] | None:
         """Per request, the prompt tokens its admission computes now (chunked prefill), or None when every
@@ -315,12 +329,13 @@ class SpecLoop:
         speculate when the loop does).
 
         Raises:
-            ValueError: a prompt is still being prefilled, or the batch was not sized by ``admission_size``.
+            ValueError: the batch was not sized by ``admission_size`` (over the budget, or a second prompt in pieces).
         """
-        if self.prefilling:
-            raise ValueError(f"request {next(iter(self.prefilling))!r} is still being prefilled; admit after it")
         limits = self._limits(requests)
-        self._prefilled = True
+        if limits is not None and self.prefilling:
+            raise ValueError(f"request {next(iter(self.prefilling))!r} is still being prefilled in pieces; admit "
+                             "only prompts that fit the budget whole until it is done")
+        self._prefilled, self._piece_next = True, bool(self.prefilling)
         try:
             results: list[StepOutput | Exception | None] = list(
                 self.engine.add_requests(list(requests), limits=limits) if limits
@@ -358,7 +373,7 @@ class SpecLoop:
         if not self.prefilling:
             raise ValueError("no prompt is being prefilled")
         rid, request = next(iter(self.prefilling.items()))
-        self._prefilled = True
+        self._prefilled, self._piece_next = True, False
         try:
             out = self.engine.continue_prefill({rid: self.max_prefill_tokens})[0]
         except Exception as err:  # a bug: the request fails, its slot is freed
@@ -641,11 +656,11 @@ def generate(
         results.update((a[0].request_id, a[0]) for a in admissions if a is not None)
 
     while waiting or loop.active or loop.prefilling:
-        if loop.prefilling:
-            started([loop.continue_prefill()[1]])
         while n := loop.admission_size([prompts[i] for i in waiting], max_active=limit):
             admitted, waiting = waiting[:n], waiting[n:]
             started(loop.admit([NewRequest(f"{id_prefix}-{i}", prompts[i], params_list[i]) for i in admitted]))
+        if loop.piece_due:
+            started([loop.continue_prefill()[1]])
         if not loop.active:
             continue
         t0 = time.perf_counter()

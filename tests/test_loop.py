@@ -238,37 +238,40 @@ def test_verify_lengths_are_priced_over_the_whole_step():
 
 def test_a_prompt_over_the_budget_is_prefilled_in_pieces_between_rounds():
     """Chunked prefill: the last prompt that passes ``max_prefill_tokens`` starts with what is left of the budget and
-    goes on one budget per ``continue_prefill``; no admission meanwhile, and one prefill forward between two rounds;
-    the running request decodes between pieces; the prompt's request starts on the drafter once, when its prefill is
-    done."""
+    goes on one budget per ``continue_prefill``; while requests run, one prefill forward between two rounds, turns
+    alternating between admitting prompts that fit whole and the next piece (a second long prompt waits); the running
+    request decodes between forwards; the long prompt's request starts on the drafter once, when it is done."""
     engine = mock_engine(max_model_len=1024)
     loop = SpecLoop(engine, gamma=GAMMA, speculates=True, max_prefill_tokens=100, chunked_prefill=True)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    waiting = [[7] * 60, [3] * 250, [5] * 10]
-    assert loop.admission_size(waiting) == 2  # 60 whole, then 40 of the 250
-    first, second = loop.admit([NewRequest("a", waiting[0], params), NewRequest("b", waiting[1], params)])
+    assert loop.admission_size([[7] * 60, [3] * 250, [5] * 10]) == 2  # 60 whole, then 40 of the 250
+    first, second = loop.admit([NewRequest("a", [7] * 60, params), NewRequest("b", [3] * 250, params)])
     assert first[0].request_id == "a" and second is None and list(loop.prefilling) == ["b"]
     assert engine.has_request("b") and list(loop.active) == ["a"]
-    assert loop.admission_size(waiting[2:]) == 0  # one prompt in pieces at a time
-    with pytest.raises(ValueError, match="still being prefilled"):
-        loop.admit([NewRequest("c", waiting[2], params)])
+    assert loop.admission_size([[5] * 10]) == 0 and not loop.piece_due  # one prefill forward per round
     assert [s.request_id for s in loop.take_call().starts] == ["a"]
-    pieces = 0
+    waiting = [("c", [5] * 10), ("d", [6] * 150), ("e", [8] * 20)]
+    forwards, done = [], None
     while loop.prefilling:
         loop.step(None)
-        rid, result = loop.continue_prefill()
-        pieces += 1
-        assert rid == "b"
-    assert pieces == 3  # 40 + 100 + 100 + 10 tokens: done at the third continuation
-    record, out = result
+        decoded = len(loop.active["a"].token_ids)
+        if n := loop.admission_size([ids for _, ids in waiting]):
+            loop.admit([NewRequest(rid, ids, params) for rid, ids in waiting[:n]])
+            forwards.append(("admit", [rid for rid, _ in waiting[:n]], decoded))
+            waiting = waiting[n:]
+        if loop.piece_due:
+            rid, done = loop.continue_prefill()
+            forwards.append(("piece", rid, decoded))
+    # c fits whole beside b's pieces; d (150 tokens, over the budget) waits for b; one forward a round
+    assert [f[:2] for f in forwards] == [("admit", ["c"]), ("piece", "b"), ("piece", "b"), ("piece", "b")]
+    assert [f[2] for f in forwards] == sorted({f[2] for f in forwards})
+    record, out = done
     assert record.token_ids == out.new_token_ids == expected_tokens(3, 1, engine.vocab_size)
-    assert list(loop.active) == ["a", "b"] and len(loop.active["a"].token_ids) == 1 + pieces
-    assert [s.request_id for s in loop.take_call().starts] == ["b"]
-    assert loop.admission_size(waiting[2:]) == 0  # one prefill forward between two rounds while requests run
+    assert list(loop.active) == ["a", "c", "b"]
+    assert [s.request_id for s in loop.take_call().starts] == ["c", "b"]
+    assert loop.admission_size([ids for _, ids in waiting]) == 0  # the piece was this round's forward
     loop.step(None)
-    assert loop.admission_size(waiting[2:]) == 1
-    loop.admit([NewRequest("c", waiting[2], params)])
-    assert loop.admission_size([[1] * 5]) == 0
+    assert loop.admission_size([ids for _, ids in waiting]) == 1  # d now, its first piece the whole budget
     with pytest.raises(ValueError, match="no prompt"):
         loop.continue_prefill()
 

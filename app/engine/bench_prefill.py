@@ -3,11 +3,11 @@
 Usage: ``python -m app.engine.bench_prefill [--prompt-tokens 1500] [--budgets 512,256] [--runs 3] [--temperature 0.7]``
 
 Fifteen requests decode a short chat prompt (``--tokens`` each, plain decoding, greedy or sampled at
-``--temperature``); after ``--arrive-after``
-rounds a prompt of ``--prompt-tokens`` tokens arrives. A ``SpecLoop`` drives the engine as the Target replica does
-(before each round: the next piece of a prompt being prefilled, then admissions, as ``SpecLoop.admission_size``
-allows; then the round), once with the prompt prefilled whole (``chunked_prefill`` off, ``max_prefill_tokens`` 2048)
-and once per budget with chunked prefill, configurations alternated within each run.
+``--temperature``); after ``--arrive-after`` rounds a prompt of ``--prompt-tokens`` tokens arrives. A ``SpecLoop``
+drives the engine as the Target replica does (before each round: admissions as ``SpecLoop.admission_size`` allows,
+then the next piece of a prompt prefilled in pieces when ``SpecLoop.piece_due``; then the round), once with the
+prompt prefilled whole (``chunked_prefill`` off, ``max_prefill_tokens`` 2048) and once per budget with chunked
+prefill, configurations alternated within each run.
 
 Per configuration, medians over runs: the decoding requests' longest and 99th-percentile inter-token gap (ms) over
 the whole run, the long prompt's time to first token (ms), and the output tok/s of the whole run. Prints a table,
@@ -65,11 +65,11 @@ def run_once(engine: TargetEngine, *, chunked: bool, budget: int, long_prompt: l
                 long_first = now
 
     while waiting or loop.active or loop.prefilling:
-        if loop.prefilling:
-            started([loop.continue_prefill()[1]])
         while n := loop.admission_size([r.prompt_ids for r in waiting]):
             started(loop.admit(waiting[:n]))
             waiting = waiting[n:]
+        if loop.piece_due:
+            started([loop.continue_prefill()[1]])
         if loop.active:
             outputs = loop.step(None, speculate=False).outputs
             now = time.perf_counter()

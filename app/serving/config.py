@@ -82,7 +82,8 @@ class AppConfig(BaseModel):
     )
     enable_chunked_prefill: bool | None = Field(
         None, description="A prompt over what is left of max_prefill_tokens is prefilled in pieces of at most "
-        "max_prefill_tokens tokens, one piece between two rounds, so the running requests go on streaming while a "
+        "max_prefill_tokens tokens, one prefill forward between two rounds (its next piece and admissions of prompts "
+        "that fit the budget whole, in turn), so the running requests go on streaming and short ones get in while a "
         "long prompt is prefilled (vLLM's --enable-chunked-prefill). None: on, except with engine.batch_invariant "
         "(a prompt's keys/values would depend on where it was cut); true with batch_invariant is an error."
     )
@@ -238,7 +239,7 @@ class AppConfig(BaseModel):
             raise ValueError(f"ngram_min {self.ngram_min} exceeds ngram_max {self.ngram_max}")
         if self.enable_chunked_prefill and self.engine.batch_invariant:
             raise ValueError("enable_chunked_prefill cuts prompts where the budget falls; it cannot be combined with "
-                             "engine.batch_invariant")
+                             "engine.batch_invariant (leave enable_chunked_prefill null or set it false)")
         if self.mock_engine and self.drafter == "dspark" and self.speculates:
             raise ValueError("drafter 'dspark' needs the real engine (the mock engine has no features); use 'mock'")
         return self

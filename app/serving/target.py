@@ -359,13 +359,15 @@ class TargetReplica:
 
     async def _admit(self) -> None:
         """Move waiting requests into free KV slots, prefilling those admitted together in one forward
-        (``max_prefill_tokens`` per forward); with chunked prefill first the next piece of a prompt prefilled in
-        pieces. How many forwards run before the next round is the loop's rule (``SpecLoop.admission_size``)."""
+        (``max_prefill_tokens`` per forward), then, with chunked prefill, the next piece of a prompt prefilled in
+        pieces. How many forwards run before the next round is the loop's rule (``SpecLoop.admission_size``,
+        ``SpecLoop.piece_due``)."""
         # Sizing and admission run on the torch thread: the prefix cache's match (sizing) and the loop's copy of
         # features for the drafter (``strip_for_drafter``) are enough for torch to start an OpenMP parallel region;
         # started on the event loop thread, that gives the process a second pool and slows every later engine step
         # (torch_thread.py).
-        if self._prefilling:
+        await self._admit_waiting()
+        if self.loop.piece_due:
             try:
                 rid, result = await self._run(self.loop.continue_prefill)
             except Exception as err:  # a bug in the loop itself: the request being prefilled fails
@@ -373,6 +375,9 @@ class TargetReplica:
                 return
             if result is not None:
                 self._admitted(self._prefilling.pop(rid), result)
+
+    async def _admit_waiting(self) -> None:
+        """Admissions from the front of the queue, as many forwards as ``SpecLoop.admission_size`` allows."""
         while self._waiting and self.engine.num_free_slots:
             n = await self._run(self.loop.admission_size, [s.prompt_ids for s in self._waiting])
             if n == 0:

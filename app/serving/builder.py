@@ -38,8 +38,8 @@ SERVE_QUEUE_MARGIN = 8  # calls a replica accepts beyond its own admission limit
 INGRESS_REQUEST_MARGIN = 1000
 
 
-def build_app(args: dict) -> Application:
-    """Build the application from the YAML ``args`` (see ``AppConfig`` for every field).
+def checked_config(args: dict) -> AppConfig:
+    """The YAML ``args`` as an ``AppConfig`` whose files exist and whose drafter fits its target.
 
     Raises:
         pydantic.ValidationError: a bad or unknown field (the message names it).
@@ -50,6 +50,16 @@ def build_app(args: dict) -> Application:
     config = AppConfig.model_validate(args)
     config.check_files()
     check_drafter_fits_target(config)
+    return config
+
+
+def build_app(args: dict) -> Application:
+    """Build the application from the YAML ``args`` (see ``AppConfig`` for every field).
+
+    Raises:
+        What ``checked_config`` raises.
+    """
+    config = checked_config(args)
     pinned = RequestRouterConfig(request_router_class=PinnedReplicaRouter)
     slo = config.autoscaling
     max_targets = slo.max_target_replicas if slo.enabled else config.target.num_replicas

@@ -4,7 +4,8 @@ What ``serve run`` does (Ray's CLI, run in this process), plus: Ray starts the w
 (``local_ray.init_local_ray``: ``SERVE_ENV``; node address and metrics export endpoint on 127.0.0.1 when the YAML's
 HTTP host is a loopback address, on a fixed port), one log line per application says when it is ready to serve,
 with its URL and model, and Ctrl-C (or SIGTERM) shuts Serve and Ray down, waiting at most ``SHUTDOWN_TIMEOUT_S``.
-Exit status 1 when an application fails to deploy or the shutdown does not end in time.
+Exit status 1 when an application fails to deploy or the shutdown does not end in time. The applications this
+project builds (``BUILDER``) have their args checked before Ray starts: a bad field fails at once, once, naming it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ log = logging.getLogger("dspark.serve")
 DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port (Prometheus scrapes it; the port Ray's docs use)
 READY_POLL_S = 1.0  # how often the deployment's status is read until every application runs
 SERVE_DEFAULT_HOST, SERVE_DEFAULT_PORT = "127.0.0.1", 8000  # Serve's http_options defaults
+BUILDER = "app.serving.builder:build_app"  # the import path of this project's applications
 # Serve's graceful shutdown (each replica drains for up to its graceful_shutdown_timeout_s, 20 s by default; Serve
 # gives its controller 30 s), then Ray's
 SHUTDOWN_TIMEOUT_S = 60.0
@@ -46,6 +48,22 @@ def ready_lines(config: dict) -> list[str]:
         lines.append(f"ready: application {app['name']!r} serves model {model!r} at "
                      f"http://{http_host(config)}:{port}{prefix}/v1")
     return lines
+
+
+def check_applications(config: dict) -> dict[str, str]:
+    """``builder.checked_config`` of each application of a Serve YAML that this project builds (``BUILDER``); returns
+    {name: error} for those whose args it refuses (other import paths are not checked here)."""
+    from app.serving.builder import checked_config
+
+    errors = {}
+    for app in config.get("applications", []):
+        if app.get("import_path") != BUILDER:
+            continue
+        try:
+            checked_config(app.get("args") or {})
+        except (ValueError, OSError) as err:  # pydantic's ValidationError, the mismatch errors and missing files
+            errors[app.get("name", "?")] = f"{type(err).__name__}: {err}"
+    return errors
 
 
 def wait_until_running(names: list[str]) -> dict[str, str]:
@@ -91,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = yaml.safe_load(args.config.read_text())
+    refused = check_applications(config)
+    for name, error in refused.items():
+        log.error("application %r: bad args in %s (nothing started):\n%s", name, args.config, error)
+    if refused:
+        return 1
 
     from ray.serve.scripts import cli
 
@@ -102,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cli.main(["run", "--non-blocking", str(args.config)], standalone_mode=False)
         failed = wait_until_running([app["name"] for app in config.get("applications", [])])
+        for name, message in failed.items():
+            log.error("application %r failed to deploy:\n%s", name, message)
         if failed:
-            log.error("deployment failed: %s", failed)
             return 1
         for line in ready_lines(config):
             log.info(line)

@@ -7,6 +7,7 @@ import re
 import threading
 import time
 
+import pytest
 import yaml
 
 from app.serving.config import REPO_ROOT
@@ -59,3 +60,21 @@ def test_a_shutdown_that_hangs_is_given_up_after_its_timeout(monkeypatch):
             if thread.name == "shutdown":
                 thread.join(5)
     assert calls == ["ray"]
+
+
+def test_the_launcher_refuses_bad_args_before_starting_ray(tmp_path, monkeypatch, caplog):
+    """A bad field of an application this project builds fails at once, naming it, with nothing started."""
+    from app.serving import run
+
+    config = yaml.safe_load((REPO_ROOT / "deployments" / "dspark.yaml").read_text())
+    assert run.check_applications(config) == {}
+    config["applications"][0]["args"]["enable_chunked_prefill"] = True
+    config["applications"][0]["args"]["engine"]["batch_invariant"] = True
+    config["applications"].append({"name": "other", "import_path": "elsewhere:app", "args": {"anything": 1}})
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    monkeypatch.setattr(run, "init_local_ray", lambda **kw: pytest.fail("Ray started"))
+    with caplog.at_level("ERROR", logger="dspark.serve"):
+        assert run.main([str(path)]) == 1
+    assert "application 'dspark': bad args" in caplog.text and "enable_chunked_prefill" in caplog.text
+    assert "other" not in caplog.text

@@ -310,10 +310,11 @@ class SpecLoop:
         Raises:
             ValueError: a request beyond the budget (the batch was not sized by ``admission_size``).
         """
-        if not self.chunked_prefill:
+        # a prompt computes at most its length: short batches need no prefix match (admission_size did one already)
+        if not self.chunked_prefill or sum(len(r.prompt_ids) for r in requests) <= self.max_prefill_tokens:
             return None
         lens = [self.engine.prefill_tokens(r.prompt_ids) for r in requests]
-        if sum(lens) <= self.max_prefill_tokens or len(requests) == 0:
+        if sum(lens) <= self.max_prefill_tokens:
             return None
         before = sum(lens[:-1])
         if before >= self.max_prefill_tokens:
@@ -621,8 +622,8 @@ def generate(
 ) -> tuple[list[RequestResult], GenerateStats]:
     """Decode ``prompts`` to completion with continuous batching (at most ``max_batch`` active at once) through a
     ``SpecLoop`` whose drafter is hosted in this process; waiting prompts are prefilled together, up to
-    ``max_prefill_tokens`` prompt tokens per forward (``chunked_prefill``: a longer prompt in pieces, one before each
-    round, ``SpecLoop``). Every round drafts, and verifies each block as proposed.
+    ``max_prefill_tokens`` prompt tokens per forward (``chunked_prefill``: a longer prompt in pieces, one prefill
+    forward before each round, ``SpecLoop``). Every round drafts, and verifies each block as proposed.
 
     With ``proposer=None`` this is plain decoding (every round verifies 0 drafts). The proposer's hooks run as a
     Drafter replica runs them (``ProposerHost``): ``start`` and the last round's ``update`` and ``finish`` before each

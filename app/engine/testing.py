@@ -138,7 +138,7 @@ class MockEngine(Engine):
         return [self._prefill(rid, self._requests[rid], n) for rid, n in limits.items()]
 
     def _prefill(self, request_id: str, req: _MockRequest, limit: int | None) -> StepOutput | None:
-        req.prefill_left -= req.prefill_left if limit is None else min(limit, req.prefill_left)
+        req.prefill_left = 0 if limit is None else max(0, req.prefill_left - limit)
         if req.prefill_left:
             return None
         return self._commit(request_id, req, [next_token(req.last, self.vocab_size)], 0, 0, req.prompt_len)

@@ -272,6 +272,9 @@ class Ingress:
         stream = self.target.options(stream=True).generate.remote(generate, replica_key=key)
         try:
             return stream, await stream.__anext__()
+        except asyncio.CancelledError:  # the client went away while the request waited for a slot or its prefill
+            stream.cancel()  # Serve does not cancel a handle call the cancelled caller made; left, it would run
+            raise
         except BackPressureError:
             stream.cancel()
             return stream, ErrorItem(503, "server overloaded: the target replicas' request queues are full",

@@ -524,3 +524,23 @@ def test_field_walk_every_openai_field_acts_is_harmless_or_400(url, endpoint, na
     else:
         named = name in r.text or ENGINE_NAMES.get(name, name) in r.text
         assert r.status_code == 200 or (r.status_code == 400 and named), r.text
+
+
+def test_a_client_gone_before_its_first_token_never_runs(url):
+    """Clients that leave while their requests wait for a KV slot (streamed and not): the requests are dropped from
+    the target's queue, not run to ``max_tokens`` for no one once a slot frees."""
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=60, headers=AUTH) as client:
+            busy = [asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=chat(max_tokens=100)))
+                    for _ in range(4)]  # the 4 KV slots, ~1 s
+            await asyncio.sleep(0.3)
+            for stream in (True, False):
+                with pytest.raises(httpx.TimeoutException):
+                    await client.post(f"{url}/v1/chat/completions", timeout=0.3,
+                                      json=chat("left", max_tokens=200, stream=stream))
+            assert all(r.status_code == 200 for r in await asyncio.gather(*busy))
+
+    asyncio.run(run())
+    time.sleep(0.5)  # an abandoned request admitted now would hold its slot for 200 steps (2 s)
+    state = target_state()
+    assert (state["active"], state["waiting"], state["engine_active"]) == (0, 0, 0), state

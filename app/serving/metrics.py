@@ -230,6 +230,13 @@ API_COUNTERS = (
     ("dspark_spec_decode_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
      "accepted_tokens"),
     ("dspark_rounds", None, "Rounds (one verify step over a replica's batch).", "rounds"),
+    ("dspark_round_requests", None, "Requests in each round, summed over rounds (/ rounds: the mean batch).",
+     "round_requests"),
+    ("dspark_round_seconds", None, "Time in rounds: drafter call, scheduling, verify step, streaming (s).",
+     "round_seconds"),
+    ("dspark_verify_seconds", None, "Time in verify steps (s; part of dspark_round_seconds).", "verify_seconds"),
+    ("dspark_drafter_wait_seconds", None, "Time rounds waited for the drafter's answer (s; part of "
+     "dspark_round_seconds).", "drafter_wait_seconds"),
     ("dspark_output_tokens", None, "Tokens streamed to clients.", "output_tokens"),
     ("dspark_requests_finished", None, "Requests that finished (EOS, stop or length).", "requests_finished"),
     ("dspark_prefix_cache_queries", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (every "

@@ -103,6 +103,10 @@ class SpecCounters:
     accepted_tokens: int = 0  # draft tokens accepted
     accepted_per_pos: list[int] = field(default_factory=list)  # [K] accepted tokens at block position k (0-based)
     rounds: int = 0
+    round_requests: int = 0  # requests in each round, summed over rounds (/ rounds: the mean batch)
+    round_seconds: float = 0.0  # whole rounds: drafter call, scheduling, verify step, streaming
+    verify_seconds: float = 0.0  # of which the verify steps
+    drafter_wait_seconds: float = 0.0  # of which waiting for drafter calls
     output_tokens: int = 0  # tokens streamed to clients (prefill first tokens included)
     requests_finished: int = 0
     prefix_cache_queries: int = 0  # prompt tokens admitted
@@ -111,9 +115,15 @@ class SpecCounters:
     # (``ReplicaStats.fallbacks``) here
     fallbacks: dict[str, int] = field(default_factory=dict)
 
-    def add_round(self, num_draft: list[int], num_accepted: list[int]) -> None:
-        """One round: per request in the batch its verified and accepted draft tokens."""
+    def add_round(self, num_draft: list[int], num_accepted: list[int], *, round_ms: float = 0.0,
+                  verify_ms: float = 0.0, drafter_wait_ms: float = 0.0) -> None:
+        """One round: per request in the batch its verified and accepted draft tokens; the round's time, its verify
+        step's and its wait for the drafter (ms)."""
         self.rounds += 1
+        self.round_requests += len(num_draft)
+        self.round_seconds += round_ms / 1000
+        self.verify_seconds += verify_ms / 1000
+        self.drafter_wait_seconds += drafter_wait_ms / 1000
         for n, a in zip(num_draft, num_accepted):
             self.drafts += int(n > 0)
             self.draft_tokens += n
@@ -129,7 +139,11 @@ class SpecCounters:
         per_pos = [x + y for x, y in zip((self.accepted_per_pos + pad)[:width], (other.accepted_per_pos + pad)[:width])]
         return SpecCounters(drafts=self.drafts + other.drafts, draft_tokens=self.draft_tokens + other.draft_tokens,
                             accepted_tokens=self.accepted_tokens + other.accepted_tokens, accepted_per_pos=per_pos,
-                            rounds=self.rounds + other.rounds, output_tokens=self.output_tokens + other.output_tokens,
+                            rounds=self.rounds + other.rounds, round_requests=self.round_requests + other.round_requests,
+                            round_seconds=self.round_seconds + other.round_seconds,
+                            verify_seconds=self.verify_seconds + other.verify_seconds,
+                            drafter_wait_seconds=self.drafter_wait_seconds + other.drafter_wait_seconds,
+                            output_tokens=self.output_tokens + other.output_tokens,
                             requests_finished=self.requests_finished + other.requests_finished,
                             prefix_cache_queries=self.prefix_cache_queries + other.prefix_cache_queries,
                             prefix_cache_hits=self.prefix_cache_hits + other.prefix_cache_hits,

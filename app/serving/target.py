@@ -460,9 +460,9 @@ class TargetReplica:
                                round_ms=round_ms, steady=steady)
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
             self._observe_verify_scale(round_ms - draft_ms, result, batch=batch)
-        self.telemetry.round(round_ms=round_ms, verify_ms=result.verify_ms, drafter_called=drafter_called,
-                             drafted=result.drafted, lookup=result.lookup, outputs=result.outputs,
-                             verify_cpu=verify_cpu, guarded=bool(speculative) and not speculate)
+        self.telemetry.round(round_ms=round_ms, verify_ms=result.verify_ms, drafter_wait_ms=draft_ms,
+                             drafter_called=drafter_called, drafted=result.drafted, lookup=result.lookup,
+                             outputs=result.outputs, verify_cpu=verify_cpu, guarded=bool(speculative) and not speculate)
 
     async def _call_drafter(self, call: DraftCall) -> DraftRound | None:
         """One drafter call (``SpecLoop.take_call``); on failure the involved requests fall back to plain."""

@@ -112,12 +112,15 @@ class TargetTelemetry:
     def dropped(self, request_id: str) -> None:
         self.window.forget(request_id)
 
-    def round(self, *, round_ms: float, verify_ms: float, drafter_called: bool, drafted: int, lookup: int,
-              outputs: Sequence[StepOutput], verify_cpu: tuple[float, float] | None, guarded: bool) -> None:
-        """A round: ``drafted`` draft tokens offered for verification (drafter or prompt lookup), ``lookup`` requests
-        verifying a prompt-lookup draft, ``verify_cpu`` the engine thread's (ms on a CPU, ms waiting for one) during
-        the verify step (None: not measured), ``guarded`` whether the speculation guard ran it plain."""
-        self.counters.add_round([o.num_draft for o in outputs], [o.num_accepted for o in outputs])
+    def round(self, *, round_ms: float, verify_ms: float, drafter_wait_ms: float, drafter_called: bool, drafted: int,
+              lookup: int, outputs: Sequence[StepOutput], verify_cpu: tuple[float, float] | None,
+              guarded: bool) -> None:
+        """A round of ``round_ms`` (its verify step ``verify_ms``, its wait for the drafter ``drafter_wait_ms``):
+        ``drafted`` draft tokens offered for verification (drafter or prompt lookup), ``lookup`` requests verifying a
+        prompt-lookup draft, ``verify_cpu`` the engine thread's (ms on a CPU, ms waiting for one) during the verify
+        step (None: not measured), ``guarded`` whether the speculation guard ran it plain."""
+        self.counters.add_round([o.num_draft for o in outputs], [o.num_accepted for o in outputs], round_ms=round_ms,
+                                verify_ms=verify_ms, drafter_wait_ms=drafter_wait_ms)
         self.metrics.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called, drafted=drafted,
                            lookup=lookup,
                            num_draft=[o.num_draft for o in outputs], num_accepted=[o.num_accepted for o in outputs],

@@ -152,3 +152,8 @@ def test_api_port_metrics_carry_vllm_spec_decode_names_and_ray_metrics_stay_on_l
     assert per_pos == sorted(per_pos, reverse=True)  # accepting position k needs k - 1 accepted before it
     assert ours[("vllm:spec_decode_num_drafts_total", label)] > 0
     assert ours[("dspark_requests_finished_total", label)] >= REQUESTS
+    rounds = ours[("dspark_rounds_total", label)]
+    assert 1 <= ours[("dspark_round_requests_total", label)] / rounds <= ARGS["max_num_seqs"]
+    round_s, verify_s, wait_s = (ours[(f"dspark_{name}_seconds_total", label)]
+                                 for name in ("round", "verify", "drafter_wait"))
+    assert rounds * ARGS["mock_step_ms"] / 1000 <= verify_s and 0 < wait_s and verify_s + wait_s <= round_s

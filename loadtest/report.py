@@ -33,6 +33,7 @@ CSV_FIELDS = (
     "p50_itl_ms", "p90_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms",
     "mean_accepted_length", "mean_verify_length", "draft_acceptance_rate", "spec_fallback_requests",
     "prefix_cache_hit_rate", "p50_ttft_ms_later_turns",
+    "server_mean_batch", "server_round_ms", "server_verify_ms", "server_drafter_wait_ms",
 )
 TABLE = (  # header, key, format
     ("policy", "series", "{}"), ("conc", "concurrency", "{}"), ("done", "completed", "{}"),
@@ -44,6 +45,8 @@ TABLE = (  # header, key, format
     ("itl p50", "p50_itl_ms", "{:.1f}"), ("itl p99", "p99_itl_ms", "{:.1f}"),
     ("acc len", "mean_accepted_length", "{:.2f}"), ("verify len", "mean_verify_length", "{:.2f}"),
     ("cached", "prefix_cache_hit_rate", "{:.0%}"), ("ttft p50 later turns", "p50_ttft_ms_later_turns", "{:.0f}"),
+    ("batch", "server_mean_batch", "{:.1f}"), ("round ms", "server_round_ms", "{:.1f}"),
+    ("verify ms", "server_verify_ms", "{:.1f}"), ("drafter ms", "server_drafter_wait_ms", "{:.1f}"),
 )
 
 

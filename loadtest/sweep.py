@@ -13,7 +13,9 @@ Per level: ramp to N users at once, ``--warmup`` seconds not measured, ``--durat
 every request in flight finishes (``--drain-timeout``). Writes under ``--out``: ``results.json``,
 ``results.csv``, ``levels/<policy>-c<N>.json``, ``pareto.png``, the raw per-request records
 (``records/``), Locust's CSVs (``locust/``) and the server logs; prints a table, then one JSON line.
-Metric definitions: ``loadtest/metrics.py`` and ``docs/loadtest.md``.
+Metric definitions: ``loadtest/metrics.py`` and ``docs/loadtest.md``; where the server counts its rounds on
+``/metrics`` (this one does), each level also gets its mean batch and mean round, verify-step and drafter-wait
+times over the whole level, warm-up and drain included (``loadtest/rounds.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tqdm import tqdm
 from loadtest.metrics import Slo, measurement_window, read_records, summarize
 from loadtest.prompts import DEFAULT_PROMPTS, load_prompt_spec
 from loadtest.report import format_table, level_name, pareto_plot, write_level, write_results
+from loadtest.rounds import round_split, settled_counters
 from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, wait_ready
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -209,12 +212,15 @@ def run_sweep(args: argparse.Namespace, config: dict) -> tuple[list[dict], list[
                     wait_ready(url, headers=auth(args.api_key), timeout_s=args.server_timeout)
                 model = args.model or (server.model if not args.url else first_model(url, args.api_key))
                 warm_up(url, model=model, api_key=args.api_key, requests=args.server_warmup)
+                counters = settled_counters(url, headers=auth(args.api_key))
                 for users in args.concurrency:
                     name = level_name(policy, users)
                     progress.set_description(f"{policy} c={users}")
                     records, markers = read_records(run_locust(args, url=url, model=model, users=users, name=name))
                     window = measurement_window(markers, warmup_s=args.warmup, duration_s=args.duration)
-                    level = {"policy": policy, "concurrency": users, **summarize(records, window, slo)}
+                    before, counters = counters, settled_counters(url, headers=auth(args.api_key))
+                    level = {"policy": policy, "concurrency": users, **summarize(records, window, slo),
+                             **round_split(before, counters)}
                     levels.append(level)
                     write_level(args.out, level, slo.to_json())
                     write_results(args.out, config=config, slo=slo.to_json(), levels=levels)

@@ -40,6 +40,9 @@ def test_short_sweep_on_the_real_server(tmp_path: Path, capsys):
         assert level["output_tokens_from_usage"]
         assert level["spec_requests"] == level["completed"]
         assert level["mean_accepted_length"] > 1.0 and 0 < level["mean_verify_length"] <= 7
+        assert 1 <= level["server_mean_batch"] <= level["concurrency"]
+        assert 0 < level["server_verify_ms"] < level["server_round_ms"] < 2_000
+        assert 0 <= level["server_drafter_wait_ms"] < level["server_round_ms"] - level["server_verify_ms"] + 1e-6
     c1, c4 = data["levels"]
     assert c4["output_throughput"] > c1["output_throughput"]  # batching pays, even on 2 cores
     png = out / "pareto.png"

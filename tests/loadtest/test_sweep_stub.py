@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from loadtest import sweep
+from loadtest import rounds, sweep
 from loadtest.prompts import chat_messages, load_conversation_spec, load_prompt_spec, max_tokens_plan
 from loadtest.server import app_args, parse_overrides
 from tests.loadtest.stub_server import Timeline, stub_server
@@ -54,6 +54,7 @@ def test_sweep_against_stub_measures_the_timeline(tmp_path, capsys):
         assert 13 <= level["median_user_tok_s"] <= 21
         assert level["mean_accepted_length"] == pytest.approx(2.0) and level["mean_verify_length"] == 3.0
         assert level["output_tokens_from_usage"]
+        assert all(level[k] is None for k in rounds.FIGURES)  # the stub has no /metrics
         # closed loop, one ~0.7 s answer after another per user: ~9 tokens / 0.7 s per user
         assert 8 * level["concurrency"] <= level["output_throughput"] <= 14 * level["concurrency"]
         # every TPOT ~50 ms, far under the 150 ms SLO even when a busy host delays a chunk (which a 60 ms SLO

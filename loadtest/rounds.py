@@ -79,4 +79,5 @@ def round_split(before: dict[str, float] | None, after: dict[str, float] | None)
         return round(scale * (after[key] - before[key]) / rounds, 2)
 
     return {"server_mean_batch": per_round("round_requests"), "server_round_ms": per_round("round_s", 1000),
-            "server_verify_ms": per_round("verify_s", 1000), "server_drafter_wait_ms": per_round("drafter_wait_s", 1000)}
+            "server_verify_ms": per_round("verify_s", 1000),
+            "server_drafter_wait_ms": per_round("drafter_wait_s", 1000)}

@@ -10,7 +10,7 @@ Shape symbols: B requests in a drafter call, K block size (gamma), C committed t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from app.engine.types import DRAFT_TOP_K, SamplingParams, StepOutput, accepted_length
@@ -137,16 +137,9 @@ class SpecCounters:
         width = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         pad = [0] * width
         per_pos = [x + y for x, y in zip((self.accepted_per_pos + pad)[:width], (other.accepted_per_pos + pad)[:width])]
-        return SpecCounters(drafts=self.drafts + other.drafts, draft_tokens=self.draft_tokens + other.draft_tokens,
-                            accepted_tokens=self.accepted_tokens + other.accepted_tokens, accepted_per_pos=per_pos,
-                            rounds=self.rounds + other.rounds, round_requests=self.round_requests + other.round_requests,
-                            round_seconds=self.round_seconds + other.round_seconds,
-                            verify_seconds=self.verify_seconds + other.verify_seconds,
-                            drafter_wait_seconds=self.drafter_wait_seconds + other.drafter_wait_seconds,
-                            output_tokens=self.output_tokens + other.output_tokens,
-                            requests_finished=self.requests_finished + other.requests_finished,
-                            prefix_cache_queries=self.prefix_cache_queries + other.prefix_cache_queries,
-                            prefix_cache_hits=self.prefix_cache_hits + other.prefix_cache_hits,
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)
+                  if f.name not in ("accepted_per_pos", "fallbacks")}
+        return SpecCounters(**summed, accepted_per_pos=per_pos,
                             fallbacks={cause: self.fallbacks.get(cause, 0) + other.fallbacks.get(cause, 0)
                                        for cause in self.fallbacks.keys() | other.fallbacks.keys()})
 

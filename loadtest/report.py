@@ -33,7 +33,7 @@ CSV_FIELDS = (
     "p50_itl_ms", "p90_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms",
     "mean_accepted_length", "mean_verify_length", "draft_acceptance_rate", "spec_fallback_requests",
     "prefix_cache_hit_rate", "p50_ttft_ms_later_turns",
-    "server_mean_batch", "server_round_ms", "server_verify_ms", "server_drafter_wait_ms",
+    "server_mean_batch", "server_round_ms", "server_verify_ms", "server_drafter_wait_ms", "server_verify_cpu_wait_ms",
 )
 TABLE = (  # header, key, format
     ("policy", "series", "{}"), ("conc", "concurrency", "{}"), ("done", "completed", "{}"),
@@ -47,6 +47,7 @@ TABLE = (  # header, key, format
     ("cached", "prefix_cache_hit_rate", "{:.0%}"), ("ttft p50 later turns", "p50_ttft_ms_later_turns", "{:.0f}"),
     ("batch", "server_mean_batch", "{:.1f}"), ("round ms", "server_round_ms", "{:.1f}"),
     ("verify ms", "server_verify_ms", "{:.1f}"), ("drafter ms", "server_drafter_wait_ms", "{:.1f}"),
+    ("cpu wait ms", "server_verify_cpu_wait_ms", "{:.1f}"),
 )
 
 

@@ -2,8 +2,9 @@
 
 A target replica counts its rounds, the requests in each (summed), the time in rounds, and of it the time in verify
 steps and waiting for the drafter (``dspark_round_requests_total``, ``dspark_round_seconds_total``,
-``dspark_verify_seconds_total``, ``dspark_drafter_wait_seconds_total``; docs/serving.md). Read before and after a
-level, their differences give the level's mean batch and mean round, verify and drafter-wait times: the served
+``dspark_verify_seconds_total``, ``dspark_drafter_wait_seconds_total``, and of the verify steps the time the engine
+thread waited for a CPU, ``dspark_verify_cpu_wait_seconds_total``; docs/serving.md). Read before and after a level,
+their differences give the level's mean batch and mean round, verify, drafter-wait and CPU-wait times: the served
 round against the engine's own step, the overhead the serving shell adds. A server without these counters (vLLM,
 any other OpenAI-compatible server) gives None for each figure.
 
@@ -20,9 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 COUNTERS = {  # figure read -> sample name on /metrics
     "rounds": "dspark_rounds_total", "round_requests": "dspark_round_requests_total",
     "round_s": "dspark_round_seconds_total", "verify_s": "dspark_verify_seconds_total",
-    "drafter_wait_s": "dspark_drafter_wait_seconds_total",
+    "drafter_wait_s": "dspark_drafter_wait_seconds_total", "cpu_wait_s": "dspark_verify_cpu_wait_seconds_total",
 }
-FIGURES = ("server_mean_batch", "server_round_ms", "server_verify_ms", "server_drafter_wait_ms")
+FIGURES = ("server_mean_batch", "server_round_ms", "server_verify_ms", "server_drafter_wait_ms",
+           "server_verify_cpu_wait_ms")
 
 
 def read_counters(url: str, *, headers: dict | None = None, timeout_s: float = 10.0) -> dict[str, float] | None:
@@ -70,8 +72,8 @@ def settled_counters(url: str, *, headers: dict | None = None, interval_s: float
 
 
 def round_split(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None]:
-    """The ``FIGURES`` between two reads: mean requests per round, and mean round, verify-step and drafter-wait
-    times (ms); None each where either read is None or no round ran between them."""
+    """The ``FIGURES`` between two reads: mean requests per round, and mean round, verify-step, drafter-wait and
+    CPU-wait times (ms); None each where either read is None or no round ran between them."""
     if before is None or after is None or (rounds := after["rounds"] - before["rounds"]) <= 0:
         return dict.fromkeys(FIGURES)
 
@@ -80,4 +82,5 @@ def round_split(before: dict[str, float] | None, after: dict[str, float] | None)
 
     return {"server_mean_batch": per_round("round_requests"), "server_round_ms": per_round("round_s", 1000),
             "server_verify_ms": per_round("verify_s", 1000),
-            "server_drafter_wait_ms": per_round("drafter_wait_s", 1000)}
+            "server_drafter_wait_ms": per_round("drafter_wait_s", 1000),
+            "server_verify_cpu_wait_ms": per_round("cpu_wait_s", 1000)}

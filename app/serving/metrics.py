@@ -237,6 +237,8 @@ API_COUNTERS = (
     ("dspark_verify_seconds", None, "Time in verify steps (s; part of dspark_round_seconds).", "verify_seconds"),
     ("dspark_drafter_wait_seconds", None, "Time rounds waited for the drafter's answer (s; part of "
      "dspark_round_seconds).", "drafter_wait_seconds"),
+    ("dspark_verify_cpu_wait_seconds", None, "Time the engine thread was ready to run but waited for a CPU during "
+     "verify steps (s; part of dspark_verify_seconds; Linux, else 0).", "verify_cpu_wait_seconds"),
     ("dspark_output_tokens", None, "Tokens streamed to clients.", "output_tokens"),
     ("dspark_requests_finished", None, "Requests that finished (EOS, stop or length).", "requests_finished"),
     ("dspark_prefix_cache_queries", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (every "

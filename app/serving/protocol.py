@@ -107,6 +107,7 @@ class SpecCounters:
     round_seconds: float = 0.0  # whole rounds: drafter call, scheduling, verify step, streaming
     verify_seconds: float = 0.0  # of which the verify steps
     drafter_wait_seconds: float = 0.0  # of which waiting for drafter calls
+    verify_cpu_wait_seconds: float = 0.0  # in verify steps, the engine thread ready to run but waiting for a CPU
     output_tokens: int = 0  # tokens streamed to clients (prefill first tokens included)
     requests_finished: int = 0
     prefix_cache_queries: int = 0  # prompt tokens admitted
@@ -116,14 +117,15 @@ class SpecCounters:
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def add_round(self, num_draft: list[int], num_accepted: list[int], *, round_ms: float = 0.0,
-                  verify_ms: float = 0.0, drafter_wait_ms: float = 0.0) -> None:
+                  verify_ms: float = 0.0, drafter_wait_ms: float = 0.0, verify_cpu_wait_ms: float = 0.0) -> None:
         """One round: per request in the batch its verified and accepted draft tokens; the round's time, its verify
-        step's and its wait for the drafter (ms)."""
+        step's, its wait for the drafter and the verify step's wait for a CPU (ms)."""
         self.rounds += 1
         self.round_requests += len(num_draft)
         self.round_seconds += round_ms / 1000
         self.verify_seconds += verify_ms / 1000
         self.drafter_wait_seconds += drafter_wait_ms / 1000
+        self.verify_cpu_wait_seconds += verify_cpu_wait_ms / 1000
         for n, a in zip(num_draft, num_accepted):
             self.drafts += int(n > 0)
             self.draft_tokens += n

@@ -26,17 +26,18 @@ def page(counters: SpecCounters) -> httpx.Response:
 
 def test_a_level_splits_into_mean_batch_round_verify_and_drafter_wait(monkeypatch):
     counters = SpecCounters()
-    counters.add_round([3, 0], [1, 0], round_ms=40.0, verify_ms=30.0, drafter_wait_ms=6.0)
+    counters.add_round([3, 0], [1, 0], round_ms=40.0, verify_ms=30.0, drafter_wait_ms=6.0, verify_cpu_wait_ms=2.0)
     serve_pages(monkeypatch, [page(counters)])
     before = rounds.read_counters("http://server/")
     assert before == pytest.approx({"rounds": 1, "round_requests": 2, "round_s": 0.04, "verify_s": 0.03,
-                                    "drafter_wait_s": 0.006})
+                                    "drafter_wait_s": 0.006, "cpu_wait_s": 0.002})
     for _ in range(3):
-        counters.add_round([1, 2, 0, 4], [1, 2, 0, 0], round_ms=60.0, verify_ms=50.0, drafter_wait_ms=4.0)
+        counters.add_round([1, 2, 0, 4], [1, 2, 0, 0], round_ms=60.0, verify_ms=50.0, drafter_wait_ms=4.0,
+                           verify_cpu_wait_ms=5.0)
     serve_pages(monkeypatch, [page(counters)])
     split = rounds.round_split(before, rounds.read_counters("http://server"))
     assert split == {"server_mean_batch": 4.0, "server_round_ms": 60.0, "server_verify_ms": 50.0,
-                     "server_drafter_wait_ms": 4.0}
+                     "server_drafter_wait_ms": 4.0, "server_verify_cpu_wait_ms": 5.0}
     assert rounds.round_split(before, before) == dict.fromkeys(rounds.FIGURES)  # no round between the reads
     assert rounds.round_split(None, before) == dict.fromkeys(rounds.FIGURES)
 

@@ -43,6 +43,7 @@ def test_short_sweep_on_the_real_server(tmp_path: Path, capsys):
         assert 1 <= level["server_mean_batch"] <= level["concurrency"]
         assert 0 < level["server_verify_ms"] < level["server_round_ms"] < 2_000
         assert 0 <= level["server_drafter_wait_ms"] < level["server_round_ms"] - level["server_verify_ms"] + 1e-6
+        assert 0 <= level["server_verify_cpu_wait_ms"] < level["server_verify_ms"]
     c1, c4 = data["levels"]
     assert c4["output_throughput"] > c1["output_throughput"]  # batching pays, even on 2 cores
     png = out / "pareto.png"

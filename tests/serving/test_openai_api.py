@@ -143,7 +143,8 @@ def test_logprobs_json_shapes():
 
 def test_metrics_text_has_vllm_spec_decode_counters():
     counters = SpecCounters()
-    counters.add_round([3, 0, 2], [2, 0, 2], round_ms=30.0, verify_ms=20.0, drafter_wait_ms=5.0)
+    counters.add_round([3, 0, 2], [2, 0, 2], round_ms=30.0, verify_ms=20.0, drafter_wait_ms=5.0,
+                       verify_cpu_wait_ms=1.5)
     counters.add_round([3], [0], round_ms=12.5, verify_ms=10.0)
     counters.fallbacks = {"timeout": 2, "drafter_error": 1}
     counters.prefix_cache_queries, counters.prefix_cache_hits = 40, 30
@@ -160,8 +161,8 @@ def test_metrics_text_has_vllm_spec_decode_counters():
                for k in range(4)]
     assert per_pos == ["3", "2", "0", "0"]
     assert [float(samples[f"dspark_{name}_total{{{label}}}"]) for name in (
-        "rounds", "round_requests", "round_seconds", "verify_seconds", "drafter_wait_seconds")] == pytest.approx(
-        [2, 4, 0.0425, 0.03, 0.005])
+        "rounds", "round_requests", "round_seconds", "verify_seconds", "drafter_wait_seconds",
+        "verify_cpu_wait_seconds")] == pytest.approx([2, 4, 0.0425, 0.03, 0.005, 0.0015])
     assert (samples[f"vllm:prefix_cache_queries_total{{{label}}}"], samples[f"vllm:prefix_cache_hits_total{{{label}}}"],
             samples[f"dspark_prefix_cache_hits_total{{{label}}}"]) == ("49", "30", "30")
     fallbacks = {cause: samples[f'dspark_fallbacks_total{{{label},cause="{cause}"}}']

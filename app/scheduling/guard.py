@@ -5,8 +5,9 @@ Where the model is wrong (a ragged verify step costs more than the uniform steps
 a sampled table prices sampled rows as greedy, a drafter call waits for a core that streaming holds), speculation can
 fall below plain decoding under load, the regime the scheduler exists for. The guard checks the outcome instead of
 the model: per batch-size bucket (the next power of two) it keeps the last ``window`` rates, committed tokens per
-request per millisecond of round time (per request, so batches of 5 and 8 in one bucket compare), of rounds that
-speculate (called the drafter or verified any draft) and of plain rounds.
+request per millisecond of round time (per request, so batches of 5 and 8 in one bucket compare), of rounds it lets
+speculate (whatever the draft gate and the verify-length policy then do: a closed gate's cheap rounds and the
+catch-up call that follows them both belong to speculation's cost) and of rounds it runs plain.
 
 It pauses speculation in a bucket only on evidence: plain rounds faster than speculative ones by more than
 ``margin``, by ``z`` standard errors of the difference of the two means (each mode with at least ``min_samples``
@@ -15,10 +16,9 @@ and a wrong pause costs what speculation gains, so doubt keeps the scheduler's o
 
 Both modes stay measured: while speculating, one plain round every ``probe_every`` rounds (every ``4 probe_every``
 while speculation is clearly ahead, ``GUARD_CLEAR_GAIN``); while paused, two speculative rounds every
-``probe_every`` rounds. Only steady speculative rounds are measured: a drafter call that
-catches up on rounds drafted without, or projects a new request's prompt, is a one-off cost (the caller says which,
-as for the draft gate's drafter-call time). A plain round is plain decoding, so the guard never changes what is
-generated (lossless either way), only how fast.
+``probe_every`` rounds. Only steady speculative rounds are measured: the first speculative round after the guard's
+own plain rounds catches up on their context, a cost of the probe, not of speculation (the caller says which). A
+plain round is plain decoding, so the guard never changes what is generated (lossless either way), only how fast.
 
 Pure Python, no torch: decisions depend on earlier rounds only.
 """
@@ -117,9 +117,9 @@ class SpeculationGuard:
         return mode
 
     def observe(self, batch: int, *, speculative: bool, committed: int, round_ms: float, steady: bool = True) -> None:
-        """Fold one round in: ``speculative`` whether it called the drafter or verified any draft, ``committed`` the
+        """Fold one round in: ``speculative`` whether the guard let it speculate (``speculate``), ``committed`` the
         tokens it committed over the batch, ``round_ms`` its time (drafter call included), ``steady`` False for a
-        speculative round whose drafter call carried one-off work (catching up, a new prompt): not measured.
+        speculative round that catches up on the guard's own plain rounds: not measured.
 
         Raises:
             ValueError: batch < 1, committed < 0 or round_ms <= 0.

@@ -209,6 +209,7 @@ class TargetReplica:
         self._prefilling: dict[str, _Stream] = {}  # admitted, prompt prefilled in pieces (chunked prefill)
         self._cancelled: set[str] = set()
         self._drafted_last_round = False
+        self._guarded_last_round = False  # the guard ran the last round of speculating requests plain
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
 
@@ -437,9 +438,8 @@ class TargetReplica:
                                                 verify_scale=self.stats.verify_scale):
             call = self.loop.take_call(speculative)
             # Right after a drafted round and with no new request, a call carries one round of context: what
-            # drafting every round costs, the figure the draft gate and the guard weigh. A probe after rounds
-            # without drafting also catches up on their context, and a new request's prompt is projected: both
-            # cost more once.
+            # drafting every round costs, the figure the draft gate weighs. A probe after rounds without drafting
+            # also catches up on their context, and a new request's prompt is projected: both cost more once.
             steady = self._drafted_last_round and not call.starts
             t_draft, drafter_called = time.perf_counter(), True
             drafted = await self._call_drafter(call)
@@ -456,8 +456,12 @@ class TargetReplica:
         round_ms = (time.perf_counter() - t0) * 1000
         self.stats.round(round_ms, committed=result.committed, verified=result.verified, accepted=result.accepted)
         if self.guard is not None and speculative:
-            self.guard.observe(batch, speculative=drafter_called or result.verified > 0, committed=result.committed,
-                               round_ms=round_ms, steady=steady)
+            # The guard weighs speculation as the draft gate and the verify-length policy run it, catch-up calls after
+            # closed-gate rounds included; only the first speculative round after its own plain rounds catches up
+            # on context that they left behind.
+            self.guard.observe(batch, speculative=speculate, committed=result.committed, round_ms=round_ms,
+                               steady=not self._guarded_last_round)
+            self._guarded_last_round = not speculate
         if self.scheduler is not None and self.scheduler.gate is not None:  # only the draft gate reads it
             self._observe_verify_scale(round_ms - draft_ms, result, batch=batch)
         self.telemetry.round(round_ms=round_ms, verify_ms=result.verify_ms, drafter_wait_ms=draft_ms,

@@ -304,6 +304,33 @@ def test_the_speculation_guard_runs_plain_where_drafting_is_slower_and_output_is
     assert plain.guard is None and make_replica(monkeypatch, speculation_guard=False).guard is None
 
 
+def test_the_speculation_guard_counts_the_catch_up_calls_after_a_closed_gate(monkeypatch):
+    """The draft gate opens every other round and each call then catches up on the round drafted without, at 20 ms
+    against a 1 ms step: every drafter call is a catch-up, none is steady, yet they are what speculation costs here;
+    the guard weighs them and pauses."""
+    replica = make_replica(monkeypatch)
+    replica.guard = SpeculationGuard(probe_every=8, min_samples=4)  # decides within these short requests
+    draft, should_draft = replica.colocated.draft, replica.scheduler.should_draft
+    rounds, behind = iter(range(10**6)), []
+
+    def catching_up(call):
+        behind.append(max((sum(u.request_id == rid for u in call.updates) for rid in call.propose), default=0))
+        time.sleep(0.02)
+        return draft(call)
+
+    def alternating_gate(requests, **kwargs):
+        should_draft(requests, **kwargs)
+        return next(rounds) % 2 == 0
+
+    monkeypatch.setattr(replica.colocated, "draft", catching_up)
+    monkeypatch.setattr(replica.scheduler, "should_draft", alternating_gate)
+    run_requests(replica, [240, 240])
+    assert sum(n > 1 for n in behind) >= len(behind) // 2  # calls carried a skipped round's context
+    state = replica.guard.state()[2]
+    assert state["paused"] and state["plain_rate"] > state["spec_rate"], state
+    assert replica.guard.plain_rounds > replica.stats.rounds / 2, (replica.guard.plain_rounds, replica.stats.rounds)
+
+
 def test_the_speculation_guard_keeps_drafting_that_pays(monkeypatch):
     """A verify step of 20 ms and a free drafter whose blocks are all accepted: speculation commits up to 5 tokens
     a round, and the guard leaves it on but for its rare plain probes."""

@@ -69,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds at the start of each level")
     ap.add_argument("--drain-timeout", type=float, default=300.0,
                     help="seconds requests in flight may take to finish after a level")
-    ap.add_argument("--policies", type=name_list, default=["none", "mtp1", "dspark"],
-                    help="verify policies (labels only with --url)")
+    ap.add_argument("--policies", type=name_list, default=None,
+                    help="verify policies, default none,mtp1,dspark; with --url only labels (default: one, 'server')")
     ap.add_argument("--url", default=None, help="an external OpenAI-compatible server (no server is started)")
     ap.add_argument("--model", default=None, help="served model name (default: the config's served_model_name)")
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML to start per policy")
@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--label", default="", help="name of this run in merged plots (loadtest.report)")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.policies is None:  # with --url there is one server, whatever policy it runs: one series
+        args.policies = ["server"] if args.url else ["none", "mtp1", "dspark"]
     if args.duration <= 0 or args.warmup < 0:
         ap.error("--duration must be > 0 and --warmup >= 0")
     if not 0 <= args.max_tokens_range_ratio < 1:

@@ -32,6 +32,10 @@ def test_parse_overrides_and_app_args(tmp_path):
     args = app_args(sweep.DEFAULT_CONFIG, parse_overrides(["policy=none", "target.num_cpus=0.5"]))
     assert args["policy"] == "none" and args["target"] == {"num_replicas": 1, "num_cpus": 0.5}
     assert args["gamma"] == 7  # untouched fields keep the config's values
+    out = ["--out", str(tmp_path)]
+    assert sweep.parse_args(out).policies == ["none", "mtp1", "dspark"]  # a server per policy
+    assert sweep.parse_args(["--url", "http://127.0.0.1:1", *out]).policies == ["server"]  # one server, one series
+    assert sweep.parse_args(["--url", "http://127.0.0.1:1", "--policies", "vllm-cpu", *out]).policies == ["vllm-cpu"]
 
 
 def test_sweep_against_stub_measures_the_timeline(tmp_path, capsys):

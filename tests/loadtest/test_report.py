@@ -73,9 +73,12 @@ def test_table_formats_missing_values():
     assert header.split()[:3] == ["policy", "conc", "done"] and set(rule) <= {"-", " "}
     assert row.split()[0] == "none" and " - " in row
     header, _, row = report.format_table([level("dspark", 4, 80.0, 10.0, prefix_cache_hit_rate=0.8914)]).splitlines()
-    assert header.endswith("cached  ttft p50 later turns") and row.split()[-2:] == ["89%", "-"]
-    _, _, row = report.format_table([level("dspark", 4, 80.0, 10.0, p50_ttft_ms_later_turns=212.4)]).splitlines()
-    assert row.split()[-2:] == ["-", "212"]
+    assert header.endswith("cached  ttft p50 later turns  batch  round ms  verify ms  drafter ms  cpu wait ms")
+    assert row.split()[-7:] == ["89%", "-", "-", "-", "-", "-", "-"]
+    _, _, row = report.format_table([level("dspark", 4, 80.0, 10.0, p50_ttft_ms_later_turns=212.4,
+                                           server_mean_batch=3.8, server_round_ms=60.71, server_verify_ms=50.5,
+                                           server_drafter_wait_ms=6.5, server_verify_cpu_wait_ms=4.25)]).splitlines()
+    assert row.split()[-7:] == ["-", "212", "3.8", "60.7", "50.5", "6.5", "4.2"]
 
 
 def test_report_cli_merges_and_plots(tmp_path, capsys):

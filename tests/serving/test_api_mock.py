@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from app.serving.builder import build_app
@@ -526,21 +527,33 @@ def test_field_walk_every_openai_field_acts_is_harmless_or_400(url, endpoint, na
         assert r.status_code == 200 or (r.status_code == 400 and named), r.text
 
 
+def served_counts(url: str) -> dict[str, float]:
+    """``GET /metrics``: sample name -> value (the target replicas' counts as the Router last heard them)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def test_a_client_gone_before_its_first_token_never_runs(url):
     """Clients that leave while their requests wait for a KV slot (streamed and not): the requests are dropped from
-    the target's queue, not run to ``max_tokens`` for no one once a slot frees."""
+    the target's queue, not run to ``max_tokens`` for no one once a slot frees. The server's counters then hold the
+    answered requests' tokens only."""
+    finished, tokens = "dspark_requests_finished_total", "dspark_output_tokens_total"
+    before = served_counts(url)
+
     async def run() -> None:
         async with httpx.AsyncClient(timeout=60, headers=AUTH) as client:
-            busy = [asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=chat(max_tokens=100)))
-                    for _ in range(4)]  # the 4 KV slots, ~1 s
-            await asyncio.sleep(0.3)
+            busy = [asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=chat(max_tokens=200)))
+                    for _ in range(4)]  # the 4 KV slots, for 40 rounds or more (at most 5 tokens a round)
+            await asyncio.sleep(0.1)
             for stream in (True, False):
                 with pytest.raises(httpx.TimeoutException):
-                    await client.post(f"{url}/v1/chat/completions", timeout=0.3,
+                    await client.post(f"{url}/v1/chat/completions", timeout=0.1,
                                       json=chat("left", max_tokens=200, stream=stream))
             assert all(r.status_code == 200 for r in await asyncio.gather(*busy))
 
     asyncio.run(run())
-    time.sleep(0.5)  # an abandoned request admitted now would hold its slot for 200 steps (2 s)
+    time.sleep(1.0)  # an abandoned request admitted once the others ended would have ended too
+    after = wait_until(lambda: (c := served_counts(url))[finished] - before[finished] >= 4 and c)
+    assert (after[finished] - before[finished], after[tokens] - before[tokens]) == (4, 4 * 200)
     state = target_state()
     assert (state["active"], state["waiting"], state["engine_active"]) == (0, 0, 0), state

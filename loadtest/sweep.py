@@ -14,8 +14,8 @@ every request in flight finishes (``--drain-timeout``). Writes under ``--out``: 
 ``results.csv``, ``levels/<policy>-c<N>.json``, ``pareto.png``, the raw per-request records
 (``records/``), Locust's CSVs (``locust/``) and the server logs; prints a table, then one JSON line.
 Metric definitions: ``loadtest/metrics.py`` and ``docs/loadtest.md``; where the server counts its rounds on
-``/metrics`` (this one does), each level also gets its mean batch and mean round, verify-step and drafter-wait
-times over the whole level, warm-up and drain included (``loadtest/rounds.py``).
+``/metrics`` (this one does), each level also gets its mean batch and mean round, verify-step, drafter-wait and
+CPU-wait times over the whole level, warm-up and drain included (``loadtest/rounds.py``).
 """
 
 from __future__ import annotations

@@ -119,12 +119,12 @@ class TargetTelemetry:
         ``drafted`` draft tokens offered for verification (drafter or prompt lookup), ``lookup`` requests verifying a
         prompt-lookup draft, ``verify_cpu`` the engine thread's (ms on a CPU, ms waiting for one) during the verify
         step (None: not measured), ``guarded`` whether the speculation guard ran it plain."""
-        self.counters.add_round([o.num_draft for o in outputs], [o.num_accepted for o in outputs], round_ms=round_ms,
-                                verify_ms=verify_ms, drafter_wait_ms=drafter_wait_ms,
+        num_draft, num_accepted = [o.num_draft for o in outputs], [o.num_accepted for o in outputs]
+        self.counters.add_round(num_draft, num_accepted, round_ms=round_ms, verify_ms=verify_ms,
+                                drafter_wait_ms=drafter_wait_ms,
                                 verify_cpu_wait_ms=verify_cpu[1] if verify_cpu is not None else 0.0)
         self.metrics.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called, drafted=drafted,
-                           lookup=lookup,
-                           num_draft=[o.num_draft for o in outputs], num_accepted=[o.num_accepted for o in outputs],
+                           lookup=lookup, num_draft=num_draft, num_accepted=num_accepted,
                            committed=sum(len(o.new_token_ids) for o in outputs), verify_cpu=verify_cpu,
                            guarded=guarded)
 

@@ -61,7 +61,7 @@ def test_noise_within_the_margin_never_pauses_speculation():
 
 
 def test_a_speculative_round_with_one_off_drafter_work_does_not_count():
-    """A drafter call that catches up on rounds drafted without, or projects a new prompt, is not steady: not a
+    """The first speculative round after the guard's own plain rounds catches up on their context: not steady, not a
     measure of speculation (counted, it would keep speculation paused)."""
     guard = SpeculationGuard(min_samples=2, z=2.0)
     for rate, speculative in ((0.5, True), (0.5, True), (1.0, False), (1.0, False)):

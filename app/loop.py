@@ -338,9 +338,7 @@ class SpecLoop:
                              "only prompts that fit the budget whole until it is done")
         self._prefilled, self._piece_next = True, bool(self.prefilling)
         try:
-            results: list[StepOutput | Exception | None] = list(
-                self.engine.add_requests(list(requests), limits=limits) if limits
-                else self.engine.add_requests(list(requests)))
+            results: list[StepOutput | Exception | None] = self._add(list(requests), limits)
         except Exception as err:
             if len(requests) == 1:
                 return [err]
@@ -349,8 +347,7 @@ class SpecLoop:
             results = []
             for i, r in enumerate(requests):
                 try:
-                    results.append(self.engine.add_requests([r], limits=[limits[i]])[0] if limits
-                                   else self.engine.add_request(r.request_id, r.prompt_ids, r.params))
+                    results.append(self._add([r], [limits[i]] if limits else None)[0])
                 except Exception as one:
                     results.append(one)
         admitted: list[tuple[RequestResult, StepOutput] | Exception | None] = []
@@ -360,6 +357,10 @@ class SpecLoop:
             admitted.append(result if result is None or isinstance(result, Exception) else self._started(request,
                                                                                                          result))
         return admitted
+
+    def _add(self, requests: list[NewRequest], limits: list[int] | None) -> list[StepOutput | None]:
+        """``Engine.add_requests``, with ``limits`` only when given (an engine without chunked prefill takes none)."""
+        return list(self.engine.add_requests(requests, limits=limits) if limits else self.engine.add_requests(requests))
 
     def continue_prefill(self) -> tuple[str, tuple[RequestResult, StepOutput] | Exception | None]:
         """The next piece (at most ``max_prefill_tokens`` tokens) of the prompt being prefilled in pieces.

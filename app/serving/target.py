@@ -197,7 +197,8 @@ class TargetReplica:
             self.policy, self._torch.call(self._profile, config), max_batch=config.max_num_seqs, gamma=config.gamma,
             draft_gate=config.draft_gate,
         ) if speculates else None
-        self.guard = SpeculationGuard() if speculates and config.speculation_guard and self.policy.adaptive else None
+        self.guard = SpeculationGuard(step_ms=self._plain_step_ms) \
+            if speculates and config.speculation_guard and self.policy.adaptive else None
         # speculation stops for good on this replica if a colocated drafter cannot drop its state
         self.loop = SpecLoop(self.engine, gamma=config.gamma, speculates=speculates, scheduler=self.scheduler,
                              lookup=self.lookup, max_prefill_tokens=config.max_prefill_tokens,
@@ -223,6 +224,10 @@ class TargetReplica:
         if config.mock_engine:
             return load_profile(config.profile_path())
         return serving_profile(config, self.engine)
+
+    def _plain_step_ms(self, batch: int) -> float:
+        """The profile's plain step for ``batch`` requests (ms): the speculation guard's unit of round time."""
+        return float(self.scheduler.profile.verify_time_ms(batch, batch=batch))
 
     def _colocated_drafter(self, config: AppConfig) -> DrafterCore:
         """The colocated drafter, sharing the engine's input embedding (runs on the torch thread)."""

@@ -283,7 +283,8 @@ def test_the_speculation_guard_runs_plain_where_drafting_is_slower_and_output_is
     ones, whatever they accept, so the guard pauses speculation (probing it now and then); the text is plain
     decoding's either way."""
     replica = make_replica(monkeypatch, draft_gate=False)
-    assert isinstance(replica.guard, SpeculationGuard)
+    assert isinstance(replica.guard, SpeculationGuard)  # round time in the profile's plain steps of each batch
+    assert replica.guard.step_ms(3) == float(replica.scheduler.profile.verify_time_ms(3, batch=3)) > 0
     replica.guard = SpeculationGuard(probe_every=8, min_samples=4)  # decides within these short requests
     plain = make_replica(monkeypatch, policy="none")
     draft, calls = replica.colocated.draft, []

@@ -72,6 +72,8 @@ class TargetMetrics:
             "dspark_lookup_drafts", "Request-rounds that verified a prompt-lookup draft instead of the drafter's "
             "block (or in a round without a drafter call).")
         self.requests = counter("dspark_requests_finished", "Requests that finished (EOS, stop or length).")
+        self.requests_cancelled = counter("dspark_requests_cancelled", "Requests whose client went away before they "
+                                          "finished (their KV slot and queue place freed).")
         self.prefix_queries = counter("dspark_prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
                                       "(every admitted prompt token).")
         self.prefix_hits = counter("dspark_prefix_cache_hits", "Prompt tokens found in the prefix cache (not "
@@ -241,6 +243,10 @@ API_COUNTERS = (
      "verify steps (s; part of dspark_verify_seconds; Linux, else 0).", "verify_cpu_wait_seconds"),
     ("dspark_output_tokens", None, "Tokens streamed to clients.", "output_tokens"),
     ("dspark_requests_finished", None, "Requests that finished (EOS, stop or length).", "requests_finished"),
+    ("dspark_requests_cancelled", None, "Requests whose client went away before they finished.",
+     "requests_cancelled"),
+    ("dspark_guard_plain_rounds", None, "Rounds the speculation guard ran plain although requests speculate.",
+     "guard_plain_rounds"),
     ("dspark_prefix_cache_queries", "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (every "
      "admitted prompt token).", "prefix_cache_queries"),
     ("dspark_prefix_cache_hits", "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",

@@ -356,6 +356,7 @@ class TargetReplica:
     async def _drop_cancelled(self) -> None:
         for rid in list(self._cancelled):
             self._cancelled.discard(rid)
+            self.telemetry.cancelled()
             stream = self._active.pop(rid, None) or self._prefilling.pop(rid, None)
             if stream is None:
                 self.telemetry.dropped(rid)

@@ -112,6 +112,11 @@ class TargetTelemetry:
     def dropped(self, request_id: str) -> None:
         self.window.forget(request_id)
 
+    def cancelled(self) -> None:
+        """A request's client went away before it finished (counted once per request)."""
+        self.metrics.requests_cancelled.inc()
+        self.counters.requests_cancelled += 1
+
     def round(self, *, round_ms: float, verify_ms: float, drafter_wait_ms: float, drafter_called: bool, drafted: int,
               lookup: int, outputs: Sequence[StepOutput], verify_cpu: tuple[float, float] | None,
               guarded: bool) -> None:
@@ -123,6 +128,7 @@ class TargetTelemetry:
         self.counters.add_round(num_draft, num_accepted, round_ms=round_ms, verify_ms=verify_ms,
                                 drafter_wait_ms=drafter_wait_ms,
                                 verify_cpu_wait_ms=verify_cpu[1] if verify_cpu is not None else 0.0)
+        self.counters.guard_plain_rounds += int(guarded)
         self.metrics.round(round_ms=round_ms, verify_ms=verify_ms, drafter_called=drafter_called, drafted=drafted,
                            lookup=lookup, num_draft=num_draft, num_accepted=num_accepted,
                            committed=sum(len(o.new_token_ids) for o in outputs), verify_cpu=verify_cpu,

@@ -301,6 +301,7 @@ def test_the_speculation_guard_runs_plain_where_drafting_is_slower_and_output_is
     state = replica.guard.state()[2]
     assert state["paused"] and state["plain_rate"] > state["spec_rate"], state
     assert replica.guard.plain_rounds > replica.stats.rounds / 2, (replica.guard.plain_rounds, replica.stats.rounds)
+    assert replica.telemetry.counters.guard_plain_rounds == replica.guard.plain_rounds  # GET /metrics counts them
     assert 1 <= len(calls) < replica.stats.rounds / 2
     assert plain.guard is None and make_replica(monkeypatch, speculation_guard=False).guard is None
 

@@ -61,8 +61,9 @@ def batch_bucket(batch: int) -> int:
 
 
 def time_weighted_rate(rounds: deque | list) -> tuple[float, float]:
-    """The rate of ``rounds`` [(round number, tokens per request, time)] as a ratio of sums, and its standard error (the ratio
-    estimator's delta method: se^2 = sum (x - R y)^2 / ((n - 1) n ybar^2); Cochran, Sampling Techniques, Sec. 6.3).
+    """The rate of ``rounds`` [(round number, tokens per request, time)] as a ratio of sums, and its standard error
+    (the ratio estimator's delta method: se^2 = sum (x - R y)^2 / ((n - 1) n ybar^2); Cochran, Sampling Techniques,
+    Sec. 6.3).
 
     Raises:
         ValueError: fewer than 2 rounds.

@@ -39,7 +39,8 @@ def test_speculation_that_pays_keeps_running_with_rare_plain_probes():
     modes = drive(guard, 400, batch=4, spec_rate=2.0, plain_rate=1.0, noise=0.3)
     plain = [i for i, m in enumerate(modes) if not m]
     assert plain[:8] == list(range(GUARD_PROBE_EVERY, 8 * (GUARD_PROBE_EVERY + 1), GUARD_PROBE_EVERY + 1))
-    assert [b - a for a, b in zip(plain[8:], plain[9:])] == [GUARD_CLEAR_SPACING * GUARD_PROBE_EVERY + 1] * (len(plain) - 9)
+    spacing = GUARD_CLEAR_SPACING * GUARD_PROBE_EVERY + 1
+    assert [b - a for a, b in zip(plain[8:], plain[9:])] == [spacing] * (len(plain) - 9)
     assert guard.state()[4]["paused"] is False and guard.plain_rounds == len(plain)
 
 

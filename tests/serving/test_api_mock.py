@@ -550,10 +550,8 @@ def settled_counts(url: str) -> dict[str, float]:
 def test_a_client_gone_before_its_first_token_never_runs(url):
     """Clients that leave while their requests wait for a KV slot (streamed and not): the requests are dropped, not
     run to ``max_tokens`` for no one once a slot frees. The server's counters finish the 4 answered requests only; a
-    left request admitted while its cancellation was on its way may commit a round's tokens, never its 200; both
-    count as cancelled."""
+    left request admitted while its cancellation was on its way may commit a round's tokens, never its 200."""
     finished, tokens = "dspark_requests_finished_total", "dspark_output_tokens_total"
-    cancelled = "dspark_requests_cancelled_total"
     before = settled_counts(url)  # earlier tests' requests all counted
 
     async def run() -> None:
@@ -574,6 +572,5 @@ def test_a_client_gone_before_its_first_token_never_runs(url):
     time.sleep(1.0)  # an abandoned request admitted once the others ended would have ended too
     after = settled_counts(url)
     assert after[finished] - before[finished] == 4 and 4 * 200 <= after[tokens] - before[tokens] < 5 * 200
-    assert after[cancelled] - before[cancelled] == 2
     state = target_state()
     assert (state["active"], state["waiting"], state["engine_active"]) == (0, 0, 0), state

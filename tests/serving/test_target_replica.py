@@ -532,6 +532,7 @@ def test_a_request_that_goes_away_while_prefilled_in_pieces_frees_its_slot(monke
     assert num_tokens(items) == 100
     assert state == (0, 0, 0), state
     assert not replica.loop.prefilling and replica.engine.num_free_slots == replica.engine.max_num_seqs
+    assert replica.telemetry.counters.requests_cancelled == 1  # dspark_requests_cancelled_total
 
 
 async def _collect(replica, request) -> list:

@@ -60,6 +60,13 @@ def batch_bucket(batch: int) -> int:
     return 1 << (batch - 1).bit_length()
 
 
+def _ratio(rounds: deque | list) -> tuple[float, float, float]:
+    """(summed tokens per request, summed time, their ratio) of non-empty ``rounds``."""
+    tokens = math.fsum(x for _, x, _ in rounds)
+    time = math.fsum(y for _, _, y in rounds)
+    return tokens, time, tokens / time
+
+
 def time_weighted_rate(rounds: deque | list) -> tuple[float, float]:
     """The rate of ``rounds`` [(round number, tokens per request, time)] as a ratio of sums, and its standard error
     (the ratio estimator's delta method: se^2 = sum (x - R y)^2 / ((n - 1) n ybar^2); Cochran, Sampling Techniques,
@@ -71,9 +78,7 @@ def time_weighted_rate(rounds: deque | list) -> tuple[float, float]:
     n = len(rounds)
     if n < 2:
         raise ValueError(f"need at least 2 rounds, got {n}")
-    tokens = math.fsum(x for _, x, _ in rounds)
-    time = math.fsum(y for _, _, y in rounds)
-    rate = tokens / time
+    _, time, rate = _ratio(rounds)
     spread = math.fsum((x - rate * y) ** 2 for _, x, y in rounds) / (n - 1)
     return rate, math.sqrt(spread / n) / (time / n)
 
@@ -197,10 +202,7 @@ class SpeculationGuard:
     def state(self) -> dict[int, dict]:
         """Per bucket: the time-weighted rates (tokens per request per ``unit_name``; None before any round), how
         many rounds, whether speculation is paused."""
-
-        def rate(rounds: deque) -> float | None:
-            return math.fsum(x for _, x, _ in rounds) / math.fsum(y for _, _, y in rounds) if rounds else None
-
-        return {k: {"spec_rate": rate(b.spec), "spec_samples": len(b.spec), "plain_rate": rate(b.plain),
-                    "plain_samples": len(b.plain), "paused": b.paused}
+        return {k: {"spec_rate": _ratio(b.spec)[2] if b.spec else None, "spec_samples": len(b.spec),
+                    "plain_rate": _ratio(b.plain)[2] if b.plain else None, "plain_samples": len(b.plain),
+                    "paused": b.paused}
                 for k, b in sorted(self.buckets.items())}

@@ -23,7 +23,9 @@ for the arithmetic answers that follow; a new request starts from what requests 
 round, slowly while the gate is closed. A closed gate reopens when a request joins (decided on the
 estimate at once) or on the outcome of a probe round: it drafts one after ``PROBE_EVERY`` closed rounds,
 then after twice as many each time the probe leaves it closed (up to ``PROBE_MAX``); the counts faded
-meanwhile, so the probe's outcome weighs more than the rounds that closed the gate. Its decision depends
+meanwhile, so the probe's outcome weighs more than the rounds that closed the gate. A join restarts that
+back-off only when its temperature class has no outcomes yet: a probe pays the drafter's catch-up on every
+request's context since its last call, and under steady traffic requests join every few rounds. Its decision depends
 on earlier rounds only, and a round that verifies no drafts is plain decoding: lossless either way.
 """
 
@@ -189,15 +191,19 @@ class DraftGate:
         joined = self._align(requests)
         if not self._requests:
             return False
+        # a join restarts the probe back-off only when the gate knows nothing of the request: one of a temperature
+        # class with pooled outcomes starts from them, and this round decides on that (a probe per join would
+        # catch the drafter up on every request's context each few rounds under steady traffic)
+        unknown = any(self._class.get(r) not in self._pooled for r in joined)
         fraction = sum(sampled) / len(sampled) if sampled else 0.0
         _, self.last_gain = best_uniform_length(self._accepted / self._tried, batch=len(self._requests),
                                                 profile=self.profile, draft_ms=draft_ms, verify_scale=verify_scale,
                                                 sampled=fraction)
-        if joined:  # a new request brings no evidence against drafting: decide now, restart the back-off
-            self._wait, self._closed_rounds = self.probe_every, 0
+        if unknown:  # a request the gate has no evidence on: restart the back-off (a probe just failed or not)
+            self._wait, self._closed_rounds, self._probing = self.probe_every, 0, False
         # A closed gate reopens on new outcomes (a probe's) or a new request, not on counts that merely faded.
         fresh, self._fresh = self._fresh, False
-        if self.last_gain >= self.min_gain and (self._open or fresh or joined):
+        if self.last_gain >= self.min_gain and (self._open or fresh or bool(joined)):
             if self._open:  # open two rounds running: the back-off starts over
                 self._wait = self.probe_every
             self._probing = not self._open  # a reopening round is on trial, as a probe is
@@ -257,12 +263,12 @@ class DraftGate:
                 pooled_a, pooled_t = self._pooled.get(cls, (torch.zeros(self.gamma, dtype=torch.float64),) * 2)
                 self._pooled[cls] = (GATE_CLASS_DECAY * pooled_a + accepted[i], GATE_CLASS_DECAY * pooled_t + tried[i])
 
-    def _align(self, requests: Sequence[Hashable]) -> bool:
+    def _align(self, requests: Sequence[Hashable]) -> list[Hashable]:
         """Make the rows ``requests``, in order: keep known requests' counts, prior for new, drop the rest.
-        Returns whether a request is new."""
+        Returns the new requests."""
         requests = list(requests)
         if requests == self._requests:
-            return False
+            return []
         _check_distinct(requests)
         keep = torch.tensor([self._row.get(r, -1) for r in requests], dtype=torch.long)
         priors = [self._prior(r) for r in requests]
@@ -272,7 +278,7 @@ class DraftGate:
         accepted[known], tried[known] = self._accepted[keep[known]], self._tried[keep[known]]
         self._requests, self._row = requests, {r: i for i, r in enumerate(requests)}
         self._accepted, self._tried = accepted, tried
-        return not bool(known.all())
+        return [r for r, k in zip(requests, known.tolist()) if not k]
 
     @staticmethod
     def _decayed(accepted: torch.Tensor, tried: torch.Tensor, decay: float) -> tuple[torch.Tensor, torch.Tensor]:

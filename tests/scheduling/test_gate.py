@@ -144,6 +144,24 @@ def test_a_request_joining_a_closed_gate_restarts_the_probe_back_off():
     assert any(decisions)  # a probe within PROBE_EVERY rounds, not PROBE_MAX
 
 
+def test_joins_of_a_known_temperature_class_keep_the_probe_back_off():
+    """Under steady traffic a request joins every few rounds; one of a class whose requests accept nothing starts
+    from that class's outcomes and must not bring a probe (a drafter catch-up) each time. A request of a class the
+    gate has not seen yet still restarts the back-off."""
+    gate = DraftGate(PROFILE, gamma=7)
+    batch, next_id, decisions = ["r0", "r1"], 2, []
+    for i in range(PROBE_EVERY * 15 + PROBE_MAX * 6):
+        if i % 10 == 9:  # the oldest request finishes, a new one of the same class joins
+            batch, next_id = batch[1:] + [f"r{next_id}"], next_id + 1
+        decisions.append(gate.should_draft(batch, draft_ms=60.0, temperatures=[0.7] * len(batch)))
+        if decisions[-1]:
+            gate.observe(batch, [7] * len(batch), [0] * len(batch))
+    assert sum(decisions[-PROBE_MAX * 4:]) <= 5  # probes PROBE_MAX rounds apart, not one per join
+    greedy = [gate.should_draft(batch + ["g"], draft_ms=60.0, temperatures=[0.7] * len(batch) + [0.0])
+              for _ in range(PROBE_EVERY)]
+    assert any(greedy)  # no greedy outcome yet: a probe within PROBE_EVERY rounds
+
+
 def test_gate_rejects_duplicate_ids_and_impossible_outcomes():
     gate = DraftGate(PROFILE, gamma=7)
     with pytest.raises(ValueError, match="distinct"):

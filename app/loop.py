@@ -34,6 +34,7 @@ from app.engine.contract import Engine, Proposer
 from app.engine.types import (
     DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob, accepted_length,
 )
+from app.engine.wire import tensors_from_wire, tensors_to_wire
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,14 @@ class DraftCall:
     finished: list[str] = field(default_factory=list)  # requests to forget (done, cancelled, failed over)
     propose: list[str] = field(default_factory=list)  # requests to draft this round, in batch order
 
+    def __reduce__(self):
+        """Pickled (to a Drafter replica) with every output's features in one buffer (``app.engine.wire``)."""
+        outputs = [start.first for start in self.starts] + list(self.updates)
+        meta, data = tensors_to_wire([out.features for out in outputs])
+        bare = [replace(out, features=None) for out in outputs]
+        starts = [replace(start, first=out) for start, out in zip(self.starts, bare)]
+        return _call_from_wire, (starts, bare[len(starts):], self.finished, self.propose, meta, data)
+
 
 @dataclass(frozen=True)
 class DraftRound:
@@ -70,6 +79,33 @@ class DraftRound:
     confidences: torch.Tensor
     missing: list[str] = field(default_factory=list)  # requests this drafter holds no state for
     drafter_ms: float = 0.0  # time inside the drafter for this call (hooks + drafting), without transport (ms)
+
+    def __reduce__(self):
+        """Pickled (back to the target) with every block's tensors and the confidences in one buffer
+        (``app.engine.wire``)."""
+        meta, data = tensors_to_wire([self.confidences] + [t for b in self.blocks
+                                                           for t in (b.tokens, b.probs, b.prob_ids)])
+        bare = [(b.request_id, b.verify_len) for b in self.blocks]
+        return _round_from_wire, (bare, self.missing, self.drafter_ms, meta, data)
+
+
+def _call_from_wire(starts: list[DraftStart], updates: list[StepOutput], finished: list[str], propose: list[str],
+                    meta: list, data) -> DraftCall:
+    """``DraftCall.__reduce__``'s inverse."""
+    features = tensors_from_wire(meta, data)
+    outputs = [replace(out, features=f) for out, f in zip([s.first for s in starts] + updates, features, strict=True)]
+    starts = [replace(start, first=out) for start, out in zip(starts, outputs)]
+    return DraftCall(starts=starts, updates=outputs[len(starts):], finished=finished, propose=propose)
+
+
+def _round_from_wire(blocks: list[tuple[str, int | None]], missing: list[str], drafter_ms: float, meta: list,
+                     data) -> DraftRound:
+    """``DraftRound.__reduce__``'s inverse."""
+    confidences, *tensors = tensors_from_wire(meta, data)
+    return DraftRound(blocks=[DraftBlock(rid, tokens=tensors[3 * i], probs=tensors[3 * i + 1], verify_len=verify_len,
+                                         prob_ids=tensors[3 * i + 2])
+                              for i, (rid, verify_len) in enumerate(blocks)],
+                      confidences=confidences, missing=missing, drafter_ms=drafter_ms)
 
 
 class ProposerHost:

@@ -6,8 +6,8 @@ import pickle
 
 import torch
 
-from app.engine.types import FinishReason, StepOutput
-from app.loop import DraftCall
+from app.engine.types import DraftBlock, FinishReason, SamplingParams, StepOutput
+from app.loop import DraftCall, DraftRound, DraftStart
 from app.serving.protocol import strip_for_drafter
 
 
@@ -43,3 +43,35 @@ def test_stripped_features_survive_the_wire():
     (out,) = _outputs(1, 8, 16)
     (back,) = pickle.loads(pickle.dumps(DraftCall(updates=[strip_for_drafter(out)]))).updates
     assert back.features.shape == (2, 16) and torch.equal(back.features, out.features)
+
+
+def test_a_drafter_call_and_its_answer_cross_the_wire_as_one_buffer_each():
+    """Hundreds of per-request features (a call after rounds without drafting) pickle as one array, not one
+    ``torch.save`` per tensor, and come back equal, absent features included."""
+    outputs = [strip_for_drafter(o) for o in _outputs(16, 1, 64)] * 30
+    outputs[3] = StepOutput(request_id="r3", new_token_ids=[5], features=None)
+    first = StepOutput(request_id="s", new_token_ids=[9], features=torch.randn(12, 64).to(torch.bfloat16))
+    call = DraftCall(starts=[DraftStart("s", [1, 2], first, SamplingParams(temperature=0.7, seed=3))],
+                     updates=outputs, finished=["x"], propose=["s", "r0"])
+    wire = pickle.dumps(call)
+    assert b"_rebuild_tensor" not in wire
+    back = pickle.loads(wire)
+    assert (back.finished, back.propose, back.starts[0].prompt_ids, back.starts[0].params) == (
+        ["x"], ["s", "r0"], [1, 2], call.starts[0].params)
+    assert torch.equal(back.starts[0].first.features, first.features)
+    for out, got in zip(outputs, back.updates, strict=True):
+        assert (got.request_id, got.new_token_ids) == (out.request_id, out.new_token_ids)
+        assert (got.features is None) == (out.features is None)
+        assert out.features is None or torch.equal(got.features, out.features)
+    blocks = [DraftBlock("a", torch.arange(7), torch.rand(7, 4), None, torch.randint(0, 99, (7, 4))),
+              DraftBlock("b", torch.arange(3), verify_len=2)]
+    answer = DraftRound(blocks, torch.rand(2, 7), missing=["c"], drafter_ms=1.5)
+    wire = pickle.dumps(answer)
+    assert b"_rebuild_tensor" not in wire
+    got = pickle.loads(wire)
+    assert (got.missing, got.drafter_ms, torch.equal(got.confidences, answer.confidences)) == (["c"], 1.5, True)
+    for b, g in zip(blocks, got.blocks, strict=True):
+        assert (g.request_id, g.verify_len) == (b.request_id, b.verify_len)
+        for name in ("tokens", "probs", "prob_ids"):
+            x, y = getattr(b, name), getattr(g, name)
+            assert (x is None and y is None) or torch.equal(x, y)

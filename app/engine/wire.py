@@ -27,6 +27,8 @@ def _padded(nbytes: int) -> int:
 
 def tensors_to_wire(tensors: Sequence[torch.Tensor | None]) -> tuple[list[Meta], np.ndarray]:
     """CPU tensors (any dtype and shape; None for an absent one) as their (dtype, shape) list and one uint8 array.
+    Runs no torch kernel on contiguous tensors (a non-contiguous one is made contiguous by torch first), nor does
+    ``tensors_from_wire``: both are safe on any thread.
 
     Raises:
         ValueError: a tensor not on the CPU.
@@ -41,14 +43,16 @@ def tensors_to_wire(tensors: Sequence[torch.Tensor | None]) -> tuple[list[Meta],
             raise ValueError(f"tensors_to_wire packs CPU tensors, got one on {t.device}")
         meta.append((t.dtype, tuple(t.shape)))
         present.append(t)
-    buf = torch.empty(sum(_padded(t.numel() * t.element_size()) for t in present), dtype=torch.uint8)
+    buf = np.empty(sum(_padded(t.numel() * t.element_size()) for t in present), dtype=np.uint8)
     offset = 0
     for t in present:
         nbytes = t.numel() * t.element_size()
         if nbytes:
-            buf[offset:offset + nbytes] = t.contiguous().reshape(-1).view(torch.uint8)
+            # NumPy copies, not torch: pickling runs on a transport thread, and a torch copy of a prompt's features
+            # starts an OpenMP parallel region there, a second pool that slows every later step (torch_thread.py)
+            buf[offset:offset + nbytes] = t.contiguous().reshape(-1).view(torch.uint8).numpy()
         offset += _padded(nbytes)
-    return meta, buf.numpy()
+    return meta, buf
 
 
 def tensors_from_wire(meta: Sequence[Meta], data: np.ndarray) -> list[torch.Tensor | None]:

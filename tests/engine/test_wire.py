@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -48,6 +50,36 @@ def test_empty_tensors_alone_come_back():
     data.flags.writeable = False
     back = tensors_from_wire(meta, data)
     assert [(t.shape, t.dtype) for t in back] == [((0, 7), torch.float32), ((0,), torch.long)]
+
+
+def _threads_added_by(fn) -> int:
+    """OS threads of this process that ``fn`` adds when run on a fresh thread (counted before it ends)."""
+    added = []
+
+    def body():
+        before = len(os.listdir("/proc/self/task"))
+        fn()
+        added.append(len(os.listdir("/proc/self/task")) - before)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    return added[0]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
+def test_packing_starts_no_openmp_pool_on_the_pickling_thread():
+    """Pickling runs on a transport thread; a torch copy of a prompt's features there starts an OpenMP pool of its
+    own (torch_thread.py), which slowed every later verify step of a served target by ~10 ms."""
+    features = torch.randn(150, 2880).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        if _threads_added_by(features.clone) < 1:
+            pytest.skip("torch starts no OpenMP pool for a copy here")
+        assert _threads_added_by(lambda: tensors_from_wire(*tensors_to_wire([features]))) == 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bad_input_is_named():

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Protocol, Sequence
 
 import torch
@@ -67,7 +67,7 @@ class DraftCall:
         meta, data = tensors_to_wire([out.features for out in outputs])
         bare = [replace(out, features=None) for out in outputs]
         starts = [replace(start, first=out) for start, out in zip(self.starts, bare)]
-        return _call_from_wire, (starts, bare[len(starts):], self.finished, self.propose, meta, data)
+        return _call_from_wire, (_fields(self) | {"starts": starts, "updates": bare[len(starts):]}, meta, data)
 
 
 @dataclass(frozen=True)
@@ -85,27 +85,30 @@ class DraftRound:
         (``app.engine.wire``)."""
         meta, data = tensors_to_wire([self.confidences] + [t for b in self.blocks
                                                            for t in (b.tokens, b.probs, b.prob_ids)])
-        bare = [(b.request_id, b.verify_len) for b in self.blocks]
-        return _round_from_wire, (bare, self.missing, self.drafter_ms, meta, data)
+        bare = [replace(b, tokens=None, probs=None, prob_ids=None) for b in self.blocks]
+        return _round_from_wire, (_fields(self) | {"blocks": bare, "confidences": None}, meta, data)
 
 
-def _call_from_wire(starts: list[DraftStart], updates: list[StepOutput], finished: list[str], propose: list[str],
-                    meta: list, data) -> DraftCall:
+def _fields(message) -> dict:
+    """A message dataclass's fields by name (what its ``__reduce__`` sends, tensors replaced)."""
+    return {f.name: getattr(message, f.name) for f in fields(message)}
+
+
+def _call_from_wire(kwargs: dict, meta: list, data) -> DraftCall:
     """``DraftCall.__reduce__``'s inverse."""
+    starts, updates = kwargs["starts"], kwargs["updates"]
     features = tensors_from_wire(meta, data)
     outputs = [replace(out, features=f) for out, f in zip([s.first for s in starts] + updates, features, strict=True)]
     starts = [replace(start, first=out) for start, out in zip(starts, outputs)]
-    return DraftCall(starts=starts, updates=outputs[len(starts):], finished=finished, propose=propose)
+    return DraftCall(**kwargs | {"starts": starts, "updates": outputs[len(starts):]})
 
 
-def _round_from_wire(blocks: list[tuple[str, int | None]], missing: list[str], drafter_ms: float, meta: list,
-                     data) -> DraftRound:
+def _round_from_wire(kwargs: dict, meta: list, data) -> DraftRound:
     """``DraftRound.__reduce__``'s inverse."""
     confidences, *tensors = tensors_from_wire(meta, data)
-    return DraftRound(blocks=[DraftBlock(rid, tokens=tensors[3 * i], probs=tensors[3 * i + 1], verify_len=verify_len,
-                                         prob_ids=tensors[3 * i + 2])
-                              for i, (rid, verify_len) in enumerate(blocks)],
-                      confidences=confidences, missing=missing, drafter_ms=drafter_ms)
+    blocks = [replace(b, tokens=tensors[3 * i], probs=tensors[3 * i + 1], prob_ids=tensors[3 * i + 2])
+              for i, b in enumerate(kwargs["blocks"])]
+    return DraftRound(**kwargs | {"blocks": blocks, "confidences": confidences})
 
 
 class ProposerHost:

@@ -46,7 +46,8 @@ log = logging.getLogger("ray.serve")
 
 MAX_JSON_DEPTH = 64  # deepest nesting of arrays and objects a request body may have (deeper: 400)
 
-app = FastAPI(title="dspark-serve", docs_url=None, redoc_url=None, openapi_url=None)
+# redirect_slashes off: a path with a trailing slash is a JSON 404 naming it, not a 307 with an empty body
+app = FastAPI(title="dspark-serve", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
 
 
 def error_response(err: ErrorItem, retry_after_s: int = 1) -> JSONResponse:
@@ -188,14 +189,20 @@ class Ingress:
     def _auth(self, request: Request) -> JSONResponse | None:
         if self.api_key is None:
             return None
-        given = request.headers.get("authorization", "")
-        if secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive (RFC 9110 11.1), the key is not
+        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
             return None
         return error_response(ErrorItem(401, "invalid or missing API key", type="authentication_error",
                                         code="invalid_api_key"))
 
     async def _read_body(self, request: Request) -> bytes | ErrorItem:
-        """The body, read no further than ``max_request_bytes`` (a 413 beyond it, whatever Content-Length says)."""
+        """The body, read no further than ``max_request_bytes`` (a 413 beyond it, whatever Content-Length says); a 415
+        for a compressed one (any ``Content-Encoding`` but ``identity``)."""
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding != "identity":
+            return ErrorItem(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+                             code="unsupported_content_encoding")
         limit = self.config.max_request_bytes
         too_large = ErrorItem(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
         declared = request.headers.get("content-length", "")
@@ -212,14 +219,15 @@ class Ingress:
         raw = await self._read_body(request)
         if isinstance(raw, ErrorItem):
             return raw
+        too_deep = ErrorItem(400, f"request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             return ErrorItem(400, f"request body is not valid JSON: {err}")
         except RecursionError:
-            body = None
-        if body is None or json_too_deep(body):
-            return ErrorItem(400, f"request body nests arrays or objects deeper than {MAX_JSON_DEPTH} levels")
+            return too_deep
+        if json_too_deep(body):
+            return too_deep
         if not isinstance(body, dict):
             return ErrorItem(400, "request body must be a JSON object")
         try:

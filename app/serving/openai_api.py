@@ -257,9 +257,9 @@ class ChatCompletionRequest(_Common):
     store: bool | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     prediction: dict[str, Any] | None = Field(None, description="Predicted output: a latency hint only.")
     parallel_tool_calls: bool | None = Field(None, description="Without tools there are no tool calls.")
     modalities: list[Literal["text"]] | None = None

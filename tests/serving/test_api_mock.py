@@ -4,6 +4,7 @@ disconnect cleanup and drafter fail-over. One local Ray and one application for 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import math
 import time
@@ -131,6 +132,8 @@ BAD = [
     ("seed over 64 bits", chat(seed=10**23), 400),
     ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("not an object", b"[1, 2]", 400),
+    ("null body", b"null", 400),
+    ("service_tier not OpenAI's", chat(max_tokens=3, service_tier="bogus"), 400),
     ("body over max_request_bytes", chat("x" * 100_000, max_tokens=5), 413),
 ]
 
@@ -143,6 +146,24 @@ def test_bad_input_is_openai_error(url, name, body, status):
     assert r.status_code == status, (name, r.text)
     err = r.json()["error"]
     assert err["message"] and err["type"]
+
+
+def test_body_and_header_edge_cases_are_openai_errors(url):
+    """A JSON null is "not an object" (not a nesting error), a compressed body a 415, a trailing slash a JSON 404 (no
+    redirect); the API key's scheme matches in any case."""
+    route = f"{url}/v1/chat/completions"
+    r = httpx.post(route, headers={**AUTH, "Content-Type": "application/json"}, content=b"null", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "request body must be a JSON object"
+    r = httpx.post(route, headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": "gzip"},
+                   content=gzip.compress(json.dumps(chat(max_tokens=3)).encode()), timeout=30)
+    assert r.status_code == 415 and "gzip" in r.json()["error"]["message"]
+    r = httpx.post(f"{route}/", headers=AUTH, json=chat(max_tokens=3), timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    for scheme in ("bearer", "BEARER"):
+        r = httpx.post(route, headers={"Authorization": f"{scheme} {KEY}"}, json=chat(max_tokens=3), timeout=30)
+        assert r.status_code == 200, r.text
+    r = httpx.post(route, headers={"Authorization": f"Basic {KEY}"}, json=chat(max_tokens=3), timeout=30)
+    assert r.status_code == 401
 
 
 def test_context_length_errors_name_the_field_to_change(url):

@@ -3,10 +3,13 @@
 Owns: turning a request's generated token ids into text one token at a time, safe across multi-byte
 characters split between tokens, and finding stop strings. Text that could still be the start of a stop
 string is held back, so the streamed text never contains part of a stop string and its concatenation equals
-the final text.
+the final text. Also each token's own bytes (``TokenBytes``: OpenAI's logprobs ``bytes``).
 """
 
 from __future__ import annotations
+
+import json
+import re
 
 
 class IncrementalDetokenizer:
@@ -52,3 +55,91 @@ class IncrementalDetokenizer:
         out = self.text[self._emitted : end]
         self._emitted = end
         return out
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, used by Llama 3, Qwen and SmolLM2 tokenizers) inverted: character -> byte.
+
+    Each byte 0-255 is spelled by one printable character: the bytes of ``!``-``~``, ``¡``-``¬`` and ``®``-``ÿ`` by
+    the character of the same code point, every other byte, in increasing order, by U+0100, U+0101, ... (a space,
+    0x20, is ``Ġ``, U+0120).
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(0x100 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
+
+
+class TokenBytes:
+    """A token's own bytes as the tokenizer's vocabulary spells them (OpenAI's logprobs ``bytes``: a token that ends
+    inside a UTF-8 character has the bytes it holds, which a client joins with its neighbours' to rebuild the text;
+    the token decoded alone reads U+FFFD there).
+
+    Read from a Hugging Face fast tokenizer's decoder: byte-level BPE (``byte_level_alphabet``), or SentencePiece-style
+    pieces (``▁`` for a space, ``<0xAB>`` byte-fallback tokens, as Llama 2 and Mistral spell them). Added tokens
+    (``<|im_end|>``) are their text in UTF-8. Any other tokenizer (no ``backend_tokenizer``, another decoder): the
+    UTF-8 of the token decoded alone. Worked out once per token id, on first use.
+
+    Args:
+        tokenizer: the engine's tokenizer (``decode`` at least).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self._spell = None  # piece -> bytes, or None for "decode alone"; read on first use
+        self._read = False
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        """The bytes of ``token_id``."""
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._bytes(token_id)
+        return found
+
+    def _bytes(self, token_id: int) -> bytes:
+        if not self._read:
+            self._spell, self._read = self._speller(), True
+        added = getattr(self._tok, "added_tokens_decoder", {}).get(token_id)
+        if added is not None:
+            return str(added).encode()
+        if self._spell is not None:
+            spelled = self._spell(self._tok.convert_ids_to_tokens(token_id))
+            if spelled is not None:
+                return spelled
+        return self._tok.decode([token_id]).encode()
+
+    def _speller(self):
+        """How this tokenizer's decoder spells a piece's bytes (a function piece -> bytes or None), or None."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+        steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+        kinds = {step.get("type") for step in steps}
+        if "ByteLevel" in kinds:
+            alphabet = byte_level_alphabet()
+
+            def byte_level(piece: str) -> bytes | None:
+                if all(c in alphabet for c in piece):
+                    return bytes(alphabet[c] for c in piece)
+                return None
+
+            return byte_level
+        replace = [(step["pattern"].get("String"), step["content"]) for step in steps
+                   if step.get("type") == "Replace" and step.get("pattern", {}).get("String")]
+        replace += [(step.get("replacement", "\u2581"), " ") for step in steps if step.get("type") == "Metaspace"]
+        if not replace and "ByteFallback" not in kinds:
+            return None
+
+        def pieces(piece: str) -> bytes:
+            byte = _BYTE_TOKEN.fullmatch(piece)
+            if byte is not None:
+                return bytes([int(byte.group(1), 16)])
+            for pattern, content in replace:
+                piece = piece.replace(pattern, content)
+            return piece.encode()
+
+        return pieces

@@ -405,11 +405,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def chat_logprobs(entries: list[TokenLogprobText]) -> dict:
     """OpenAI's chat ``logprobs`` object: per token its text, logprob, UTF-8 bytes and top alternatives."""
-    def item(token: str, logprob: float) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    def item(token: str, logprob: float, raw: bytes | None) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode() if raw is None else raw)}
 
-    return {"content": [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
-                        for e in entries], "refusal": None}
+    def top(e: TokenLogprobText) -> list[dict]:
+        raws = e.top_bytes if e.top_bytes is not None else [None] * len(e.top)
+        return [item(t, lp, raw) for (t, lp), raw in zip(e.top, raws, strict=True)]
+
+    return {"content": [{**item(e.token, e.logprob, e.token_bytes), "top_logprobs": top(e)} for e in entries],
+            "refusal": None}
 
 
 def completion_logprobs(entries: list[TokenLogprobText], offset: int) -> dict:

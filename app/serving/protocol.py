@@ -151,11 +151,14 @@ class SpecCounters:
 @dataclass(frozen=True)
 class TokenLogprobText:
     """The target's log-probability of one output token and of its top alternatives, with their texts (each token
-    decoded alone: a token that ends inside a UTF-8 character reads as U+FFFD, as in vLLM)."""
+    decoded alone: a token that ends inside a UTF-8 character reads as U+FFFD, as in vLLM) and their own bytes
+    (``detokenizer.TokenBytes``; None: the text's UTF-8)."""
 
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()  # (token text, logprob), most likely first
+    token_bytes: bytes | None = None
+    top_bytes: tuple[bytes, ...] | None = None  # one per ``top`` entry
 
 
 @dataclass(frozen=True)

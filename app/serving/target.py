@@ -37,6 +37,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from app.drafters.lookup import PromptLookup, read_lookup_rates
 from app.engine.contract import Engine
+from app.engine.detokenizer import TokenBytes
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from app.engine.types import NewRequest, StepOutput, TokenLogprob
 from app.loop import DraftCall, DraftRound, RequestResult, Round, SpecLoop
@@ -107,15 +108,19 @@ class ReplicaStats:
         return sum(self.fallbacks.values())
 
 
-def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None) -> list[TokenLogprobText] | None:
-    """The engine's logprobs with each token (and alternative) decoded alone by ``tokenizer.decode``."""
+def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None,
+                  token_bytes: TokenBytes | None = None) -> list[TokenLogprobText] | None:
+    """The engine's logprobs with each token (and alternative) decoded alone by ``tokenizer.decode``, and its bytes
+    by ``token_bytes`` (default: built on ``tokenizer``)."""
     if logprobs is None:
         return None
+    token_bytes = token_bytes or TokenBytes(tokenizer)
 
     def text(token_id: int) -> str:
         return tokenizer.decode([token_id])
 
-    return [TokenLogprobText(text(lp.token_id), lp.logprob, tuple((text(t), v) for t, v in lp.top))
+    return [TokenLogprobText(text(lp.token_id), lp.logprob, tuple((text(t), v) for t, v in lp.top),
+                             token_bytes=token_bytes(lp.token_id), top_bytes=tuple(token_bytes(t) for t, _ in lp.top))
             for lp in logprobs]
 
 
@@ -180,6 +185,7 @@ class TargetReplica:
         self.config = config
         self._torch = TorchThread("engine", config.torch_threads)
         self.engine = self._torch.call(make_engine, config)
+        self._token_bytes = TokenBytes(self.engine.tokenizer)  # logprobs' bytes, each token's worked out once
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         speculates = config.speculates
         self.stats = ReplicaStats()
@@ -528,7 +534,8 @@ class TargetReplica:
         chunk = TextChunk(
             text=out.text, token_ids=list(out.new_token_ids), prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,
-            spec=spec if out.finished else None, logprobs=logprob_texts(self.engine.tokenizer, out.logprobs),
+            spec=spec if out.finished else None,
+            logprobs=logprob_texts(self.engine.tokenizer, out.logprobs, self._token_bytes),
             cached_tokens=out.num_cached_tokens,
         )
         if stream.held is not None:

@@ -136,6 +136,10 @@ def test_logprobs_json_shapes():
         {"token": " w1", "logprob": -0.5, "bytes": [32, 119, 49]},
         {"token": " w2", "logprob": -1.5, "bytes": [32, 119, 50]}]}
     assert chat["content"][1]["bytes"] == [0xC3, 0xA9] and chat["content"][1]["top_logprobs"] == []
+    partial = TokenLogprobText("\ufffd", -0.1, (("\ufffd", -0.1), ("a", -2.0)), token_bytes=b"\xf0\x9f",
+                               top_bytes=(b"\xf0\x9f", b"a"))
+    own = chat_logprobs([partial])["content"][0]  # a token ending inside a character: its own bytes, not U+FFFD's
+    assert own["bytes"] == [0xF0, 0x9F] and [t["bytes"] for t in own["top_logprobs"]] == [[0xF0, 0x9F], [97]]
     text = completion_logprobs(ENTRIES, offset=4)
     assert text == {"tokens": [" w1", "é"], "token_logprobs": [-0.5, -0.25], "text_offset": [4, 7],
                     "top_logprobs": [{" w1": -0.5, " w2": -1.5}, {"é": -0.25}]}
@@ -184,3 +188,22 @@ def test_json_depth_and_admission_limit():
     config = AppConfig(mock_engine=True, drafter="mock", max_num_seqs=4, max_queued_requests=2,
                        target={"num_replicas": 3}, ingress={"num_replicas": 2}, profile="auto")
     assert admission_limit(config) == math.ceil((4 + 2) * 3 / 2)
+
+
+def test_chat_logprobs_bytes_rebuild_text_split_inside_characters():
+    """The Target's logprobs carry each token's own bytes (``TokenBytes``): joined over a stream they are the text,
+    where a token that ends inside a character reads as U+FFFD on its own."""
+    from transformers import AutoTokenizer
+
+    from app.engine.loader import local_checkpoint
+    from app.engine.types import TokenLogprob
+    from app.serving.target import logprob_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(local_checkpoint(), local_files_only=True)
+    text = "Party 🎉 time 😀!"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    entries = logprob_texts(tokenizer, [TokenLogprob(token_id=i, logprob=-0.1, top=((i, -0.1),)) for i in ids])
+    content = chat_logprobs(entries)["content"]
+    assert any(item["token"] == "\ufffd" for item in content)
+    assert bytes(b for item in content for b in item["bytes"]) == text.encode()
+    assert all(item["top_logprobs"][0]["bytes"] == item["bytes"] for item in content)

@@ -94,6 +94,15 @@ class Engine(ABC):
         """Token ids of a raw completion prompt."""
 
     @abstractmethod
+    def check_context(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Whether a request of ``prompt_tokens`` prompt tokens and ``max_tokens`` fits the context (``add_requests``
+        checks it again): a server answers one that cannot before queuing it, so it never fails a batched prefill.
+
+        Raises:
+            ContextLengthError: it does not fit.
+        """
+
+    @abstractmethod
     def add_requests(self, requests: Sequence[NewRequest]) -> list[StepOutput]:
         """Validate every request, then admit them all and return each one's first token (with the prompt's
         features [T, F]).

@@ -407,9 +407,12 @@ class TargetEngine(Engine):
         ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        ContextLengthError.check(prompt_tokens=len(ids), max_tokens=request.params.max_tokens,
-                                 draft_room=self.config.max_draft_len, limit=self.config.max_model_len)
+        self.check_context(len(ids), request.params.max_tokens)
         return ids, self._grammar(p)
+
+    def check_context(self, prompt_tokens: int, max_tokens: int) -> None:
+        ContextLengthError.check(prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+                                 draft_room=self.config.max_draft_len, limit=self.config.max_model_len)
 
     def _grammar(self, params: SamplingParams) -> RequestGrammar | None:
         """A fresh grammar state for a structured-output request (None without ``guided``)."""

@@ -151,7 +151,10 @@ class MockEngine(Engine):
         refused = [name for name in request.params.controls() if name != "logprobs"]
         if refused:
             raise InvalidRequestError(f"sampling controls not supported by this engine: {refused}", param=refused[0])
-        ContextLengthError.check(prompt_tokens=len(request.prompt_ids), max_tokens=request.params.max_tokens,
+        self.check_context(len(request.prompt_ids), request.params.max_tokens)
+
+    def check_context(self, prompt_tokens: int, max_tokens: int) -> None:
+        ContextLengthError.check(prompt_tokens=prompt_tokens, max_tokens=max_tokens,
                                  draft_room=self.config.max_draft_len, limit=self.config.max_model_len)
 
     def release(self, request_id: str) -> None:

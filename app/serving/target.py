@@ -124,6 +124,13 @@ def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None,
             for lp in logprobs]
 
 
+def invalid_request(request: GenerateRequest, err: InvalidRequestError) -> ErrorItem:
+    """The 400 answer of a request the engine refused, ``param`` the OpenAI field (``code: context_length_exceeded``
+    for one over the context)."""
+    code = "context_length_exceeded" if isinstance(err, ContextLengthError) else None
+    return ErrorItem(400, str(err), param=request.api_param(err.param), code=code)
+
+
 def internal_error(err: Exception) -> ErrorItem:
     """The 500 answer of a request that a bug in this replica ended."""
     return ErrorItem(500, f"internal error: {type(err).__name__}: {err}", type="server_error", code="internal_error")
@@ -247,7 +254,7 @@ class TargetReplica:
         try:
             prompt_ids = await self._run(self._encode, request)
         except InvalidRequestError as err:
-            yield ErrorItem(400, str(err), param=request.api_param(err.param))
+            yield invalid_request(request, err)
             return
         if len(self._waiting) + self._running >= self.config.max_num_seqs + self.config.max_queued_requests:
             yield ErrorItem(503, f"server overloaded: {self._running} requests running and {len(self._waiting)} "
@@ -269,9 +276,16 @@ class TargetReplica:
                 self._wakeup.set()
 
     def _encode(self, request: GenerateRequest) -> list[int]:
-        if request.messages is not None:
-            return self.engine.encode_chat(request.messages)
-        return self.engine.encode(request.prompt)
+        """The request's prompt token ids, once they are known to fit the context with its max_tokens.
+
+        Raises:
+            InvalidRequestError: the chat template refuses the messages; ContextLengthError: the request does not fit
+                (answered before it is queued: in an admission batch it would fail the batched prefill of the others).
+        """
+        ids = self.engine.encode_chat(request.messages) if request.messages is not None else \
+            self.engine.encode(request.prompt)
+        self.engine.check_context(len(ids), request.params.max_tokens)
+        return ids
 
     @property
     def _running(self) -> int:
@@ -417,8 +431,7 @@ class TargetReplica:
         req = stream.request
         if isinstance(result, InvalidRequestError):
             stream.done = True
-            code = "context_length_exceeded" if isinstance(result, ContextLengthError) else None
-            stream.queue.put_nowait(ErrorItem(400, str(result), param=req.api_param(result.param), code=code))
+            stream.queue.put_nowait(invalid_request(req, result))
             return
         if isinstance(result, Exception):  # a bug in prefill or sampling: this request fails, its slot is free
             log.error("admission of %s failed", req.request_id, exc_info=result)

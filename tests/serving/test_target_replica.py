@@ -239,6 +239,25 @@ def test_requests_admitted_together_share_one_prefill_and_a_bad_one_fails_alone(
     assert {"a", "b", "c", "d"} == {rid for rid in "abcd" if replica.engine.has_request(rid)}
 
 
+def test_requests_over_the_context_are_answered_before_queuing_and_never_split_a_prefill(replica, monkeypatch):
+    """Over-long requests arriving with others get their 400 (``context_length_exceeded``, ``param`` max_tokens) at
+    once; the others are admitted in one batched prefill that does not fail."""
+    add_requests, batches = replica.engine.add_requests, []
+
+    def recording(requests):
+        batches.append(sorted(r.request_id for r in requests))
+        return add_requests(requests)
+
+    monkeypatch.setattr(replica.engine, "add_requests", recording)
+    limit = replica.config.max_model_len
+    items = run_requests(replica, [8, limit, 8, limit * 2])
+    for bad in (items[1], items[3]):
+        assert [(type(i), i.status, i.code, i.param) for i in bad] == [
+            (ErrorItem, 400, "context_length_exceeded", "max_tokens")], bad
+    assert num_tokens(items[0]) == num_tokens(items[2]) == 8
+    assert batches == [["r0", "r2"]]
+
+
 def test_an_admission_error_answers_400_naming_the_engines_field(replica):
     stream = _stream("bad-bias", 8)
     replica._admitted(stream, target_module.InvalidRequestError("logit_bias: token ids [99999] are outside [0, 512)",

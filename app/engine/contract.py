@@ -95,8 +95,8 @@ class Engine(ABC):
 
     @abstractmethod
     def check_context(self, prompt_tokens: int, max_tokens: int) -> None:
-        """Whether a request of ``prompt_tokens`` prompt tokens and ``max_tokens`` fits the context (``add_requests``
-        checks it again): a server answers one that cannot before queuing it, so it never fails a batched prefill.
+        """Check that a request of ``prompt_tokens`` prompt tokens and ``max_tokens`` fits the context (``add_requests``
+        checks it again): a server answers one that does not before queuing it, so it never fails a batched prefill.
 
         Raises:
             ContextLengthError: it does not fit.

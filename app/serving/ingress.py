@@ -199,8 +199,8 @@ class Ingress:
     async def _read_body(self, request: Request) -> bytes | ErrorItem:
         """The body, read no further than ``max_request_bytes`` (a 413 beyond it, whatever Content-Length says); a 415
         for a compressed one (any ``Content-Encoding`` but ``identity``)."""
-        encoding = request.headers.get("content-encoding", "identity").strip().lower()
-        if encoding != "identity":
+        encoding = request.headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
             return ErrorItem(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
                              code="unsupported_content_encoding")
         limit = self.config.max_request_bytes

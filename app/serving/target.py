@@ -109,12 +109,11 @@ class ReplicaStats:
 
 
 def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None,
-                  token_bytes: TokenBytes | None = None) -> list[TokenLogprobText] | None:
+                  token_bytes: TokenBytes) -> list[TokenLogprobText] | None:
     """The engine's logprobs with each token (and alternative) decoded alone by ``tokenizer.decode``, and its bytes
-    by ``token_bytes`` (default: built on ``tokenizer``)."""
+    by ``token_bytes`` (the same tokenizer's)."""
     if logprobs is None:
         return None
-    token_bytes = token_bytes or TokenBytes(tokenizer)
 
     def text(token_id: int) -> str:
         return tokenizer.decode([token_id])

@@ -1,5 +1,6 @@
 """Engine benchmark: plain decoding speed, verify-step cost by total tokens and batch size, verify steps over
-mixed contexts (where a step's attention may be split into several calls, ``app/engine/model.py``), and prefill
+mixed contexts (where a step's attention may be split into several calls, ``app/engine/model.py``; beside the same
+steps with the split turned off), and prefill
 time with part of the prompt in the prefix cache (``app/engine/prefix_cache.py``).
 
 Usage: ``python -m app.engine.bench [--model smollm2-135m] [--runs 3] [--tokens 128]``
@@ -12,12 +13,14 @@ absolute numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 from typing import get_args
 
 from app.loop import generate
 from app.engine.config import EngineConfig, VerifyStep
+from app.engine import model
 from app.engine.engine import TargetEngine
 from app.engine.hardware import hardware_name
 from app.engine.timing import time_mixed_step, time_prefill, time_verify_step
@@ -44,6 +47,37 @@ def decode_speed(engine: TargetEngine, *, batch: int, tokens: int, runs: int) ->
         results, stats = generate(engine, [prompt] * batch, params)
         speeds.append(sum(len(r.token_ids) for r in results) / stats.wall_s)
     return statistics.median(speeds)
+
+
+def mixed_steps(engine: TargetEngine, *, runs: int) -> tuple[dict, dict]:
+    """Verify steps over ``MIXED_CONTEXTS`` x ``MIXED_TOKENS`` (ms, median of ``runs`` ``time_mixed_step`` medians),
+    as the engine splits their attention (``model.attention_chunks``) and with the split turned off (one call per
+    layer), the two alternated so that both see the same machine."""
+    split, whole = {}, {}
+    for c in MIXED_CONTEXTS:
+        for t in MIXED_TOKENS:
+            times = {False: [], True: []}
+            for _ in range(runs):
+                for one in (False, True):
+                    with one_attention_call(one):
+                        times[one].append(time_mixed_step(engine, contexts=MIXED_CONTEXTS[c], tokens=MIXED_TOKENS[t]))
+            split[(c, t)], whole[(c, t)] = statistics.median(times[False]), statistics.median(times[True])
+    return split, whole
+
+
+@contextlib.contextmanager
+def one_attention_call(on: bool):
+    """While ``on``: every verify step's attention is one call per layer (``model.attention_chunks`` keeps all the
+    requests together)."""
+    if not on:
+        yield
+        return
+    chunks = model.attention_chunks
+    model.attention_chunks = lambda slots, *args, **kwargs: [(0, len(slots))]
+    try:
+        yield
+    finally:
+        model.attention_chunks = chunks
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -80,12 +114,11 @@ def main(argv: list[str] | None = None) -> dict:
     for b in (1, 2, 4, 8, 16):
         print(f"{b:>6}" + "".join(f"{grid[(b, t)]:>12.1f}" for t in (1, 4, 8)))
 
-    mixed = {(c, t): time_mixed_step(engine, contexts=MIXED_CONTEXTS[c], tokens=MIXED_TOKENS[t])
-             for c in MIXED_CONTEXTS for t in MIXED_TOKENS}
-    print(f"\nverify step, 16 requests, mixed contexts (ms):\n{'contexts':>32}"
-          + "".join(f"{t:>22}" for t in MIXED_TOKENS))
+    mixed, one_call = mixed_steps(engine, runs=args.runs)
+    print(f"\nverify step, 16 requests, mixed contexts (ms; in brackets: the same steps in one attention call):\n"
+          f"{'contexts':>32}" + "".join(f"{t:>30}" for t in MIXED_TOKENS))
     for c in MIXED_CONTEXTS:
-        print(f"{c:>32}" + "".join(f"{mixed[(c, t)]:>22.1f}" for t in MIXED_TOKENS))
+        print(f"{c:>32}" + "".join(f"{f'{mixed[(c, t)]:.1f} ({one_call[(c, t)]:.1f})':>30}" for t in MIXED_TOKENS))
 
     n = args.prefill_context
     prefill = {shared: time_prefill(engine, context=n, shared=shared) for shared in (0, n // 2, n - 32, n - 1)}
@@ -107,6 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
         "verify_16_over_1": round(by_tokens[16] / by_tokens[1], 3),
         "verify_ms_by_batch": {f"{b}x{t}": round(ms, 2) for (b, t), ms in grid.items()},
         "verify_ms_mixed": {f"{c} / {t}": round(ms, 2) for (c, t), ms in mixed.items()},
+        "verify_ms_mixed_one_call": {f"{c} / {t}": round(ms, 2) for (c, t), ms in one_call.items()},
         "prefill_ms_by_cached": {str(shared): round(ms, 2) for shared, ms in prefill.items()},
     }
     print(json.dumps(result))

@@ -143,3 +143,17 @@ def test_a_seeded_request_beside_a_long_context_samples_as_alone(engine, long_an
                         proposer=RandomProposer(engine.vocab_size, [2, 0, 5, 1, 7, 3], seed=4))
     assert split_steps["split"] > 0
     check_seeded_same_or_near_tie(engine, prompt, alone.token_ids, batch[0].token_ids, params)
+
+
+def test_the_engine_bench_turns_the_split_off_and_back_on():
+    """``app.engine.bench``'s comparison column: inside ``one_attention_call(True)`` every step is one call."""
+    from app.engine.bench import one_attention_call
+
+    slots, key_lens, query_lens = [0, 1, 2], [200, 1700, 200], [1, 1, 1]
+    split = attention_chunks(slots, key_lens, query_lens, groups=3)
+    assert len(split) > 1  # the long context gets a call of its own
+    with one_attention_call(True):
+        assert model_module.attention_chunks(slots, key_lens, query_lens, groups=3) == [(0, 3)]
+    with one_attention_call(False):
+        assert model_module.attention_chunks(slots, key_lens, query_lens, groups=3) == split
+    assert model_module.attention_chunks(slots, key_lens, query_lens, groups=3) == split

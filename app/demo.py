@@ -2,8 +2,7 @@
 
 Usage: ``python -m app.demo [--prompt TEXT] [--max-tokens N] [--model REF]``
 
-This is the quick-start main job until the Ray Serve application lands (then: ``serve run
-deployments/dspark.yaml``).
+The engine alone, no Ray: the served application is ``make serve`` (``deployments/dspark.yaml``).
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ class CountingProposer(NgramProposer):
         return blocks
 
 
-def controls(engine: TargetEngine) -> dict[str, dict]:
-    """Control name -> SamplingParams fields (greedy)."""
+def controls(engine: TargetEngine, max_tokens: int) -> dict[str, dict]:
+    """Control name -> SamplingParams fields (greedy) for requests of ``max_tokens`` tokens."""
     comma, period = engine.encode(",")[0], engine.encode(".")[0]
     return {
         "none": {},
@@ -78,7 +78,7 @@ def controls(engine: TargetEngine) -> dict[str, dict]:
         "repetition_penalty": {"repetition_penalty": 1.3},
         "logit_bias": {"logit_bias": ((comma, -100.0), (period, -100.0))},
         "top_k+min_p": {"top_k": 5, "min_p": 0.2},
-        "min_tokens": {"min_tokens": 24},
+        "min_tokens": {"min_tokens": max(1, max_tokens // 2)},
         "stop_token_ids": {"stop_token_ids": (period,)},
         "logprobs": {"logprobs": 5},
         "json_schema": {"guided": GuidedDecoding("json_schema", json.dumps(SCHEMA))},
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {}
     print(f"{'control':>20} {'identical':>10} {'near-tie':>9} {'bugs':>5} {'tau':>6} {'proposed':>9} {'verified':>9} "
           f"{'valid off':>10} {'valid on':>9}")
-    for name, fields in controls(engine).items():
+    for name, fields in controls(engine, args.tokens).items():
         texts = (JSON_PROMPTS if name == "json_schema" else PROMPTS)[: args.prompts]
         prompts = [engine.encode_chat([{"role": "user", "content": t}]) for t in texts]
         params = [SamplingParams(max_tokens=args.tokens, temperature=args.temperature,

@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from app.serving.local_ray import init_local_ray
+from app.serving.local_ray import init_local_ray, is_loopback
 
 log = logging.getLogger("dspark.serve")
 
@@ -36,6 +37,25 @@ SHUTDOWN_TIMEOUT_S = 60.0
 
 def http_host(config: dict) -> str:
     return (config.get("http_options") or {}).get("host", SERVE_DEFAULT_HOST)
+
+
+def busy_ports(config: dict, metrics_port: int) -> list[str]:
+    """The ports the launcher needs that something already listens on, each as ``host:port (what)``: the HTTP port
+    (``http_options``) and Ray's metrics port (on the HTTP host when that is loopback, as ``init_local_ray`` binds it;
+    0: a free one, never busy). Ray itself reports a taken port only as a node that "timed out during startup"."""
+    host = http_host(config)
+    wanted = [(host, (config.get("http_options") or {}).get("port", SERVE_DEFAULT_PORT), "http_options.port")]
+    if metrics_port:
+        wanted.append((host if is_loopback(host) else "0.0.0.0", metrics_port, "--metrics-port"))
+    busy = []
+    for addr, port, what in wanted:
+        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+            try:
+                probe.bind((addr, port))
+            except OSError:
+                busy.append(f"{addr}:{port} ({what})")
+    return busy
 
 
 def ready_lines(config: dict) -> list[str]:
@@ -113,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, error in refused.items():
         log.error("application %r: bad args in %s (nothing started):\n%s", name, args.config, error)
     if refused:
+        return 1
+    busy = busy_ports(config, args.metrics_port)
+    if busy:
+        log.error("port in use, nothing started: %s (another server running? stop it, or pick other ports: "
+                  "http_options.port in the YAML, --metrics-port here)", ", ".join(busy))
         return 1
 
     from ray.serve.scripts import cli

@@ -78,3 +78,29 @@ def test_the_launcher_refuses_bad_args_before_starting_ray(tmp_path, monkeypatch
         assert run.main([str(path)]) == 1
     assert "application 'dspark': bad args" in caplog.text and "enable_chunked_prefill" in caplog.text
     assert "other" not in caplog.text
+
+
+def test_the_launcher_names_a_port_in_use_before_starting_ray(tmp_path, monkeypatch, caplog):
+    """A port something already listens on (another server) is named at once, with nothing started."""
+    import socket
+
+    from app.serving import run
+
+    with socket.socket() as taken, socket.socket() as spare:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        spare.bind(("127.0.0.1", 0))  # bound, not listening: a free port to name for the other one
+        port, free = taken.getsockname()[1], spare.getsockname()[1]
+        spare.close()
+        config = yaml.safe_load((REPO_ROOT / "deployments" / "dspark.yaml").read_text())
+        config["http_options"]["port"] = free
+        assert run.busy_ports(config, 0) == []
+        assert run.busy_ports(config, port) == [f"127.0.0.1:{port} (--metrics-port)"]
+        config["http_options"]["port"] = port
+        assert run.busy_ports(config, 0) == [f"127.0.0.1:{port} (http_options.port)"]
+        path = tmp_path / "taken.yaml"
+        path.write_text(yaml.safe_dump(config))
+        monkeypatch.setattr(run, "init_local_ray", lambda **kw: pytest.fail("Ray started"))
+        with caplog.at_level("ERROR", logger="dspark.serve"):
+            assert run.main([str(path), "--metrics-port", "0"]) == 1
+    assert f"127.0.0.1:{port} (http_options.port)" in caplog.text and "nothing started" in caplog.text

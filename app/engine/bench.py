@@ -1,7 +1,7 @@
 """Engine benchmark: plain decoding speed, verify-step cost by total tokens and batch size, verify steps over
 mixed contexts (where a step's attention may be split into several calls, ``app/engine/model.py``; beside the same
-steps with the split turned off), and prefill
-time with part of the prompt in the prefix cache (``app/engine/prefix_cache.py``).
+steps with the split turned off), and prefill time with part of the prompt in the prefix cache
+(``app/engine/prefix_cache.py``).
 
 Usage: ``python -m app.engine.bench [--model smollm2-135m] [--runs 3] [--tokens 128]``
 

@@ -8,6 +8,7 @@ the final text. Also each token's own bytes (``TokenBytes``: OpenAI's logprobs `
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -88,8 +89,6 @@ class TokenBytes:
 
     def __init__(self, tokenizer) -> None:
         self._tok = tokenizer
-        self._spell = None  # piece -> bytes, or None for "decode alone"; read on first use
-        self._read = False
         self._cache: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> bytes:
@@ -100,17 +99,21 @@ class TokenBytes:
         return found
 
     def _bytes(self, token_id: int) -> bytes:
-        if not self._read:
-            self._spell, self._read = self._speller(), True
-        added = getattr(self._tok, "added_tokens_decoder", {}).get(token_id)
+        added = self._added.get(token_id)
         if added is not None:
-            return str(added).encode()
-        if self._spell is not None:
-            spelled = self._spell(self._tok.convert_ids_to_tokens(token_id))
+            return added
+        if self._speller is not None:
+            spelled = self._speller(self._tok.convert_ids_to_tokens(token_id))
             if spelled is not None:
                 return spelled
         return self._tok.decode([token_id]).encode()
 
+    @functools.cached_property
+    def _added(self) -> dict[int, bytes]:
+        """Added tokens (``<|im_end|>``) -> their text's UTF-8."""
+        return {i: str(token).encode() for i, token in getattr(self._tok, "added_tokens_decoder", {}).items()}
+
+    @functools.cached_property
     def _speller(self):
         """How this tokenizer's decoder spells a piece's bytes (a function piece -> bytes or None), or None."""
         backend = getattr(self._tok, "backend_tokenizer", None)

@@ -39,12 +39,16 @@ def http_host(config: dict) -> str:
     return (config.get("http_options") or {}).get("host", SERVE_DEFAULT_HOST)
 
 
+def http_port(config: dict) -> int:
+    return (config.get("http_options") or {}).get("port", SERVE_DEFAULT_PORT)
+
+
 def busy_ports(config: dict, metrics_port: int) -> list[str]:
     """The ports the launcher needs that something already listens on, each as ``host:port (what)``: the HTTP port
     (``http_options``) and Ray's metrics port (on the HTTP host when that is loopback, as ``init_local_ray`` binds it;
     0: a free one, never busy). Ray itself reports a taken port only as a node that "timed out during startup"."""
     host = http_host(config)
-    wanted = [(host, (config.get("http_options") or {}).get("port", SERVE_DEFAULT_PORT), "http_options.port")]
+    wanted = [(host, http_port(config), "http_options.port")]
     if metrics_port:
         wanted.append((host if is_loopback(host) else "0.0.0.0", metrics_port, "--metrics-port"))
     busy = []
@@ -60,13 +64,12 @@ def busy_ports(config: dict, metrics_port: int) -> list[str]:
 
 def ready_lines(config: dict) -> list[str]:
     """One line per application of a Serve YAML: its URL and the model clients name (``args.served_model_name``)."""
-    port = (config.get("http_options") or {}).get("port", SERVE_DEFAULT_PORT)
     lines = []
     for app in config.get("applications", []):
         model = (app.get("args") or {}).get("served_model_name", "smollm2-135m")
         prefix = (app.get("route_prefix") or "/").rstrip("/")
         lines.append(f"ready: application {app['name']!r} serves model {model!r} at "
-                     f"http://{http_host(config)}:{port}{prefix}/v1")
+                     f"http://{http_host(config)}:{http_port(config)}{prefix}/v1")
     return lines
 
 

@@ -225,6 +225,8 @@ class TargetReplica:
         self._guarded_last_round = False  # the guard ran the last round of speculating requests plain
         self._wakeup: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
+        self._reporting = False
+        self._start_reports()
 
     @property
     def colocated(self) -> DrafterCore | None:
@@ -309,13 +311,26 @@ class TargetReplica:
 
     # ------------------------------------------------------------------ loop
 
+    def _start_reports(self) -> None:
+        """Start pushing load reports, on the running event loop (Serve runs a replica's constructor on it). The
+        Router chooses only among replicas it has heard from, so a replica must report before its first request:
+        one the autoscaler adds would otherwise never get one. Built outside Serve with no loop running, the
+        replica starts them with its first request."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._reporting = True
+        self._tasks.append(loop.create_task(self._report_loop(), context=contextvars.Context()))
+
     def _ensure_running(self) -> None:
         if self._wakeup is None:
             self._wakeup = asyncio.Event()
-            # started by the first request: an empty context, or Serve's request context (its id) sticks to every
-            # later round and load report
-            self._tasks = [asyncio.create_task(self._loop(), context=contextvars.Context()),
-                           asyncio.create_task(self._report_loop(), context=contextvars.Context())]
+            # started by the first request, in an empty context: Serve's request context (its id) would stick to
+            # every later round (and load report, when they start here)
+            self._tasks.append(asyncio.create_task(self._loop(), context=contextvars.Context()))
+            if not self._reporting:
+                self._start_reports()
 
     async def _run(self, fn, *args):
         return await self._torch.run(fn, *args)

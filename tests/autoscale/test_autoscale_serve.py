@@ -1,6 +1,6 @@
 """SLO autoscaling on a local Ray: the mock application, deployed from a config with the application-level
 policy (as `serve run deployments/dspark-autoscale.yaml` does), under load whose TPOT exceeds the SLO, gains a
-Target replica and, in the drafter ratio, a Drafter replica."""
+Target replica and, in the drafter ratio, a Drafter replica, and the added Target replica decodes requests."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ ARGS = {
     "ingress": {"num_cpus": 0.1}, "router_num_cpus": 0.05, "autoscaling": SLO,
 }
 SCALE_TIMEOUT_S = 45
+ROUTED_TIMEOUT_S = 15
 
 
 def test_example_config_shares_one_slo_section():
@@ -43,6 +44,12 @@ def test_example_config_shares_one_slo_section():
     config = AppConfig.model_validate(app.args)
     assert config.autoscaling.enabled
     assert SLOAutoscalingPolicy(**app.autoscaling_policy["policy_kwargs"]).config == config.autoscaling
+
+
+def decoding_replicas(url: str) -> list[str]:
+    """The Target replicas in the Router's snapshot that have committed tokens (EMA of tokens per round > 0)."""
+    replicas = httpx.get(f"{url}/router/snapshot", timeout=10).json()["replicas"]
+    return [rid for rid, load in replicas.items() if load["tokens_per_step"] > 0]
 
 
 def running(status, deployment: str) -> int:
@@ -76,6 +83,11 @@ def test_load_above_slo_adds_target_and_drafter_replicas():
         while (running(status := serve.status(), "Target"), running(status, "Drafter")) != (2, 2):
             assert time.monotonic() < deadline, status.applications[APP].deployments
             time.sleep(1.0)
+        # the added replica takes requests: the Router has its load reports and chooses it
+        deadline = time.monotonic() + ROUTED_TIMEOUT_S
+        while len(decoding := decoding_replicas(url)) < 2:
+            assert time.monotonic() < deadline, decoding
+            time.sleep(0.2)
         stop.set()
         for u in users:
             u.join(timeout=60)

@@ -280,6 +280,35 @@ def test_health_check_fails_once_the_step_loop_stopped(replica):
         replica.check_health()
 
 
+def test_a_replica_started_by_serve_reports_its_load_before_its_first_request(monkeypatch):
+    # The Router chooses only among replicas that reported: one the autoscaler adds must report while still idle.
+    reports = []
+
+    class Router:
+        class _Report:
+            @staticmethod
+            async def remote(load) -> None:
+                reports.append(load)
+
+        report = _Report()
+
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-new")))
+
+    async def main() -> None:  # Serve runs a replica's constructor on the replica's event loop
+        replica = target_module.TargetReplica(AppConfig(**MOCK_FIELDS, stats_interval_s=0.05), drafter=None,
+                                              router=Router())
+        try:
+            await asyncio.sleep(0.2)
+            replica.check_health()
+        finally:
+            for task in replica._tasks:
+                task.cancel()
+
+    asyncio.run(main())
+    assert len(reports) >= 2 and {(r.replica_id, r.active, r.waiting) for r in reports} == {("target-new", 0, 0)}
+
+
 def test_drafting_runs_with_drafter_threads_and_verify_with_torch_threads(monkeypatch):
     replica = make_replica(monkeypatch, torch_threads=2, drafter_threads=1, draft_gate=False)
     seen = {"propose": set(), "verify": set()}

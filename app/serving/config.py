@@ -303,26 +303,27 @@ class AppConfig(BaseModel):
     def profile_path(self) -> str | None:
         """The throughput profile in force before any replica starts: ``committed_profile_path()``, else the one
         this host measured at start-up before (``profiles.profile_cache_path``), else None (a target replica will
-        measure one).
+        measure one; also where this process does not see the engine's GPU, ``_hardware``).
 
         Raises:
             FileNotFoundError: 'auto', the mock engine and no measured profile of ``model`` at all.
         """
         committed = self.committed_profile_path()
-        if committed is not None or self.mock_engine:
+        hardware = self._hardware()
+        if committed is not None or self.mock_engine or hardware is None:
             return committed
         from app.engine.loader import resolve_dtype
-        from app.engine.hardware import hardware_name
         from app.serving.profiles import profile_cache_path
 
         dtype = str(resolve_dtype(self.dtype, self._torch_device())).removeprefix("torch.")
-        cached = profile_cache_path(self, hardware=hardware_name(self._torch_device(), self.torch_threads), dtype=dtype)
+        cached = profile_cache_path(self, hardware=hardware, dtype=dtype)
         return str(cached) if cached.is_file() else None
 
     def committed_profile_path(self) -> str | None:
         """``profile`` when named; for 'auto' the first measured profile of ``model`` in ``PROFILES_DIR`` for this
         host's hardware (named as the profiler records it), the target's dtype and the engine's ``verify_step``
-        (real weights before dummy ones, each newest first), else None. The mock engine cannot be measured: it takes
+        (real weights before dummy ones, each newest first), else None (also where this process does not see the
+        engine's GPU). The mock engine cannot be measured: it takes
         the newest measured profile of ``model`` on any hardware, with a warning.
 
         Raises:
@@ -330,11 +331,12 @@ class AppConfig(BaseModel):
         """
         if self.profile != AUTO_PROFILE:
             return self.profile
-        from app.engine.hardware import hardware_name
         from app.engine.loader import resolve_dtype
         from app.scheduling.profile import measured_profiles
 
-        hardware = hardware_name(self._torch_device(), self.torch_threads)
+        hardware = self._hardware()
+        if hardware is None:
+            return None
         dtype = str(resolve_dtype(self.dtype, self._torch_device())).removeprefix("torch.")
         profiles = measured_profiles(PROFILES_DIR, model=self.model, verify_step=self.engine.verify_step)
         here = [path for provenance, path in profiles if (provenance.hardware, provenance.dtype) == (hardware, dtype)]
@@ -355,6 +357,19 @@ class AppConfig(BaseModel):
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def _hardware(self) -> str | None:
+        """The engine's hardware as the profiler names it (``hardware_name``), or None where this process cannot
+        see it: a CUDA engine from a node without a GPU (the application's build or the Router on a CPU-only head
+        node). The target replicas then resolve 'auto' on their own GPUs."""
+        import torch
+
+        from app.engine.hardware import hardware_name
+
+        device = self._torch_device()
+        if device.type == "cuda" and not torch.cuda.is_available():
+            return None
+        return hardware_name(device, self.torch_threads)
 
     def check_files(self) -> None:
         """Fail fast, naming the field, when a file the config points at is missing.

@@ -150,15 +150,17 @@ class Router:
     def _capacity_profile(self) -> ThroughputProfile | None:
         """The profile of ``AppConfig.profile_path``, read once it exists: with 'auto' and nothing measured, the
         first target replica measures and caches it at start-up (``profiles.py``) before it reports; until then
-        (or on a node without that cache) the capacity is reported as 0, logged once."""
+        (or on a node without that cache, or where the engine's GPU is not visible) the capacity is reported as 0,
+        logged once."""
         if self.profile is None:
             path = self.config.profile_path()
             if path is not None:
                 self.profile = load_profile(path)
             elif not self._warned_no_profile:
                 self._warned_no_profile = True
-                log.warning("router: no throughput profile of %s on this node yet; verify_capacity reads 0 until "
-                            "a target replica here has cached one", self.config.model)
+                log.warning("router: no throughput profile of %s here (none measured on this node yet, or the "
+                            "engine's GPU is not visible here); verify_capacity reads 0 until a target replica on "
+                            "this node has cached one, or name the profile file", self.config.model)
         return self.profile
 
     def _live(self) -> list[TargetLoad]:

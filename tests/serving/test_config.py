@@ -175,6 +175,20 @@ def test_yaml_args_validate(name):
         assert set(config.target.resources) != set(config.drafter_replicas.resources)
 
 
+def test_the_cluster_config_builds_on_a_node_without_a_gpu(monkeypatch):
+    # The application is built (and the Router runs) wherever Ray puts them, e.g. a CPU-only head node: 'auto'
+    # is left to the target replicas on their GPUs instead of asking CUDA here.
+    import torch
+
+    from app.serving.builder import checked_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (app,) = yaml.safe_load((REPO_ROOT / "deployments" / "dspark-cluster.yaml").read_text())["applications"]
+    config = checked_config(app["args"])
+    assert config.engine.device == "cuda" and config.profile == "auto"
+    assert config.committed_profile_path() is None and config.profile_path() is None
+
+
 def test_ngram_lookup():
     assert lookup([1, 2, 3, 9, 1, 2, 3], max_ngram=3, gamma=4) == ([9, 1, 2, 3], 3)
     assert lookup([5, 6, 7], max_ngram=3, gamma=4) == ([], 0)

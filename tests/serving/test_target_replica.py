@@ -249,6 +249,14 @@ def test_requests_over_the_context_are_answered_before_queuing_and_never_split_a
         return add_requests(requests)
 
     monkeypatch.setattr(replica.engine, "add_requests", recording)
+    admit = replica._admit
+
+    async def admit_once_both_valid_ones_wait() -> None:  # they arrive together, whatever the thread timing
+        while not batches and len(replica._waiting) < 2:
+            await asyncio.sleep(0.001)
+        await admit()
+
+    monkeypatch.setattr(replica, "_admit", admit_once_both_valid_ones_wait)
     limit = replica.config.max_model_len
     items = run_requests(replica, [8, limit, 8, limit * 2])
     for bad in (items[1], items[3]):

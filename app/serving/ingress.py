@@ -155,9 +155,10 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        """The target replicas' speculative-decoding counters (as the Router last heard them), Prometheus text."""
-        counters = await self.router.counters.remote()
-        text = prometheus_text(counters, model_name=self.config.served_model_name, positions=self.config.gamma)
+        """The target replicas' counters and request gauges (as the Router last heard them), Prometheus text."""
+        counters, snapshot = await asyncio.gather(self.router.counters.remote(), self.router.snapshot.remote())
+        text = prometheus_text(counters, model_name=self.config.served_model_name, positions=self.config.gamma,
+                               running=snapshot["active"], waiting=snapshot["waiting"])
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/router/snapshot")

@@ -96,6 +96,8 @@ class TargetMetrics:
                                   MS_BUCKETS)
         self.tokens_per_step = histogram(
             "dspark_tokens_per_step", "Tokens committed per round over the whole batch.", TOKENS_PER_STEP_BUCKETS)
+        self.ttft = histogram("dspark_ttft_ms", "Per request: time from its arrival at the target replica to its first "
+                              "token (ms): tokenizing, waiting for a KV slot, prefill.", MS_BUCKETS)
         self.tpot = histogram("dspark_tpot_ms", "Per finished request: time per output token after the first (ms).",
                               TPOT_BUCKETS)
         self.active = gauge("dspark_active_requests", "Requests decoding on the replica.")
@@ -147,8 +149,10 @@ class TargetMetrics:
         if n:
             self.fallbacks.inc(n, tags={"cause": cause})
 
-    def prefilled(self, *, prompt_tokens: int, cached_tokens: int) -> None:
-        """A request was admitted: ``prompt_tokens`` looked up in the prefix cache, ``cached_tokens`` found."""
+    def prefilled(self, *, prompt_tokens: int, cached_tokens: int, ttft_ms: float) -> None:
+        """A request was admitted: ``prompt_tokens`` looked up in the prefix cache, ``cached_tokens`` found, its first
+        token ``ttft_ms`` after it arrived."""
+        self.ttft.observe(ttft_ms)
         self.prefix_queries.inc(prompt_tokens)
         if cached_tokens:
             self.prefix_hits.inc(cached_tokens)
@@ -241,7 +245,9 @@ API_COUNTERS = (
      "dspark_round_seconds).", "drafter_wait_seconds"),
     ("dspark_verify_cpu_wait_seconds", None, "Time the engine thread was ready to run but waited for a CPU during "
      "verify steps (s; part of dspark_verify_seconds; Linux, else 0).", "verify_cpu_wait_seconds"),
-    ("dspark_output_tokens", None, "Tokens streamed to clients.", "output_tokens"),
+    ("dspark_output_tokens", "vllm:generation_tokens", "Tokens streamed to clients.", "output_tokens"),
+    (None, "vllm:prompt_tokens", "Prompt tokens admitted (prefilled or found in the prefix cache).",
+     "prefix_cache_queries"),
     ("dspark_requests_finished", None, "Requests that finished (EOS, stop or length).", "requests_finished"),
     ("dspark_requests_cancelled", None, "Requests whose client went away before they finished.",
      "requests_cancelled"),
@@ -256,12 +262,17 @@ PER_POSITION = ("dspark_spec_decode_accepted_tokens_per_pos", "vllm:spec_decode_
                 "Draft tokens accepted at block position (0-based).")
 
 
-def prometheus_text(counters, *, model_name: str, positions: int) -> str:
-    """``counters`` (the target replicas' summed ``SpecCounters``) in Prometheus' text format (version 0.0.4),
-    every sample labelled ``model_name`` as vLLM labels its own; block positions 0 .. ``positions`` - 1 (gamma) and
-    every fallback cause of ``FALLBACK_CAUSES`` are always present (a zero is a reading, not a missing series)."""
+def prometheus_text(counters, *, model_name: str, positions: int, running: int, waiting: int) -> str:
+    """``counters`` (the target replicas' summed ``SpecCounters``) and the requests ``running`` (holding a KV slot)
+    and ``waiting`` (queued for one) on them, in Prometheus' text format (version 0.0.4), every sample labelled
+    ``model_name`` as vLLM labels its own; block positions 0 .. ``positions`` - 1 (gamma) and every fallback cause of
+    ``FALLBACK_CAUSES`` are always present (a zero is a reading, not a missing series)."""
     label = 'model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"'
     lines = []
+    for name, description, value in (
+            ("vllm:num_requests_running", "Requests holding a KV slot (decoding or being prefilled).", running),
+            ("vllm:num_requests_waiting", "Requests queued for a KV slot.", waiting)):
+        lines.extend([f"# HELP {name} {description}", f"# TYPE {name} gauge", f"{name}{{{label}}} {value}"])
 
     def counter(name: str, description: str, samples: list[tuple[str, int]]) -> None:
         lines.extend([f"# HELP {name}_total {description}", f"# TYPE {name}_total counter"])

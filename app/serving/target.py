@@ -172,6 +172,7 @@ class _Stream:
     record: RequestResult | None = None  # the loop's record of it, once admitted
     done: bool = False
     held: TextChunk | None = None  # committed output not sent yet (``stream_interval``)
+    arrived_at: float = 0.0  # when it reached the replica (``TargetTelemetry.clock``)
 
     @property
     def spec(self) -> SpecStats:
@@ -252,6 +253,7 @@ class TargetReplica:
     async def generate(self, request: GenerateRequest, replica_key: str | None = None) -> AsyncIterator:
         """Stream ``TextChunk``s for ``request`` (or one ``ErrorItem``); ``replica_key`` only steers routing."""
         self._ensure_running()
+        arrived_at = self.telemetry.clock()
         try:
             prompt_ids = await self._run(self._encode, request)
         except InvalidRequestError as err:
@@ -262,7 +264,7 @@ class TargetReplica:
                             f"queued on this replica (limit {self.config.max_num_seqs} + "
                             f"{self.config.max_queued_requests} queued)", type="server_overloaded", code="overloaded")
             return
-        stream = _Stream(request=request, prompt_ids=prompt_ids)
+        stream = _Stream(request=request, prompt_ids=prompt_ids, arrived_at=arrived_at)
         self._waiting.append(stream)
         self._wakeup.set()
         try:
@@ -453,7 +455,7 @@ class TargetReplica:
             stream.queue.put_nowait(internal_error(result))
             return
         stream.record, first = result
-        self.telemetry.prefilled(len(stream.prompt_ids), first.num_cached_tokens)
+        self.telemetry.prefilled(len(stream.prompt_ids), first.num_cached_tokens, arrived_at=stream.arrived_at)
         self._emit(stream, first)
         if not stream.done:
             self._active[req.request_id] = stream

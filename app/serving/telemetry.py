@@ -103,9 +103,11 @@ class TargetTelemetry:
             self.metrics.finished(accepted_length=spec.mean_accepted_length if spec.draft_tokens else None,
                                   tpot_ms=tpot)
 
-    def prefilled(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """A request was admitted: ``prompt_tokens`` looked up in the prefix cache, ``cached_tokens`` of them found."""
-        self.metrics.prefilled(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens)
+    def prefilled(self, prompt_tokens: int, cached_tokens: int, *, arrived_at: float) -> None:
+        """A request was admitted: ``prompt_tokens`` looked up in the prefix cache, ``cached_tokens`` of them found;
+        ``arrived_at``: when it reached the replica (``clock``), its first token being now."""
+        self.metrics.prefilled(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                               ttft_ms=(self.clock() - arrived_at) * 1000)
         self.counters.prefix_cache_queries += prompt_tokens
         self.counters.prefix_cache_hits += cached_tokens
 

@@ -133,6 +133,7 @@ def test_dashboard_queries_only_defined_metrics():
     exprs = [t["expr"] for p in load_dashboard(DASHBOARD)["panels"] for t in p["targets"]]
     used = {re.sub(r"_(total|bucket|count|sum)$", "", m) for e in exprs for m in re.findall(r"ray_(dspark_\w+)", e)}
     assert used and used <= defined, used - defined
-    assert {"dspark_accepted_length", "dspark_wasted_tokens", "dspark_tpot_ms", "dspark_verify_step_ms",
+    assert {"dspark_accepted_length", "dspark_wasted_tokens", "dspark_tpot_ms", "dspark_ttft_ms",
+            "dspark_verify_step_ms",
             "dspark_verify_capacity", "dspark_fallbacks"} <= used
     assert any("ray_serve_autoscaling_target_replicas" in e for e in exprs)

@@ -21,7 +21,7 @@ def serve_pages(monkeypatch, pages: list[httpx.Response]) -> None:
 
 
 def page(counters: SpecCounters) -> httpx.Response:
-    return httpx.Response(200, text=prometheus_text(counters, model_name="m", positions=4))
+    return httpx.Response(200, text=prometheus_text(counters, model_name="m", positions=4, running=0, waiting=0))
 
 
 def test_a_level_splits_into_mean_batch_round_verify_and_drafter_wait(monkeypatch):

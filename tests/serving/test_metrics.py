@@ -108,7 +108,7 @@ def test_counters_move_consistently(served):
         assert total(m, "ray_dspark_verify_cpu_ms_total") > 0
     assert total(m, "ray_dspark_tokens_per_step_count") == rounds
     assert total(m, "ray_dspark_accepted_length_count") == REQUESTS
-    assert total(m, "ray_dspark_tpot_ms_count") == REQUESTS
+    assert total(m, "ray_dspark_tpot_ms_count") == total(m, "ray_dspark_ttft_ms_count") == REQUESTS
     assert "ray_dspark_router_live_replicas" in m
     assert "ray_dspark_active_requests" in m and "ray_dspark_slo_state" in m
     replicas = {dict(tags)["replica"] for tags in m["ray_dspark_accepted_tokens_total"]}
@@ -152,6 +152,9 @@ def test_api_port_metrics_carry_vllm_spec_decode_names_and_ray_metrics_stay_on_l
     assert per_pos == sorted(per_pos, reverse=True)  # accepting position k needs k - 1 accepted before it
     assert ours[("vllm:spec_decode_num_drafts_total", label)] > 0
     assert ours[("dspark_requests_finished_total", label)] >= REQUESTS
+    assert ours[("vllm:generation_tokens_total", label)] == ours[("dspark_output_tokens_total", label)] > 0
+    assert ours[("vllm:prompt_tokens_total", label)] == ours[("dspark_prefix_cache_queries_total", label)] > 0
+    assert ours[("vllm:num_requests_running", label)] == ours[("vllm:num_requests_waiting", label)] == 0  # all done
     rounds = ours[("dspark_rounds_total", label)]
     assert 1 <= ours[("dspark_round_requests_total", label)] / rounds <= ARGS["max_num_seqs"]
     round_s, verify_s, wait_s = (ours[(f"dspark_{name}_seconds_total", label)]

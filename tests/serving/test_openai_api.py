@@ -153,8 +153,9 @@ def test_metrics_text_has_vllm_spec_decode_counters():
     counters.fallbacks = {"timeout": 2, "drafter_error": 1}
     counters.prefix_cache_queries, counters.prefix_cache_hits = 40, 30
     total = counters + SpecCounters(drafts=1, draft_tokens=1, accepted_tokens=1, accepted_per_pos=[1],
-                                    fallbacks={"timeout": 1, "a_new_cause": 1}, prefix_cache_queries=9)
-    text = prometheus_text(total, model_name='m"x', positions=4)
+                                    fallbacks={"timeout": 1, "a_new_cause": 1}, prefix_cache_queries=9,
+                                    output_tokens=17)
+    text = prometheus_text(total, model_name='m"x', positions=4, running=3, waiting=2)
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     label = 'model_name="m\\"x"'
     assert samples[f"vllm:spec_decode_num_drafts_total{{{label}}}"] == "4"
@@ -169,6 +170,11 @@ def test_metrics_text_has_vllm_spec_decode_counters():
         "verify_cpu_wait_seconds")] == pytest.approx([2, 4, 0.0425, 0.03, 0.005, 0.0015])
     assert (samples[f"vllm:prefix_cache_queries_total{{{label}}}"], samples[f"vllm:prefix_cache_hits_total{{{label}}}"],
             samples[f"dspark_prefix_cache_hits_total{{{label}}}"]) == ("49", "30", "30")
+    assert samples[f"vllm:prompt_tokens_total{{{label}}}"] == "49"
+    generated = samples[f"vllm:generation_tokens_total{{{label}}}"]
+    assert generated == samples[f"dspark_output_tokens_total{{{label}}}"] == "17"
+    assert (samples[f"vllm:num_requests_running{{{label}}}"], samples[f"vllm:num_requests_waiting{{{label}}}"]) == \
+        ("3", "2")
     fallbacks = {cause: samples[f'dspark_fallbacks_total{{{label},cause="{cause}"}}']
                  for cause in (*FALLBACK_CAUSES, "a_new_cause")}
     assert fallbacks == {**{cause: "0" for cause in FALLBACK_CAUSES}, "timeout": "3", "drafter_error": "1",
@@ -178,6 +184,7 @@ def test_metrics_text_has_vllm_spec_decode_counters():
     assert families["vllm:spec_decode_num_drafts"].type == "counter"
     assert [s.value for s in families["vllm:spec_decode_num_drafts"].samples] == [4.0]
     assert families["vllm:spec_decode_num_accepted_tokens_per_pos"].type == "counter"
+    assert families["vllm:num_requests_running"].type == "gauge"
 
 
 def test_json_depth_and_admission_limit():

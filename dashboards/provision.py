@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from grafana_client import GrafanaApi
+from grafana_client.client import GrafanaException
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "grafana" / "dspark.json"
 TOKEN_ENV = "GRAFANA_TOKEN"
@@ -67,8 +68,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.token:
         parser.error(f"--token is required (or set ${TOKEN_ENV})")
+    try:
+        dashboard = load_dashboard(args.dashboard)
+    except (OSError, ValueError) as err:
+        parser.error(f"--dashboard: {err}")
     api = GrafanaApi.from_url(args.url, credential=args.token)
-    result = provision(api, load_dashboard(args.dashboard), folder=args.folder)
+    try:
+        result = provision(api, dashboard, folder=args.folder)
+    except (OSError, GrafanaException) as err:  # niquests' connection errors are OSErrors
+        print(f"error: could not provision the dashboard at {args.url}: {type(err).__name__}: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
     print(json.dumps({"uid": result.get("uid"), "url": result.get("url"), "version": result.get("version"),
                       "folder": args.folder}))
 

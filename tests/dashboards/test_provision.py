@@ -107,6 +107,14 @@ def test_bad_input_is_a_clear_error(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["--url", "http://127.0.0.1:9"])
     assert "--token is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--url", "http://127.0.0.1:9", "--token", "t", "--dashboard", str(tmp_path / "missing.json")])
+    assert exit_.value.code == 2 and "missing.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # nothing listens on port 9: one line naming the URL, no traceback
+        main(["--url", "http://127.0.0.1:9", "--token", "t"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and err.startswith("error: could not provision the dashboard at http://127.0.0.1:9")
+    assert "Traceback" not in err
     bad = tmp_path / "d.json"
     bad.write_text(json.dumps({"title": "x", "panels": [{}]}))
     with pytest.raises(ValueError, match="no 'uid'"):

@@ -323,8 +323,8 @@ class AppConfig(BaseModel):
         """``profile`` when named; for 'auto' the first measured profile of ``model`` in ``PROFILES_DIR`` for this
         host's hardware (named as the profiler records it), the target's dtype and the engine's ``verify_step``
         (real weights before dummy ones, each newest first), else None (also where this process does not see the
-        engine's GPU). The mock engine cannot be measured: it takes
-        the newest measured profile of ``model`` on any hardware, with a warning.
+        engine's GPU). The mock engine cannot be measured: it takes the newest measured profile of ``model`` on any
+        hardware, with a warning.
 
         Raises:
             FileNotFoundError: 'auto', the mock engine and no measured profile of ``model`` at all.

@@ -168,11 +168,11 @@ class _Stream:
 
     request: GenerateRequest
     prompt_ids: list[int]
+    arrived_at: float  # when it reached the replica (``TargetTelemetry.clock``)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     record: RequestResult | None = None  # the loop's record of it, once admitted
     done: bool = False
     held: TextChunk | None = None  # committed output not sent yet (``stream_interval``)
-    arrived_at: float = 0.0  # when it reached the replica (``TargetTelemetry.clock``)
 
     @property
     def spec(self) -> SpecStats:

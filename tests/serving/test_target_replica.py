@@ -215,7 +215,7 @@ def test_messages_the_chat_template_refuses_answer_400_naming_messages(replica, 
 
 def _stream(rid: str, max_tokens: int) -> target_module._Stream:
     request = GenerateRequest(request_id=rid, prompt="x", params=SamplingParams(max_tokens=max_tokens))
-    return target_module._Stream(request=request, prompt_ids=[1, 2, 3])
+    return target_module._Stream(request=request, prompt_ids=[1, 2, 3], arrived_at=time.monotonic())
 
 
 def _new(rid: str, max_tokens: int) -> NewRequest:

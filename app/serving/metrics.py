@@ -286,6 +286,10 @@ def prometheus_text(counters, *, model_name: str, positions: int, running: int, 
     per_pos = [(f'{label},position="{k}"', n) for k, n in enumerate(accepted)]
     for name in PER_POSITION[:2]:
         counter(name, PER_POSITION[2], per_pos)
+    counter("vllm:request_success", "Requests ended, by finish reason (abort: the client went away).",
+            [(f'{label},finished_reason="{reason}"', n) for reason, n in (
+                ("stop", counters.requests_finished - counters.requests_length), ("length", counters.requests_length),
+                ("abort", counters.requests_cancelled))])
     causes = list(FALLBACK_CAUSES) + sorted(set(counters.fallbacks) - set(FALLBACK_CAUSES))
     counter("dspark_fallbacks", FALLBACKS_HELP,
             [(f'{label},cause="{cause}"', counters.fallbacks.get(cause, 0)) for cause in causes])

@@ -110,6 +110,7 @@ class SpecCounters:
     verify_cpu_wait_seconds: float = 0.0  # in verify steps, the engine thread ready to run but waiting for a CPU
     output_tokens: int = 0  # tokens streamed to clients (prefill first tokens included)
     requests_finished: int = 0
+    requests_length: int = 0  # of them, those that reached max_tokens (finish reason length; the rest: stop)
     requests_cancelled: int = 0  # requests whose client went away before they finished
     guard_plain_rounds: int = 0  # rounds the speculation guard ran plain although requests speculate
     prefix_cache_queries: int = 0  # prompt tokens admitted

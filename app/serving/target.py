@@ -39,7 +39,7 @@ from app.drafters.lookup import PromptLookup, read_lookup_rates
 from app.engine.contract import Engine
 from app.engine.detokenizer import TokenBytes
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
-from app.engine.types import NewRequest, StepOutput, TokenLogprob
+from app.engine.types import FinishReason, NewRequest, StepOutput, TokenLogprob
 from app.loop import DraftCall, DraftRound, RequestResult, Round, SpecLoop
 from app.scheduling.guard import SpeculationGuard
 from app.scheduling.policies import make_policy
@@ -559,7 +559,8 @@ class TargetReplica:
         """Stream a committed output (its tokens are already in ``stream.record``)."""
         stream.done = out.finished
         spec = stream.spec
-        self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished, spec=spec)
+        self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished, spec=spec,
+                              length=out.finish_reason is FinishReason.LENGTH)
         chunk = TextChunk(
             text=out.text, token_ids=list(out.new_token_ids), prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,

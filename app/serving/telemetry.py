@@ -93,11 +93,13 @@ class TargetTelemetry:
         self.metrics = TargetMetrics(policy=policy, replica=replica, gamma=gamma)
         self.counters = SpecCounters()  # what the load reports carry to the Router (``GET /metrics``)
 
-    def tokens(self, request_id: str, n: int, *, finished: bool, spec: SpecStats) -> None:
-        """A request emitted ``n`` tokens (prefill or round); ``spec`` is its running speculative stats."""
+    def tokens(self, request_id: str, n: int, *, finished: bool, length: bool, spec: SpecStats) -> None:
+        """A request emitted ``n`` tokens (prefill or round); ``spec`` is its running speculative stats; ``length``:
+        it finished at its max_tokens."""
         self.metrics.tokens(n)
         self.counters.output_tokens += n
         self.counters.requests_finished += int(finished)
+        self.counters.requests_length += int(finished and length)
         tpot = self.window.tokens(request_id, n, now=self.clock(), finished=finished)
         if finished:
             self.metrics.finished(accepted_length=spec.mean_accepted_length if spec.draft_tokens else None,

@@ -154,6 +154,10 @@ def test_api_port_metrics_carry_vllm_spec_decode_names_and_ray_metrics_stay_on_l
     assert ours[("dspark_requests_finished_total", label)] >= REQUESTS
     assert ours[("vllm:generation_tokens_total", label)] == ours[("dspark_output_tokens_total", label)] > 0
     assert ours[("vllm:prompt_tokens_total", label)] == ours[("dspark_prefix_cache_queries_total", label)] > 0
+    ended = {reason: ours[("vllm:request_success_total", (("finished_reason", reason), *label))]
+             for reason in ("stop", "length", "abort")}
+    assert ended["stop"] + ended["length"] == ours[("dspark_requests_finished_total", label)]
+    assert ended["abort"] == ours[("dspark_requests_cancelled_total", label)]
     assert ours[("vllm:num_requests_running", label)] == ours[("vllm:num_requests_waiting", label)] == 0  # all done
     rounds = ours[("dspark_rounds_total", label)]
     assert 1 <= ours[("dspark_round_requests_total", label)] / rounds <= ARGS["max_num_seqs"]

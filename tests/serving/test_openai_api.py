@@ -154,7 +154,7 @@ def test_metrics_text_has_vllm_spec_decode_counters():
     counters.prefix_cache_queries, counters.prefix_cache_hits = 40, 30
     total = counters + SpecCounters(drafts=1, draft_tokens=1, accepted_tokens=1, accepted_per_pos=[1],
                                     fallbacks={"timeout": 1, "a_new_cause": 1}, prefix_cache_queries=9,
-                                    output_tokens=17)
+                                    output_tokens=17, requests_finished=5, requests_length=3, requests_cancelled=2)
     text = prometheus_text(total, model_name='m"x', positions=4, running=3, waiting=2)
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     label = 'model_name="m\\"x"'
@@ -173,6 +173,8 @@ def test_metrics_text_has_vllm_spec_decode_counters():
     assert samples[f"vllm:prompt_tokens_total{{{label}}}"] == "49"
     generated = samples[f"vllm:generation_tokens_total{{{label}}}"]
     assert generated == samples[f"dspark_output_tokens_total{{{label}}}"] == "17"
+    assert [samples[f'vllm:request_success_total{{{label},finished_reason="{reason}"}}']
+            for reason in ("stop", "length", "abort")] == ["2", "3", "2"]
     assert (samples[f"vllm:num_requests_running{{{label}}}"], samples[f"vllm:num_requests_waiting{{{label}}}"]) == \
         ("3", "2")
     fallbacks = {cause: samples[f'dspark_fallbacks_total{{{label},cause="{cause}"}}']

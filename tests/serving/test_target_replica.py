@@ -282,6 +282,12 @@ def test_requests_the_engine_has_no_slot_for_go_back_to_the_front_of_the_queue_i
     assert [s.request.request_id for s in replica._waiting] == ["a", "b", "c"] and not replica._active
 
 
+def test_finished_requests_are_counted_with_those_that_reached_max_tokens(replica):
+    (items,) = run_requests(replica, [4])
+    assert items[-1].finish_reason == "length"
+    assert (replica.telemetry.counters.requests_finished, replica.telemetry.counters.requests_length) == (1, 1)
+
+
 def test_health_check_fails_once_the_step_loop_stopped(replica):
     assert num_tokens(run_requests(replica, [4])[0]) == 4  # cancels the loop at the end
     with pytest.raises(RuntimeError, match="_loop stopped: cancelled"):

@@ -43,9 +43,10 @@ def test_autoscaling_stats_report_percentiles_samples_and_load():
                           max_num_seqs=4, clock=lambda: now[0])
     assert tel.autoscaling_stats(active=0, queued=0) == {
         "tpot_p50_ms": 0.0, "tpot_p90_ms": 0.0, "tpot_p99_ms": 0.0, "tpot_samples": 0.0, "load": 0.0}
-    tel.tokens("a", 1, finished=False, spec=SpecStats())
+    tel.tokens("a", 1, finished=False, length=False, spec=SpecStats())
     now[0] = 0.3
-    tel.tokens("a", 4, finished=True, spec=SpecStats(rounds=1, draft_tokens=4, accepted_tokens=3))
+    tel.tokens("a", 4, finished=True, length=True, spec=SpecStats(rounds=1, draft_tokens=4, accepted_tokens=3))
+    assert (tel.counters.requests_finished, tel.counters.requests_length) == (1, 1)
     stats = tel.autoscaling_stats(active=3, queued=3)
     assert stats["tpot_p90_ms"] == pytest.approx(75.0) and stats["tpot_samples"] == 1 and stats["load"] == 1.5
     tel.report(active=3, queued=3)  # gauges: Ray metrics record without a cluster too

@@ -36,10 +36,12 @@ SHUTDOWN_TIMEOUT_S = 60.0
 
 
 def http_host(config: dict) -> str:
+    """The HTTP host of a Serve YAML (``http_options.host``, else Serve's default)."""
     return (config.get("http_options") or {}).get("host", SERVE_DEFAULT_HOST)
 
 
 def http_port(config: dict) -> int:
+    """The HTTP port of a Serve YAML (``http_options.port``, else Serve's default)."""
     return (config.get("http_options") or {}).get("port", SERVE_DEFAULT_PORT)
 
 

@@ -19,6 +19,9 @@ are counters and histograms serve distributions and quantiles.
 
 from __future__ import annotations
 
+import math
+
+from prometheus_client.utils import floatToGoString
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from app.serving.protocol import FALLBACK_CAUSES
@@ -258,6 +261,17 @@ API_COUNTERS = (
     ("dspark_prefix_cache_hits", "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
      "prefix_cache_hits"),
 )
+# GET /metrics on the API port: per-request histograms under vLLM's names (vLLM's bucket edges: ``protocol.py``).
+API_HISTOGRAMS = (
+    ("vllm:request_queue_time_seconds", "Time from arrival at a target replica to a KV slot (s).", "queue_s"),
+    ("vllm:time_to_first_token_seconds", "Time from arrival at a target replica to the first token (s).", "ttft_s"),
+    ("vllm:inter_token_latency_seconds", "Time between a request's token emissions (one per round that commits "
+     "tokens: with speculation, several tokens at once) (s).", "itl_s"),
+    ("vllm:e2e_request_latency_seconds", "Time from arrival at a target replica to the last token of a finished "
+     "request (s).", "e2e_s"),
+    ("vllm:request_prompt_tokens", "Prompt tokens of each admitted request.", "prompt_len"),
+    ("vllm:request_generation_tokens", "Output tokens of each finished request.", "output_len"),
+)
 PER_POSITION = ("dspark_spec_decode_accepted_tokens_per_pos", "vllm:spec_decode_num_accepted_tokens_per_pos",
                 "Draft tokens accepted at block position (0-based).")
 
@@ -265,8 +279,8 @@ PER_POSITION = ("dspark_spec_decode_accepted_tokens_per_pos", "vllm:spec_decode_
 def prometheus_text(counters, *, model_name: str, positions: int, running: int, waiting: int) -> str:
     """``counters`` (the target replicas' summed ``SpecCounters``) and the requests ``running`` (holding a KV slot)
     and ``waiting`` (queued for one) on them, in Prometheus' text format (version 0.0.4), every sample labelled
-    ``model_name`` as vLLM labels its own; block positions 0 .. ``positions`` - 1 (gamma) and every fallback cause of
-    ``FALLBACK_CAUSES`` are always present (a zero is a reading, not a missing series)."""
+    ``model_name`` as vLLM labels its own; block positions 0 .. ``positions`` - 1 (gamma), every fallback cause of
+    ``FALLBACK_CAUSES`` and every histogram bucket are always present (a zero is a reading, not a missing series)."""
     label = 'model_name="' + model_name.replace("\\", "\\\\").replace('"', '\\"') + '"'
     lines = []
     for name, description, value in (
@@ -290,6 +304,14 @@ def prometheus_text(counters, *, model_name: str, positions: int, running: int, 
             [(f'{label},finished_reason="{reason}"', n) for reason, n in (
                 ("stop", counters.requests_finished - counters.requests_length), ("length", counters.requests_length),
                 ("abort", counters.requests_cancelled))])
+    for name, description, attr in API_HISTOGRAMS:
+        hist = getattr(counters, attr)
+        lines.extend([f"# HELP {name} {description}", f"# TYPE {name} histogram"])
+        cumulative = 0
+        for edge, n in zip((*hist.bounds, math.inf), hist.counts):  # ``le`` written as Prometheus' client does
+            cumulative += n
+            lines.append(f'{name}_bucket{{{label},le="{floatToGoString(edge)}"}} {cumulative}')
+        lines.extend([f"{name}_sum{{{label}}} {hist.total!r}", f"{name}_count{{{label}}} {cumulative}"])
     causes = list(FALLBACK_CAUSES) + sorted(set(counters.fallbacks) - set(FALLBACK_CAUSES))
     counter("dspark_fallbacks", FALLBACKS_HELP,
             [(f'{label},cause="{cause}"', counters.fallbacks.get(cause, 0)) for cause in causes])

@@ -10,6 +10,7 @@ Shape symbols: B requests in a drafter call, K block size (gamma), C committed t
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
@@ -90,6 +91,55 @@ class SpecStats:
                          fallback_cause=causes[0] if causes else None)
 
 
+# vLLM's bucket edges for its request histograms (``vllm/v1/metrics/loggers.py``), so that a vLLM dashboard's quantiles
+# read the same resolution from this server: time to first token, inter-token latency, and end-to-end / queue time (s).
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)
+REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                     480.0, 960.0, 1920.0, 7680.0)
+# Tokens per request, 1-2-5 per decade (vLLM's pattern, here to a million tokens whatever the context length, so that
+# every replica's counts add up).
+TOKEN_BUCKETS = tuple(float(m * 10 ** e) for e in range(6) for m in (1, 2, 5)) + (1e6,)
+
+
+@dataclass
+class BucketCounts:
+    """A cumulative histogram that travels in load reports and adds up over replicas: per bucket the number of
+    observations ``<= bounds[i]`` and above the previous edge (``counts[-1]``: above the last edge), their sum and
+    count; ``GET /metrics`` writes it as a Prometheus histogram (cumulative ``le`` buckets).
+
+    Raises:
+        ValueError: adding counts over other bucket edges.
+    """
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # [len(bounds) + 1]
+    total: float = 0.0  # sum of the observations
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def __add__(self, other: "BucketCounts") -> "BucketCounts":
+        if self.bounds != other.bounds:
+            raise ValueError(f"bucket edges differ: {self.bounds} and {other.bounds}")
+        return BucketCounts(self.bounds, [a + b for a, b in zip(self.counts, other.counts)], self.total + other.total)
+
+
+def _buckets(bounds: tuple[float, ...]):
+    return field(default_factory=lambda: BucketCounts(bounds))
+
+
 @dataclass
 class SpecCounters:
     """A target replica's cumulative counts since it started (``GET /metrics``; the Router sums the replicas').
@@ -118,6 +168,15 @@ class SpecCounters:
     # cause (``FALLBACK_CAUSES``) -> requests moved to plain decoding; a load report copies the replica's own count
     # (``ReplicaStats.fallbacks``) here
     fallbacks: dict[str, int] = field(default_factory=dict)
+    # per request, as vLLM measures them (from its arrival at the target replica; s): waiting for a KV slot, to its
+    # first token, between its token emissions (one per round it commits tokens in), to its last token; and its
+    # prompt and output tokens
+    queue_s: BucketCounts = _buckets(REQUEST_BUCKETS_S)
+    ttft_s: BucketCounts = _buckets(TTFT_BUCKETS_S)
+    itl_s: BucketCounts = _buckets(ITL_BUCKETS_S)
+    e2e_s: BucketCounts = _buckets(REQUEST_BUCKETS_S)
+    prompt_len: BucketCounts = _buckets(TOKEN_BUCKETS)
+    output_len: BucketCounts = _buckets(TOKEN_BUCKETS)
 
     def add_round(self, num_draft: list[int], num_accepted: list[int], *, round_ms: float = 0.0,
                   verify_ms: float = 0.0, drafter_wait_ms: float = 0.0, verify_cpu_wait_ms: float = 0.0) -> None:

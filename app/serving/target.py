@@ -426,6 +426,8 @@ class TargetReplica:
             if n == 0:
                 return
             streams = [self._waiting.popleft() for _ in range(n)]
+            for stream in streams:
+                self.telemetry.admitted(arrived_at=stream.arrived_at)
             try:
                 results = await self._run(self.loop.admit, [NewRequest(s.request.request_id, s.prompt_ids,
                                                                       s.request.params) for s in streams])
@@ -560,7 +562,8 @@ class TargetReplica:
         stream.done = out.finished
         spec = stream.spec
         self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished, spec=spec,
-                              length=out.finish_reason is FinishReason.LENGTH)
+                              length=out.finish_reason is FinishReason.LENGTH, arrived_at=stream.arrived_at,
+                              generated=len(stream.record.token_ids))
         chunk = TextChunk(
             text=out.text, token_ids=list(out.new_token_ids), prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,

@@ -61,6 +61,11 @@ class TpotWindow:
             self._done.append((now, timing.tpot_ms))
         return timing.tpot_ms
 
+    def last_at(self, request_id: str) -> float | None:
+        """When a running request last emitted tokens (None before its first)."""
+        timing = self._live.get(request_id)
+        return None if timing is None else timing.last_at
+
     def forget(self, request_id: str) -> None:
         """A request that went away unfinished (cancelled, failed) leaves no sample."""
         self._live.pop(request_id, None)
@@ -93,25 +98,39 @@ class TargetTelemetry:
         self.metrics = TargetMetrics(policy=policy, replica=replica, gamma=gamma)
         self.counters = SpecCounters()  # what the load reports carry to the Router (``GET /metrics``)
 
-    def tokens(self, request_id: str, n: int, *, finished: bool, length: bool, spec: SpecStats) -> None:
-        """A request emitted ``n`` tokens (prefill or round); ``spec`` is its running speculative stats; ``length``:
-        it finished at its max_tokens."""
+    def tokens(self, request_id: str, n: int, *, finished: bool, length: bool, spec: SpecStats, arrived_at: float,
+               generated: int) -> None:
+        """A request emitted ``n`` tokens (prefill or round), ``generated`` in all so far; ``spec`` is its running
+        speculative stats; ``length``: it finished at its max_tokens; ``arrived_at``: when it reached the replica
+        (``clock``)."""
+        now = self.clock()
         self.metrics.tokens(n)
         self.counters.output_tokens += n
         self.counters.requests_finished += int(finished)
         self.counters.requests_length += int(finished and length)
-        tpot = self.window.tokens(request_id, n, now=self.clock(), finished=finished)
+        last = self.window.last_at(request_id)
+        if last is not None:
+            self.counters.itl_s.observe(now - last)
+        tpot = self.window.tokens(request_id, n, now=now, finished=finished)
         if finished:
+            self.counters.e2e_s.observe(now - arrived_at)
+            self.counters.output_len.observe(generated)
             self.metrics.finished(accepted_length=spec.mean_accepted_length if spec.draft_tokens else None,
                                   tpot_ms=tpot)
+
+    def admitted(self, *, arrived_at: float) -> None:
+        """A request that arrived at ``arrived_at`` (``clock``) got its KV slot now (its prefill starts)."""
+        self.counters.queue_s.observe(self.clock() - arrived_at)
 
     def prefilled(self, prompt_tokens: int, cached_tokens: int, *, arrived_at: float) -> None:
         """A request was admitted: ``prompt_tokens`` looked up in the prefix cache, ``cached_tokens`` of them found;
         ``arrived_at``: when it reached the replica (``clock``), its first token being now."""
-        self.metrics.prefilled(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-                               ttft_ms=(self.clock() - arrived_at) * 1000)
+        ttft_s = self.clock() - arrived_at
+        self.metrics.prefilled(prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, ttft_ms=ttft_s * 1000)
         self.counters.prefix_cache_queries += prompt_tokens
         self.counters.prefix_cache_hits += cached_tokens
+        self.counters.ttft_s.observe(ttft_s)
+        self.counters.prompt_len.observe(prompt_tokens)
 
     def dropped(self, request_id: str) -> None:
         self.window.forget(request_id)

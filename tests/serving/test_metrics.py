@@ -159,6 +159,19 @@ def test_api_port_metrics_carry_vllm_spec_decode_names_and_ray_metrics_stay_on_l
     assert ended["stop"] + ended["length"] == ours[("dspark_requests_finished_total", label)]
     assert ended["abort"] == ours[("dspark_requests_cancelled_total", label)]
     assert ours[("vllm:num_requests_running", label)] == ours[("vllm:num_requests_waiting", label)] == 0  # all done
+    finished = ours[("dspark_requests_finished_total", label)]
+    admitted = ours[("vllm:request_prompt_tokens_count", label)]
+    assert admitted == ours[("vllm:request_queue_time_seconds_count", label)] == \
+        ours[("vllm:time_to_first_token_seconds_count", label)] >= finished
+    assert ours[("vllm:request_prompt_tokens_sum", label)] == ours[("vllm:prompt_tokens_total", label)]
+    assert ours[("vllm:e2e_request_latency_seconds_count", label)] == \
+        ours[("vllm:request_generation_tokens_count", label)] == finished
+    assert ours[("vllm:request_generation_tokens_sum", label)] == \
+        ours[("vllm:generation_tokens_total", label)]  # no request was cancelled
+    assert ours[("vllm:request_generation_tokens_bucket", (("le", "50.0"), *label))] == finished  # 30 tokens each
+    assert 0 < ours[("vllm:inter_token_latency_seconds_count", label)] < ours[("vllm:generation_tokens_total", label)]
+    assert 0 < ours[("vllm:time_to_first_token_seconds_sum", label)] < \
+        ours[("vllm:e2e_request_latency_seconds_sum", label)]
     rounds = ours[("dspark_rounds_total", label)]
     assert 1 <= ours[("dspark_round_requests_total", label)] / rounds <= ARGS["max_num_seqs"]
     round_s, verify_s, wait_s = (ours[(f"dspark_{name}_seconds_total", label)]

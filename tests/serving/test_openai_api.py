@@ -155,6 +155,12 @@ def test_metrics_text_has_vllm_spec_decode_counters():
     total = counters + SpecCounters(drafts=1, draft_tokens=1, accepted_tokens=1, accepted_per_pos=[1],
                                     fallbacks={"timeout": 1, "a_new_cause": 1}, prefix_cache_queries=9,
                                     output_tokens=17, requests_finished=5, requests_length=3, requests_cancelled=2)
+    one, other = SpecCounters(), SpecCounters()  # two replicas' request histograms
+    for ttft in (0.03, 0.3):
+        one.ttft_s.observe(ttft)
+    other.ttft_s.observe(3000.0)  # above the last edge
+    other.itl_s.observe(0.01)  # on an edge: counted in its bucket (le)
+    total = total + one + other
     text = prometheus_text(total, model_name='m"x', positions=4, running=3, waiting=2)
     samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
     label = 'model_name="m\\"x"'
@@ -187,6 +193,20 @@ def test_metrics_text_has_vllm_spec_decode_counters():
     assert [s.value for s in families["vllm:spec_decode_num_drafts"].samples] == [4.0]
     assert families["vllm:spec_decode_num_accepted_tokens_per_pos"].type == "counter"
     assert families["vllm:num_requests_running"].type == "gauge"
+    ttft = families["vllm:time_to_first_token_seconds"]
+    assert ttft.type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in ttft.samples if s.name.endswith("_bucket")}
+    assert (buckets["0.001"], buckets["0.04"], buckets["0.25"], buckets["0.5"], buckets["2560.0"], buckets["+Inf"]) == \
+        (0, 1, 1, 2, 2, 3)  # cumulative, over both replicas' counts
+    assert samples[f"vllm:time_to_first_token_seconds_count{{{label}}}"] == "3"
+    assert float(samples[f"vllm:time_to_first_token_seconds_sum{{{label}}}"]) == pytest.approx(3000.33)
+    assert samples[f'vllm:inter_token_latency_seconds_bucket{{{label},le="0.01"}}'] == "1"
+    for name in ("request_queue_time_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+                 "request_generation_tokens"):  # present before the first request, all zero
+        assert families[f"vllm:{name}"].type == "histogram"
+        assert samples[f"vllm:{name}_count{{{label}}}"] == "0"
+    with pytest.raises(ValueError, match="bucket edges differ"):
+        one.ttft_s + one.itl_s
 
 
 def test_json_depth_and_admission_limit():

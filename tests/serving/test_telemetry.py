@@ -43,9 +43,10 @@ def test_autoscaling_stats_report_percentiles_samples_and_load():
                           max_num_seqs=4, clock=lambda: now[0])
     assert tel.autoscaling_stats(active=0, queued=0) == {
         "tpot_p50_ms": 0.0, "tpot_p90_ms": 0.0, "tpot_p99_ms": 0.0, "tpot_samples": 0.0, "load": 0.0}
-    tel.tokens("a", 1, finished=False, length=False, spec=SpecStats())
+    tel.tokens("a", 1, finished=False, length=False, spec=SpecStats(), arrived_at=0.0, generated=1)
     now[0] = 0.3
-    tel.tokens("a", 4, finished=True, length=True, spec=SpecStats(rounds=1, draft_tokens=4, accepted_tokens=3))
+    tel.tokens("a", 4, finished=True, length=True, spec=SpecStats(rounds=1, draft_tokens=4, accepted_tokens=3),
+               arrived_at=0.0, generated=5)
     assert (tel.counters.requests_finished, tel.counters.requests_length) == (1, 1)
     stats = tel.autoscaling_stats(active=3, queued=3)
     assert stats["tpot_p90_ms"] == pytest.approx(75.0) and stats["tpot_samples"] == 1 and stats["load"] == 1.5
@@ -61,3 +62,30 @@ def test_time_buckets_resolve_quantiles_within_one_and_a_half_times(name, low, h
     edges = getattr(metrics, name)
     assert edges[0] <= low and edges[-1] >= high
     assert all(hi / lo <= 1.5 + 1e-9 for lo, hi in zip(edges, edges[1:])), edges
+
+
+def test_request_histograms_measure_each_request_as_vllm_does():
+    """Queue time, TTFT, inter-token latency (one gap per emission), end-to-end time and token counts per request,
+    from its arrival at the replica, into ``SpecCounters``' buckets (``GET /metrics``: under vLLM's names)."""
+    now = [10.0]
+    tel = TargetTelemetry(slo=SLOAutoscalingConfig(), policy="dspark", replica="r0", gamma=4, max_num_seqs=4,
+                          clock=lambda: now[0])
+    now[0] = 10.2
+    tel.admitted(arrived_at=10.0)
+    now[0] = 10.5
+    tel.prefilled(12, 4, arrived_at=10.0)
+    tel.tokens("a", 1, finished=False, length=False, spec=SpecStats(), arrived_at=10.0, generated=1)
+    for t, n, done in ((10.56, 3, False), (10.7, 2, True)):
+        now[0] = t
+        tel.tokens("a", n, finished=done, length=False, spec=SpecStats(rounds=2, draft_tokens=6, accepted_tokens=3),
+                   arrived_at=10.0, generated=1 + 3 + (2 if done else 0))
+    c = tel.counters
+    assert (c.queue_s.count, c.queue_s.total) == (1, pytest.approx(0.2))
+    assert (c.ttft_s.count, c.ttft_s.total) == (1, pytest.approx(0.5))
+    assert c.ttft_s.counts[c.ttft_s.bounds.index(0.5)] == 1  # 0.5 s is in the bucket le="0.5"
+    assert (c.itl_s.count, c.itl_s.total) == (2, pytest.approx(0.2))  # 60 ms, then 140 ms
+    assert c.itl_s.counts[c.itl_s.bounds.index(0.075)] == c.itl_s.counts[c.itl_s.bounds.index(0.15)] == 1
+    assert (c.e2e_s.count, c.e2e_s.total) == (1, pytest.approx(0.7))
+    assert (c.prompt_len.total, c.output_len.total) == (12, 6)
+    tel.tokens("b", 1, finished=True, length=True, spec=SpecStats(), arrived_at=10.6, generated=1)
+    assert (c.itl_s.count, c.e2e_s.count, c.output_len.count) == (2, 2, 2)  # a one-token request has no gap

@@ -224,11 +224,11 @@ def _local_checkpoint(model: str) -> Path:
     if path.is_dir():
         return path
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:  # resolves a model id inside the local HF cache only; never downloads
         return Path(snapshot_download(model, local_files_only=True))
-    except LocalEntryNotFoundError as e:
+    except (LocalEntryNotFoundError, HFValidationError) as e:  # the second: not even a model id's form (a path)
         raise FileNotFoundError(
             f"model {model!r} is neither an embedded model ({sorted(EMBEDDED_MODELS)}), a local directory, "
             "a .gguf file, nor a model id in the local Hugging Face cache"

@@ -78,6 +78,9 @@ def test_load_errors_name_the_problem(tmp_path, tiny_llama_dir):
         load_target(str(bare), load_format="dummy", device="cpu")
     with pytest.raises(ValueError, match="load_format must be one of"):
         load_target(str(tiny_llama_dir), load_format="random", device="cpu")
+    for missing in (str(tmp_path / "no-such-model"), "no-such-org/no-such-model"):  # a path; an id not cached
+        with pytest.raises(FileNotFoundError, match=f"model '{missing}' is neither an embedded model"):
+            load_target(missing, load_format="dummy", device="cpu")
     with pytest.raises(pydantic.ValidationError, match="load_format"):
         EngineConfig(load_format="random")
 

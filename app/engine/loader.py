@@ -125,18 +125,12 @@ def load_target(
             safetensors.
         ValueError: unsupported architecture, dtype, device or load format.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    src = _local_checkpoint(model)
-    if not any((src / name).is_file() for name in TOKENIZER_FILES):
-        raise FileNotFoundError(f"no tokenizer in {src}: expected one of {TOKENIZER_FILES} beside config.json")
-    config = AutoConfig.from_pretrained(src, local_files_only=True)
+    src, config, args = check_target(model, load_format=load_format)
     tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
-    args = ModelArgs.from_hf_config(config)
     layers = tuple(feature_layers) if feature_layers else default_feature_layers(args.num_layers)
     with torch.device("meta"):
         target = TargetModel(args, feature_layers=layers)
@@ -164,6 +158,32 @@ def load_target(
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
         eos_ids += (tokenizer.eos_token_id,)
     return LoadedTarget(model=target, tokenizer=tokenizer, name=model, eos_token_ids=eos_ids)
+
+
+def check_target(model: str, *, load_format: LoadFormat = "auto"):
+    """What ``load_target`` checks before it reads any weight: the reference resolves to a local checkpoint with a
+    tokenizer, a config of a supported architecture and (``auto``) safetensors weights; cheap enough to run where the
+    application is built, before any replica starts.
+
+    Returns:
+        The checkpoint's directory, its ``transformers`` config and its ``ModelArgs``.
+
+    Raises:
+        What ``load_target`` raises for these (FileNotFoundError, ValueError).
+    """
+    from transformers import AutoConfig
+
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    src = _local_checkpoint(model)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {src} (model {model!r})")
+    if not any((src / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {src}: expected one of {TOKENIZER_FILES} beside config.json")
+    if load_format == "auto" and not any(src.glob("*.safetensors")):
+        raise FileNotFoundError(f"no *.safetensors weights in {src} (load_format 'dummy' runs random weights)")
+    config = AutoConfig.from_pretrained(src, local_files_only=True)
+    return src, config, ModelArgs.from_hf_config(config)
 
 
 def load_embedding(

@@ -375,10 +375,20 @@ class AppConfig(BaseModel):
         """Fail fast, naming the field, when a file the config points at is missing.
 
         Raises:
-            FileNotFoundError: ``profile`` or (for drafter 'dspark') ``drafter_checkpoint`` does not exist.
+            FileNotFoundError: ``engine.model`` names no local checkpoint, or one without a tokenizer or (load_format
+                'auto') weights (``loader.check_target``); ``profile`` or (for drafter 'dspark')
+                ``drafter_checkpoint`` does not exist.
             ProfileMismatchError: a profile named explicitly was measured for another model or dtype.
-            ValueError: ``prompt_lookup`` with a checkpoint that has no lookup table.
+            ValueError: the model's architecture is not supported; ``prompt_lookup`` with a checkpoint that has no
+                lookup table.
         """
+        if not self.mock_engine:
+            from app.engine.loader import check_target
+
+            try:
+                check_target(self.model, load_format=self.engine.load_format)
+            except (FileNotFoundError, ValueError) as e:
+                raise type(e)(f"engine.model: {e}") from e
         path = self.profile_path()
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"profile: no such file {self.profile}")

@@ -63,11 +63,12 @@ def test_other_feature_layers_or_tokenizer_fail(tmp_path):
         check_drafter_fits_target(config(model=swapped))
 
 
-def test_a_missing_checkpoint_says_how_to_train_one(tmp_path):
+def test_a_missing_checkpoint_says_how_to_train_one(tmp_path, tiny_llama_dir):
     with pytest.raises(FileNotFoundError) as info:
-        config(model="/models/Qwen3-8B", drafter_checkpoint=str(tmp_path / "none")).check_files()
+        config(engine={"model": str(tiny_llama_dir), "load_format": "dummy"},
+               drafter_checkpoint=str(tmp_path / "none")).check_files()
     message = str(info.value)
-    assert "python -m app.pipeline --model /models/Qwen3-8B --out runs/drafter" in message
+    assert f"python -m app.pipeline --model {tiny_llama_dir} --out runs/drafter" in message
     assert "drafter: ngram, or policy: none" in message
 
 

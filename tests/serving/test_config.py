@@ -14,6 +14,7 @@ from app.drafters.ngram import lookup
 from app.scheduling.profile import ProfileMismatchError, load_profile
 from app.serving.config import REPO_ROOT, AppConfig
 from app.serving.router import verification_capacity
+from tests.conftest import TINY_LLAMA, write_model_dir
 
 
 @pytest.mark.parametrize("args,field", [
@@ -44,6 +45,25 @@ def test_missing_files_name_the_field(tmp_path):
     with pytest.raises(FileNotFoundError, match="profile"):
         AppConfig(profile=str(tmp_path / "none.json"), drafter="ngram").check_files()
     AppConfig(policy="none", drafter_checkpoint=str(tmp_path / "nothing")).check_files()  # no drafter needed
+
+
+def test_a_model_that_cannot_load_fails_before_any_replica_starts(tmp_path, tiny_llama_dir):
+    """``checked_config`` (run by the launcher before Ray starts, and by the builder) checks the target's files and
+    architecture as the engine would, naming ``engine.model``, whatever the drafter (here one that needs no files)."""
+    def check(model: str, **engine) -> None:
+        AppConfig(engine={"model": model, **engine}, drafter="ngram", profile="auto").check_files()
+
+    with pytest.raises(FileNotFoundError, match=r"engine\.model: model '.*no-such-model' is neither"):
+        check(str(tmp_path / "no-such-model"))
+    with pytest.raises(FileNotFoundError, match=r"engine\.model: no \*\.safetensors weights in .*tiny-llama"):
+        check(str(tiny_llama_dir))
+    check(str(tiny_llama_dir), load_format="dummy")
+    gpt2 = write_model_dir(tmp_path / "gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="engine.model: unsupported target architecture"):
+        check(str(gpt2), load_format="dummy")
+    bare = write_model_dir(tmp_path / "bare", TINY_LLAMA, tokenizer=False)
+    with pytest.raises(FileNotFoundError, match="engine.model: no tokenizer in"):
+        check(str(bare), load_format="dummy")
 
 
 def test_prompt_lookup_needs_the_checkpoints_table(tmp_path):

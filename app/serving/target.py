@@ -426,8 +426,7 @@ class TargetReplica:
             if n == 0:
                 return
             streams = [self._waiting.popleft() for _ in range(n)]
-            for stream in streams:
-                self.telemetry.admitted(arrived_at=stream.arrived_at)
+            admitted_at = self.telemetry.clock()
             try:
                 results = await self._run(self.loop.admit, [NewRequest(s.request.request_id, s.prompt_ids,
                                                                       s.request.params) for s in streams])
@@ -435,6 +434,8 @@ class TargetReplica:
                 results = [err] * len(streams)
             deferred = [stream for stream, result in zip(streams, results) if isinstance(result, CapacityError)]
             for stream, result in zip(streams, results):
+                if stream not in deferred:
+                    self.telemetry.admitted(arrived_at=stream.arrived_at, at=admitted_at)
                 if result is None:  # its prompt goes on in pieces (chunked prefill)
                     self._prefilling[stream.request.request_id] = stream
                 elif stream not in deferred:

@@ -118,9 +118,10 @@ class TargetTelemetry:
             self.metrics.finished(accepted_length=spec.mean_accepted_length if spec.draft_tokens else None,
                                   tpot_ms=tpot)
 
-    def admitted(self, *, arrived_at: float) -> None:
-        """A request that arrived at ``arrived_at`` (``clock``) got its KV slot now (its prefill starts)."""
-        self.counters.queue_s.observe(self.clock() - arrived_at)
+    def admitted(self, *, arrived_at: float, at: float) -> None:
+        """A request that arrived at ``arrived_at`` got its KV slot at ``at`` (``clock``; its prefill started then; a
+        request sent back to the queue for want of KV blocks is not admitted)."""
+        self.counters.queue_s.observe(at - arrived_at)
 
     def prefilled(self, prompt_tokens: int, cached_tokens: int, *, arrived_at: float) -> None:
         """A request was admitted: ``prompt_tokens`` looked up in the prefix cache, ``cached_tokens`` of them found;

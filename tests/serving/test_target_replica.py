@@ -280,12 +280,14 @@ def test_requests_the_engine_has_no_slot_for_go_back_to_the_front_of_the_queue_i
     replica._waiting.extend([_stream("a", 8), _stream("b", 8), _stream("c", 8)])
     asyncio.run(replica._admit())
     assert [s.request.request_id for s in replica._waiting] == ["a", "b", "c"] and not replica._active
+    assert replica.telemetry.counters.queue_s.count == 0  # still waiting: no queue time yet
 
 
 def test_finished_requests_are_counted_with_those_that_reached_max_tokens(replica):
     (items,) = run_requests(replica, [4])
     assert items[-1].finish_reason == "length"
     assert (replica.telemetry.counters.requests_finished, replica.telemetry.counters.requests_length) == (1, 1)
+    assert replica.telemetry.counters.queue_s.count == replica.telemetry.counters.e2e_s.count == 1
 
 
 def test_health_check_fails_once_the_step_loop_stopped(replica):

@@ -70,8 +70,7 @@ def test_request_histograms_measure_each_request_as_vllm_does():
     now = [10.0]
     tel = TargetTelemetry(slo=SLOAutoscalingConfig(), policy="dspark", replica="r0", gamma=4, max_num_seqs=4,
                           clock=lambda: now[0])
-    now[0] = 10.2
-    tel.admitted(arrived_at=10.0)
+    tel.admitted(arrived_at=10.0, at=10.2)
     now[0] = 10.5
     tel.prefilled(12, 4, arrived_at=10.0)
     tel.tokens("a", 1, finished=False, length=False, spec=SpecStats(), arrived_at=10.0, generated=1)

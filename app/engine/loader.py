@@ -340,4 +340,14 @@ def _to_target_names(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[st
         if args.qk_norm:
             out[f"layers.{i}.q_norm"] = state[p + "self_attn.q_norm.weight"]
             out[f"layers.{i}.k_norm"] = state[p + "self_attn.k_norm.weight"]
+    used = {EMBEDDING, "model.norm.weight", "lm_head.weight"} | {
+        f"model.layers.{i}.{name}" for i in range(args.num_layers) for name in (
+            *(f"self_attn.{n}_proj.weight" for n in "qkvo"),
+            *(f"self_attn.{n}_proj.bias" for n in ("qkv" if args.qkv_bias else "")),
+            *(f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")), "input_layernorm.weight",
+            "post_attention_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")}
+    left = sorted(name for name in set(state) - used if not name.endswith("rotary_emb.inv_freq"))
+    if left:  # a weight this module has no place for would be dropped, and the outputs silently wrong
+        raise ValueError(f"{len(left)} checkpoint tensors this engine does not use, e.g. {left[:3]}: an architecture "
+                         "variant it does not implement")
     return out

@@ -140,7 +140,8 @@ class ModelArgs:
         implemented: the context limit is capped at the window, where windowed attention equals full attention.
 
         Raises:
-            ValueError: for an architecture or rope scaling this module does not implement.
+            ValueError: for an architecture, activation, bias or rope scaling this module does not implement (Llama's
+                and Qwen3's ``attention_bias`` put a bias on the output projection too, ``mlp_bias`` on the MLP's).
         """
         archs = tuple(getattr(config, "architectures", None) or ())
         model_type = config.model_type
@@ -150,6 +151,14 @@ class ModelArgs:
             raise ValueError(
                 f"unsupported target architecture {archs or model_type!r}; supported: {SUPPORTED_ARCHITECTURES}"
             )
+        unsupported = {name: getattr(config, name, None) for name in ("attention_bias", "mlp_bias")
+                       if getattr(config, name, False)}
+        if getattr(config, "hidden_act", "silu") != "silu":
+            unsupported["hidden_act"] = config.hidden_act
+        if unsupported:
+            raise ValueError(f"unsupported target config {unsupported}: this engine implements the SwiGLU (silu) MLP "
+                             "and attention without output-projection or MLP biases (Qwen2's q/k/v biases are "
+                             "supported)")
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         scaling = RopeScaling.from_dict(rope, max_position_embeddings=config.max_position_embeddings)
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -170,7 +179,7 @@ class ModelArgs:
             rope_theta=float(theta),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(config.tie_word_embeddings),
-            qkv_bias=bool(getattr(config, "attention_bias", False)) or model_type == "qwen2",
+            qkv_bias=model_type == "qwen2",
             qk_norm=model_type == "qwen3",
             rope_scaling=scaling,
         )

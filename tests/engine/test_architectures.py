@@ -75,3 +75,30 @@ def test_unsupported_rope_names_the_problem(rope, message):
     config.rope_parameters = rope
     with pytest.raises(ValueError, match=message):
         ModelArgs.from_hf_config(config)
+
+
+@pytest.mark.parametrize("config_class, field, value", [
+    ("LlamaConfig", "attention_bias", True), ("Qwen3Config", "attention_bias", True), ("LlamaConfig", "mlp_bias", True),
+    ("LlamaConfig", "hidden_act", "gelu"),
+])
+def test_config_variants_the_engine_does_not_implement_are_refused(tmp_path, config_class, field, value):
+    """A variant the engine would load without its extra weights (the outputs then silently wrong) is refused, from
+    the config and, as a second line, from weights nothing would read."""
+    import transformers
+
+    config = getattr(transformers, config_class)(**SMALL, **{field: value})
+    with pytest.raises(ValueError, match=f"unsupported target config {{'{field}': '?{value}'?}}"):
+        ModelArgs.from_hf_config(config)
+    save_tiny_model(tmp_path, config_class, {**SMALL, field: value})
+    with pytest.raises(ValueError, match=f"unsupported target config {{'{field}'"):
+        TargetEngine(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu", max_model_len=256))
+
+
+def test_weights_the_engine_has_no_place_for_are_refused(tmp_path):
+    import json
+
+    save_tiny_model(tmp_path, "LlamaConfig", {**SMALL, "mlp_bias": True})
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mlp_bias": False}))  # config and weights disagree
+    with pytest.raises(ValueError, match=r"checkpoint tensors this engine does not use, e.g. \['model.layers.0.mlp"):
+        TargetEngine(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu", max_model_len=256))

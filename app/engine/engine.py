@@ -214,9 +214,13 @@ class TargetEngine(Engine):
         """Token ids of a chat prompt through the model's own chat template (generation prompt appended).
 
         Raises:
-            InvalidRequestError: (``param`` "prompt") the template refuses the messages (some models' templates
-                raise on roles that do not alternate, or on a system message).
+            InvalidRequestError: (``param`` "prompt") the model has no chat template (a base model: its prompts are
+                raw text), or the template refuses the messages (some models' templates raise on roles that do not
+                alternate, or on a system message).
         """
+        if not self.tokenizer.chat_template:
+            raise InvalidRequestError(f"the model {self.config.model!r} has no chat template (its tokenizer "
+                                      "defines none): send a raw prompt to /v1/completions", param="prompt")
         try:
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
         except jinja2.TemplateError as err:

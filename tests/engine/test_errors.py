@@ -78,6 +78,14 @@ def test_a_chat_template_that_refuses_the_messages_is_a_request_error(engine, mo
     assert err.value.param == "prompt"
 
 
+def test_a_model_without_a_chat_template_refuses_chat_prompts_only(engine, monkeypatch):
+    monkeypatch.setattr(engine.tokenizer, "chat_template", None)  # a base model's tokenizer
+    with pytest.raises(InvalidRequestError, match="has no chat template .*send a raw prompt to /v1/completions") as err:
+        engine.encode_chat([{"role": "user", "content": "hi"}])
+    assert err.value.param == "prompt"
+    assert engine.encode("hi")
+
+
 def test_empty_prompt(engine):
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("e", [], SamplingParams())

@@ -192,8 +192,8 @@ class _Common(BaseModel):
     @classmethod
     def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not (key.isascii() and key.isdigit()):  # str.isdigit alone takes any script's digits
+                raise ValueError(f"keys must be token ids (decimal strings of 0-9), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"biases must be in [-100, 100], got {bias!r} for token {key}")
         return value

@@ -71,6 +71,9 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": MESSAGES, "reasoning_effort": "low"}, "reasoning_effort"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # a cross-field check, still named
     ({"messages": MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"messages": MESSAGES, "logit_bias": {"\u0661\u0660": 1}}, "logit_bias"),  # Arabic-Indic digits: "10" to int()
+    ({"messages": MESSAGES, "logit_bias": {"\uff15": 1}}, "logit_bias"),  # a fullwidth 5
+    ({"messages": MESSAGES, "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a superscript 2: a digit int() refuses
     ({"messages": MESSAGES, "top_k": -5}, "top_k"),
     ({"messages": MESSAGES, "top_k": 2.5}, "top_k"),
     ({"messages": MESSAGES, "unknown_thing": 1}, "unknown_thing"),

@@ -353,3 +353,21 @@ def test_heldout_split_keeps_all_answers_to_a_prompt_on_one_side():
     train_part, held = split_heldout(greedy + sampled, 0.2)  # index 10 (prompt 7's answer) is held out too
     assert sorted(int(s.tokens[0]) for s in held) == [0, 0, 5, 5, 7, 7]
     assert {int(s.tokens[0]) for s in train_part} == {1, 2, 3, 4, 6, 8, 9}
+
+
+def test_the_trainer_takes_the_target_the_data_was_generated_with(tmp_path):
+    import json
+
+    for name, model in (("a", "/models/qwen3"), ("b", "/models/qwen3"), ("c", "smollm2-135m")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "meta.json").write_text(json.dumps({"model": model}))
+    a, b, c = (tmp_path / n for n in "abc")
+    assert trainer.data_model([a, b], None) == "/models/qwen3"
+    assert trainer.data_model([a], "/models/../models/qwen3") == "/models/../models/qwen3"  # the same directory
+    assert trainer.data_model([tmp_path / "no-meta"], None) == "smollm2-135m"
+    with pytest.raises(ValueError, match=r"--model smollm2-135m is not the target the --data was generated with"):
+        trainer.data_model([a], "smollm2-135m")
+    with pytest.raises(ValueError, match="different targets"):
+        trainer.data_model([a, c], None)
+    with pytest.raises(SystemExit):
+        trainer.main(["--data", str(a), "--out", str(tmp_path / "out"), "--model", "smollm2-135m"])

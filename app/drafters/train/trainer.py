@@ -389,6 +389,29 @@ def json_object(text: str) -> dict:
     return value
 
 
+def data_model(folders: Sequence[Path], model: str | None) -> str:
+    """The target the datagen ``folders`` were generated with (their ``meta.json``), which features and tokens of
+    the data belong to; ``model``, when given, must name the same one (the same string, or the same directory).
+
+    Raises:
+        ValueError: the folders record different targets, or not ``model``.
+    """
+    recorded = {json.loads(meta.read_text()).get("model") for meta in (Path(f) / "meta.json" for f in folders)
+                if meta.is_file()} - {None}
+    if len(recorded) > 1:
+        raise ValueError(f"--data folders were generated with different targets: {sorted(recorded)}")
+    if model is None:
+        return recorded.pop() if recorded else "smollm2-135m"
+
+    def same(a: str, b: str) -> bool:
+        return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+    if recorded and not same(model, next(iter(recorded))):
+        raise ValueError(f"--model {model} is not the target the --data was generated with ({recorded.pop()}); "
+                         "leave --model out to use that one")
+    return model
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, nargs="+", required=True, help="datagen output folder(s)")
@@ -403,7 +426,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--target-topk", type=int, default=32, help="target tokens kept per position for the TV loss")
     ap.add_argument("--heldout", type=float, default=0.05, help="fraction of sequences held out for calibration")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default="smollm2-135m", help="target model reference")
+    ap.add_argument("--model", default=None,
+                    help="target model reference (default: the one the --data folders were generated with, from "
+                         "their meta.json)")
     ap.add_argument("--init", type=Path, default=None,
                     help="start from this checkpoint's weights and architecture (continued training; --config "
                          "may only repeat it)")
@@ -429,6 +454,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in ("eval_every", "eval_batches", "save_every", "patience"):
         if (value := getattr(args, name)) is not None and value < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    try:
+        args.model = data_model(args.data, args.model)
+    except ValueError as e:
+        ap.error(str(e))
     state_path, run_path = args.out / STATE_FILE, args.out / RUN_FILE
     run_flags = json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "resume"}, default=str))
     if args.resume:

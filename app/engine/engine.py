@@ -112,7 +112,9 @@ class TargetEngine(Engine):
         self.eos_token_ids = frozenset(self.target.eos_token_ids)
         args = self.model.args
         if c.max_model_len > args.max_position_embeddings:
-            raise ValueError(f"max_model_len {c.max_model_len} exceeds the model's {args.max_position_embeddings}")
+            raise ValueError(f"max_model_len {c.max_model_len} exceeds the model's context limit "
+                             f"{args.max_position_embeddings} (ModelArgs.max_position_embeddings: its own, or its "
+                             "sliding window)")
         self.vocab_size = args.vocab_size
         self.feature_dim = self.model.feature_dim
         self.device = self.model.embed_tokens.weight.device

@@ -35,6 +35,7 @@ from app.engine.contract import Proposer
 from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
+from app.engine.loader import check_target
 from app.engine.types import DraftBlock, SamplingParams, StepOutput, batch_accepted_length
 from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
 
@@ -202,7 +203,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         doc = read_checkpoint_config(args.checkpoint)
     except (FileNotFoundError, ValueError) as e:
         ap.error(f"--checkpoint: {e}")
+    try:
+        limit = check_target(doc["config"]["target"])[2].max_position_embeddings
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(f"--checkpoint: its target: {e}")
     engine = TargetEngine(EngineConfig(model=doc["config"]["target"], max_num_seqs=args.max_batch,
+                                       max_model_len=min(EngineConfig().max_model_len, limit),
                                        max_draft_len=max(8, args.gamma),
                                        feature_layers=tuple(doc["config"]["feature_layers"])))
     drafter, calibration, _ = load_checkpoint(args.checkpoint, engine.model.embed_tokens.weight)

@@ -379,16 +379,20 @@ class AppConfig(BaseModel):
                 'auto') weights (``loader.check_target``); ``profile`` or (for drafter 'dspark')
                 ``drafter_checkpoint`` does not exist.
             ProfileMismatchError: a profile named explicitly was measured for another model or dtype.
-            ValueError: the model's architecture is not supported; ``prompt_lookup`` with a checkpoint that has no
-                lookup table.
+            ValueError: the model's architecture is not supported, or its context is shorter than
+                ``engine.max_model_len``; ``prompt_lookup`` with a checkpoint that has no lookup table.
         """
         if not self.mock_engine:
             from app.engine.loader import check_target
 
             try:
-                check_target(self.model, load_format=self.engine.load_format)
+                _, _, args = check_target(self.model, load_format=self.engine.load_format)
             except (FileNotFoundError, ValueError) as e:
                 raise type(e)(f"engine.model: {e}") from e
+            if self.max_model_len > args.max_position_embeddings:
+                raise ValueError(f"engine.max_model_len: {self.max_model_len} exceeds the context limit of "
+                                 f"{self.model}, {args.max_position_embeddings} tokens (its max_position_embeddings, "
+                                 "or its sliding window)")
         path = self.profile_path()
         if path is not None and not Path(path).is_file():
             raise FileNotFoundError(f"profile: no such file {self.profile}")

@@ -58,6 +58,8 @@ def test_a_model_that_cannot_load_fails_before_any_replica_starts(tmp_path, tiny
     with pytest.raises(FileNotFoundError, match=r"engine\.model: no \*\.safetensors weights in .*tiny-llama"):
         check(str(tiny_llama_dir))
     check(str(tiny_llama_dir), load_format="dummy")
+    with pytest.raises(ValueError, match=r"engine\.max_model_len: 4096 exceeds the context limit of .*, 2048 tokens"):
+        check(str(tiny_llama_dir), load_format="dummy", max_model_len=4096)
     gpt2 = write_model_dir(tmp_path / "gpt2", {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
     with pytest.raises(ValueError, match="engine.model: unsupported target architecture"):
         check(str(gpt2), load_format="dummy")

@@ -41,6 +41,7 @@ from tqdm import tqdm
 from app.loop import generate
 from app.engine.config import EngineConfig, VerifyStep
 from app.engine.engine import TargetEngine
+from app.engine.loader import check_target
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
 from app.datasets import DEFAULT_DATASETS_DIR, TRAIN_SETS, PromptSet, load_prompts
 
@@ -165,7 +166,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         picked = pick_prompts(per_set, seed=args.seed, datasets_dir=args.datasets_dir)
     except (ValueError, FileNotFoundError) as e:
         ap.error(f"--per-set: {e}")
-    engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch, max_model_len=1536,
+    try:
+        limit = check_target(args.model)[2].max_position_embeddings
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(f"--model: {e}")
+    engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch, max_model_len=min(1536, limit),
                                        verify_step=args.verify_step))
     args.out.mkdir(parents=True, exist_ok=True)
     ids = [engine.encode_chat([{"role": "user", "content": p}]) for _, p in picked]

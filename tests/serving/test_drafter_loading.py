@@ -43,7 +43,7 @@ def test_drafter_reads_only_the_embedding(target_and_drafter, monkeypatch, caplo
 
     monkeypatch.setattr(loader, "load_target", no_target)
     config = AppConfig.model_validate({"engine": {"model": str(model_dir), "device": "cpu", "dtype": "bfloat16",
-                                                  "feature_layers": [0, 5]},
+                                                  "feature_layers": [0, 5], "max_model_len": 512},
                                        "drafter": "dspark", "drafter_checkpoint": str(checkpoint),
                                        "prompt_lookup": False, "gamma": 4})
     with caplog.at_level(logging.INFO, logger="ray.serve"):

@@ -66,7 +66,8 @@ class AppConfig(BaseModel):
         "accepted at the top level of `args`.",
     )
     served_model_name: str = Field(
-        "smollm2-135m", min_length=1, description="Name clients pass as `model`; anything else answers 404."
+        "smollm2-135m", min_length=1, description="Name clients pass as `model`; anything else answers 404. Unset: "
+        "`engine.model` as written (vLLM's default)."
     )
     mock_engine: bool = Field(
         False, description="Replace the TargetEngine by a deterministic weight-free engine (tests; `engine` unused)."
@@ -202,8 +203,9 @@ class AppConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _engine_keys_at_top(cls, data):
-        """Move the top-level shorthands of ``TOP_LEVEL_ENGINE_KEYS`` into the ``engine`` section."""
-        if not isinstance(data, dict) or not TOP_LEVEL_ENGINE_KEYS & data.keys():
+        """Move the top-level shorthands of ``TOP_LEVEL_ENGINE_KEYS`` into the ``engine`` section; an unset
+        ``served_model_name`` is the model reference."""
+        if not isinstance(data, dict):
             return data
         data = dict(data)
         engine = data.get("engine", {})
@@ -213,6 +215,8 @@ class AppConfig(BaseModel):
                 raise ValueError(f"{key} is set both at the top level and in the engine section; keep one")
             engine[key] = data.pop(key)
         data["engine"] = engine
+        if "served_model_name" not in data and isinstance(engine.get("model"), str):
+            data["served_model_name"] = engine["model"]
         return data
 
     @field_validator("policy")

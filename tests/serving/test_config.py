@@ -172,6 +172,13 @@ def test_engine_section_holds_every_engine_setting():
         AppConfig.model_validate({"engine": {"prepak": True}})
 
 
+def test_the_served_model_name_is_the_model_unless_set():
+    assert AppConfig().served_model_name == "smollm2-135m"
+    assert AppConfig(engine={"model": "/models/Qwen3-8B"}, drafter="ngram").served_model_name == "/models/Qwen3-8B"
+    assert AppConfig(model="/models/Qwen3-8B", drafter="ngram").served_model_name == "/models/Qwen3-8B"
+    assert AppConfig(model="/models/Qwen3-8B", drafter="ngram", served_model_name="qwen3").served_model_name == "qwen3"
+
+
 def test_api_key_from_environment(monkeypatch):
     monkeypatch.setenv("DSPARK_API_KEY", "k1")
     assert AppConfig().resolved_api_key == "k1"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +62,17 @@ def test_other_feature_layers_or_tokenizer_fail(tmp_path):
     swapped = str(smollm2_copy(tmp_path / "other-model", swap_tokens=True))
     with pytest.raises(DrafterMismatchError, match="the tokenizer of smollm2-135m differs from the target's"):
         check_drafter_fits_target(config(model=swapped))
+
+
+def test_a_drafter_trained_for_a_model_now_elsewhere_is_checked_without_its_tokenizer(tmp_path, caplog):
+    """The path of the model a drafter was trained for (in its config) may not exist where it is served."""
+    moved = tmp_path / "drafter"
+    moved.mkdir()
+    doc = json.loads((Path(config().drafter_checkpoint) / "config.json").read_text())
+    doc["config"]["target"] = str(tmp_path / "models-moved-away" / "smollm2")
+    (moved / "config.json").write_text(json.dumps(doc))
+    check_drafter_fits_target(config(drafter_checkpoint=str(moved)))
+    assert "which is not present here" in caplog.text
 
 
 def test_a_missing_checkpoint_says_how_to_train_one(tmp_path, tiny_llama_dir):

@@ -404,11 +404,9 @@ def export_deepspec(
 
 def main(argv: list[str] | None = None) -> None:
     """CLI: ``export CHECKPOINT OUT``: a drafter checkpoint of this project to DeepSpec's format, on the embedding
-    and LM head of its target (``--target``, default: the checkpoint's ``target``).
-
-    Raises:
-        ValueError: an unknown kind, or a config the format cannot express (before the target is loaded).
-    """
+    and LM head of its target (``--target``, default: the checkpoint's ``target``). A checkpoint that is missing, of
+    an unknown kind or with a config the format cannot express exits with status 2 and the reason, before the
+    target is loaded."""
     p = argparse.ArgumentParser(prog="python -m app.drafters.deepspec", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export", help="write a drafter checkpoint of this project in DeepSpec's format")
@@ -423,11 +421,15 @@ def main(argv: list[str] | None = None) -> None:
     from app.engine.config import EngineConfig
     from app.engine.engine import TargetEngine
 
-    doc, dtype = read_checkpoint_config(args.checkpoint), getattr(torch, args.dtype)
-    kind = doc.get("kind", "dspark")
-    if kind not in KINDS:
-        raise ValueError(f"checkpoint {args.checkpoint}: unknown drafter kind {kind!r}; expected {sorted(KINDS)}")
-    deepspec_config(KINDS[kind][0].model_validate(doc["config"]), dtype=dtype)  # refuse before loading the target
+    dtype = getattr(torch, args.dtype)
+    try:
+        doc = read_checkpoint_config(args.checkpoint)
+        kind = doc.get("kind", "dspark")
+        if kind not in KINDS:
+            raise ValueError(f"checkpoint {args.checkpoint}: unknown drafter kind {kind!r}; expected {sorted(KINDS)}")
+        deepspec_config(KINDS[kind][0].model_validate(doc["config"]), dtype=dtype)  # refuse before loading the target
+    except (FileNotFoundError, ValueError) as err:  # pydantic's ValidationError is a ValueError
+        e.error(str(err))
     model = TargetEngine(EngineConfig(model=args.target or doc["config"]["target"], max_num_seqs=1,
                                       max_model_len=64)).model
     drafter, calibration, _ = load_checkpoint(args.checkpoint, model.embed_tokens.weight,

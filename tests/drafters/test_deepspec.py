@@ -224,13 +224,17 @@ def test_training_loss_of_a_drafter_without_confidence_head_is_finite(target):
     assert parts["bce"] == 0.0 and torch.isfinite(loss) and torch.isfinite(logits.grad).all()
 
 
-def test_export_cli_refuses_the_committed_checkpoint_naming_the_option(tmp_path):
-    """The committed SmolLM2 checkpoint uses this project's layout (no q/k norm, normed features, learned mask)."""
+def test_export_cli_refuses_the_committed_checkpoint_naming_the_option(tmp_path, capsys):
+    """The committed SmolLM2 checkpoint uses this project's layout (no q/k norm, normed features, learned mask): a
+    usage error (exit 2, one line naming the option), as a missing checkpoint is."""
     from app.drafters.deepspec import main
     from app.drafters.checkpoint import DEFAULT_CHECKPOINT
 
-    with pytest.raises(ValueError, match="cannot express qk_norm=False"):
-        main(["export", str(DEFAULT_CHECKPOINT), str(tmp_path / "out")])
+    for checkpoint, message in ((DEFAULT_CHECKPOINT, "cannot express qk_norm=False"),
+                                (tmp_path / "none", "none")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["export", str(checkpoint), str(tmp_path / "out")])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err.splitlines()[-1]
     assert not (tmp_path / "out").exists()
 
 

@@ -151,8 +151,9 @@ class ModelArgs:
             raise ValueError(
                 f"unsupported target architecture {archs or model_type!r}; supported: {SUPPORTED_ARCHITECTURES}"
             )
-        unsupported = {name: getattr(config, name, None) for name in ("attention_bias", "mlp_bias")
-                       if getattr(config, name, False)}
+        # transformers reads these two for Llama (both) and Qwen3 (attention_bias) only: Qwen2 and Mistral ignore them
+        read = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}.get(model_type, ())
+        unsupported = {name: getattr(config, name) for name in read if getattr(config, name, False)}
         if getattr(config, "hidden_act", "silu") != "silu":
             unsupported["hidden_act"] = config.hidden_act
         if unsupported:

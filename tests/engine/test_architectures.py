@@ -94,6 +94,15 @@ def test_config_variants_the_engine_does_not_implement_are_refused(tmp_path, con
         TargetEngine(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu", max_model_len=256))
 
 
+def test_flags_transformers_ignores_for_an_architecture_are_ignored_here_too():
+    from transformers import MistralConfig, Qwen2Config
+
+    for config_class in (Qwen2Config, MistralConfig):  # their modules never read attention_bias / mlp_bias
+        config = config_class(**SMALL)
+        config.attention_bias, config.mlp_bias = True, True
+        assert ModelArgs.from_hf_config(config).qkv_bias == (config_class is Qwen2Config)
+
+
 def test_weights_the_engine_has_no_place_for_are_refused(tmp_path):
     import json
 

@@ -91,15 +91,28 @@ def check_applications(config: dict) -> dict[str, str]:
     return errors
 
 
+def failure_reason(app) -> str:
+    """An application's failure as Serve reports it (``ApplicationStatusOverview``), with, for each deployment that
+    failed, the last line of its error: the exception a replica's constructor raised (Serve's own message ends with
+    the replica's traceback, and the application's only names the deployments)."""
+    lines = [app.message]
+    for name, deployment in app.deployments.items():
+        if deployment.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            last = [line for line in (deployment.message or "").splitlines() if line.strip()]
+            lines.append(f"{name}: {last[-1].strip() if last else deployment.status}")
+    return "\n".join(lines)
+
+
 def wait_until_running(names: list[str]) -> dict[str, str]:
-    """Block until every named application runs; returns {name: failure message} for those that failed instead."""
+    """Block until every named application runs; returns {name: failure reason} (``failure_reason``) for those that
+    failed instead."""
     from ray import serve
     from ray.serve.schema import ApplicationStatus
 
     failed_states = (ApplicationStatus.DEPLOY_FAILED, ApplicationStatus.UNHEALTHY)
     while True:
         apps = serve.status().applications
-        failed = {n: apps[n].message for n in names if n in apps and apps[n].status in failed_states}
+        failed = {n: failure_reason(apps[n]) for n in names if n in apps and apps[n].status in failed_states}
         if failed or all(n in apps and apps[n].status == ApplicationStatus.RUNNING for n in names):
             return failed
         time.sleep(READY_POLL_S)

@@ -62,6 +62,25 @@ def test_a_shutdown_that_hangs_is_given_up_after_its_timeout(monkeypatch):
     assert calls == ["ray"]
 
 
+def test_a_deploy_failure_names_the_replicas_error():
+    """Serve's application message only names the failed deployments; the launcher adds each one's last error line."""
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentStatus
+
+    from app.serving.run import failure_reason
+
+    target = SimpleNamespace(status=DeploymentStatus.DEPLOY_FAILED, message=(
+        "The deployment failed to start 3 times in a row. See controller logs for details. Error:\n"
+        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        "ValueError: engine.model: unsupported target config {'mlp_bias': True}\n"))
+    router = SimpleNamespace(status=DeploymentStatus.HEALTHY, message="")
+    app = SimpleNamespace(message="Failed to update the deployments ['Target'].",
+                          deployments={"Target": target, "Router": router})
+    assert failure_reason(app) == ("Failed to update the deployments ['Target'].\n"
+                                   "Target: ValueError: engine.model: unsupported target config {'mlp_bias': True}")
+
+
 def test_the_launcher_refuses_bad_args_before_starting_ray(tmp_path, monkeypatch, caplog):
     """A bad field of an application this project builds fails at once, naming it, with nothing started."""
     from app.serving import run

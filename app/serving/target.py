@@ -434,11 +434,12 @@ class TargetReplica:
                 results = [err] * len(streams)
             deferred = [stream for stream, result in zip(streams, results) if isinstance(result, CapacityError)]
             for stream, result in zip(streams, results):
-                if stream not in deferred:
-                    self.telemetry.admitted(arrived_at=stream.arrived_at, at=admitted_at)
+                if stream in deferred:
+                    continue
+                self.telemetry.admitted(arrived_at=stream.arrived_at, at=admitted_at)
                 if result is None:  # its prompt goes on in pieces (chunked prefill)
                     self._prefilling[stream.request.request_id] = stream
-                elif stream not in deferred:
+                else:
                     self._admitted(stream, result)
             if deferred:  # back to the front of the queue, in order
                 log.warning("admission deferred: %s", next(r for r in results if isinstance(r, CapacityError)))

@@ -564,8 +564,7 @@ class TargetReplica:
         stream.done = out.finished
         spec = stream.spec
         self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished, spec=spec,
-                              length=out.finish_reason is FinishReason.LENGTH, arrived_at=stream.arrived_at,
-                              generated=len(stream.record.token_ids))
+                              length=out.finish_reason is FinishReason.LENGTH, arrived_at=stream.arrived_at)
         chunk = TextChunk(
             text=out.text, token_ids=list(out.new_token_ids), prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,

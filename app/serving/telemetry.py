@@ -61,10 +61,9 @@ class TpotWindow:
             self._done.append((now, timing.tpot_ms))
         return timing.tpot_ms
 
-    def last_at(self, request_id: str) -> float | None:
-        """When a running request last emitted tokens (None before its first)."""
-        timing = self._live.get(request_id)
-        return None if timing is None else timing.last_at
+    def live(self, request_id: str) -> _Timing | None:
+        """A running request's timing so far: its first and last emission times and tokens (None before its first)."""
+        return self._live.get(request_id)
 
     def forget(self, request_id: str) -> None:
         """A request that went away unfinished (cancelled, failed) leaves no sample."""
@@ -98,19 +97,19 @@ class TargetTelemetry:
         self.metrics = TargetMetrics(policy=policy, replica=replica, gamma=gamma)
         self.counters = SpecCounters()  # what the load reports carry to the Router (``GET /metrics``)
 
-    def tokens(self, request_id: str, n: int, *, finished: bool, length: bool, spec: SpecStats, arrived_at: float,
-               generated: int) -> None:
-        """A request emitted ``n`` tokens (prefill or round), ``generated`` in all so far; ``spec`` is its running
-        speculative stats; ``length``: it finished at its max_tokens; ``arrived_at``: when it reached the replica
-        (``clock``)."""
+    def tokens(self, request_id: str, n: int, *, finished: bool, length: bool, spec: SpecStats,
+               arrived_at: float) -> None:
+        """A request emitted ``n`` tokens (prefill or round); ``spec`` is its running speculative stats; ``length``:
+        it finished at its max_tokens; ``arrived_at``: when it reached the replica (``clock``)."""
         now = self.clock()
         self.metrics.tokens(n)
         self.counters.output_tokens += n
         self.counters.requests_finished += int(finished)
         self.counters.requests_length += int(finished and length)
-        last = self.window.last_at(request_id)
-        if last is not None:
-            self.counters.itl_s.observe(now - last)
+        before = self.window.live(request_id)
+        if before is not None:
+            self.counters.itl_s.observe(now - before.last_at)
+        generated = n + (before.tokens if before is not None else 0)
         tpot = self.window.tokens(request_id, n, now=now, finished=finished)
         if finished:
             self.counters.e2e_s.observe(now - arrived_at)

@@ -43,10 +43,10 @@ def test_autoscaling_stats_report_percentiles_samples_and_load():
                           max_num_seqs=4, clock=lambda: now[0])
     assert tel.autoscaling_stats(active=0, queued=0) == {
         "tpot_p50_ms": 0.0, "tpot_p90_ms": 0.0, "tpot_p99_ms": 0.0, "tpot_samples": 0.0, "load": 0.0}
-    tel.tokens("a", 1, finished=False, length=False, spec=SpecStats(), arrived_at=0.0, generated=1)
+    tel.tokens("a", 1, finished=False, length=False, spec=SpecStats(), arrived_at=0.0)
     now[0] = 0.3
     tel.tokens("a", 4, finished=True, length=True, spec=SpecStats(rounds=1, draft_tokens=4, accepted_tokens=3),
-               arrived_at=0.0, generated=5)
+               arrived_at=0.0)
     assert (tel.counters.requests_finished, tel.counters.requests_length) == (1, 1)
     stats = tel.autoscaling_stats(active=3, queued=3)
     assert stats["tpot_p90_ms"] == pytest.approx(75.0) and stats["tpot_samples"] == 1 and stats["load"] == 1.5
@@ -73,11 +73,11 @@ def test_request_histograms_measure_each_request_as_vllm_does():
     tel.admitted(arrived_at=10.0, at=10.2)
     now[0] = 10.5
     tel.prefilled(12, 4, arrived_at=10.0)
-    tel.tokens("a", 1, finished=False, length=False, spec=SpecStats(), arrived_at=10.0, generated=1)
+    tel.tokens("a", 1, finished=False, length=False, spec=SpecStats(), arrived_at=10.0)
     for t, n, done in ((10.56, 3, False), (10.7, 2, True)):
         now[0] = t
         tel.tokens("a", n, finished=done, length=False, spec=SpecStats(rounds=2, draft_tokens=6, accepted_tokens=3),
-                   arrived_at=10.0, generated=1 + 3 + (2 if done else 0))
+                   arrived_at=10.0)
     c = tel.counters
     assert (c.queue_s.count, c.queue_s.total) == (1, pytest.approx(0.2))
     assert (c.ttft_s.count, c.ttft_s.total) == (1, pytest.approx(0.5))
@@ -86,5 +86,5 @@ def test_request_histograms_measure_each_request_as_vllm_does():
     assert c.itl_s.counts[c.itl_s.bounds.index(0.075)] == c.itl_s.counts[c.itl_s.bounds.index(0.15)] == 1
     assert (c.e2e_s.count, c.e2e_s.total) == (1, pytest.approx(0.7))
     assert (c.prompt_len.total, c.output_len.total) == (12, 6)
-    tel.tokens("b", 1, finished=True, length=True, spec=SpecStats(), arrived_at=10.6, generated=1)
+    tel.tokens("b", 1, finished=True, length=True, spec=SpecStats(), arrived_at=10.6)
     assert (c.itl_s.count, c.e2e_s.count, c.output_len.count) == (2, 2, 2)  # a one-token request has no gap

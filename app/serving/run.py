@@ -65,10 +65,15 @@ def busy_ports(config: dict, metrics_port: int) -> list[str]:
 
 
 def ready_lines(config: dict) -> list[str]:
-    """One line per application of a Serve YAML: its URL and the model clients name (``args.served_model_name``)."""
+    """One line per application of a Serve YAML: its URL and the model clients name (``AppConfig.served_model_name``
+    for an application this project builds: unset, ``engine.model``)."""
+    from app.serving.config import AppConfig
+
     lines = []
     for app in config.get("applications", []):
-        model = (app.get("args") or {}).get("served_model_name", "smollm2-135m")
+        args = app.get("args") or {}
+        model = AppConfig.model_validate(args).served_model_name if app.get("import_path") == BUILDER else \
+            args.get("served_model_name", "?")
         prefix = (app.get("route_prefix") or "/").rstrip("/")
         lines.append(f"ready: application {app['name']!r} serves model {model!r} at "
                      f"http://{http_host(config)}:{http_port(config)}{prefix}/v1")

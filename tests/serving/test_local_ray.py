@@ -25,8 +25,13 @@ def test_ready_line_names_url_and_model_and_loopback_hosts():
     assert http_host(config) == "127.0.0.1" and is_loopback(http_host(config))
     assert ready_lines(config) == ["ready: application 'dspark' serves model 'smollm2-135m' at "
                                    "http://127.0.0.1:8000/v1"]
-    assert ready_lines({"applications": [{"name": "a", "route_prefix": "/x/", "args": {"served_model_name": "m"}}]}) \
+    builder = "app.serving.builder:build_app"
+    assert ready_lines({"applications": [{"name": "a", "route_prefix": "/x/", "import_path": builder,
+                                          "args": {"served_model_name": "m"}}]}) \
         == ["ready: application 'a' serves model 'm' at http://127.0.0.1:8000/x/v1"]
+    unnamed = {"name": "a", "import_path": builder, "args": {"engine": {"model": "/models/q"}, "drafter": "ngram"}}
+    assert ready_lines({"applications": [unnamed]}) == [  # clients name the model as written
+        "ready: application 'a' serves model '/models/q' at http://127.0.0.1:8000/v1"]
     assert [is_loopback(h) for h in ("localhost", "127.0.0.2", "::1", "0.0.0.0", "10.1.2.3", "example.org")] == \
         [True, True, True, False, False, False]
 

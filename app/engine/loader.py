@@ -123,7 +123,8 @@ def load_target(
         FileNotFoundError: the reference names no local checkpoint, the checkpoint has no tokenizer files (the
             engine detokenizes its output, so a dummy-weights directory needs them too), or (``auto``) it has no
             safetensors.
-        ValueError: unsupported architecture, dtype, device or load format.
+        ValueError: unsupported architecture, dtype, device or load format; (``auto``) weights that disagree with
+            the config (``check_target``).
     """
     from transformers import AutoTokenizer
 
@@ -162,8 +163,9 @@ def load_target(
 
 def check_target(model: str, *, load_format: LoadFormat = "auto"):
     """What ``load_target`` checks before it reads any weight: the reference resolves to a local checkpoint with a
-    tokenizer, a config of a supported architecture and (``auto``) safetensors weights; cheap enough to run where the
-    application is built, before any replica starts.
+    tokenizer, a config of a supported architecture and (``auto``) safetensors weights whose headers hold the tensors
+    the config implies, in their shapes (``checkpoint_shapes``); cheap enough to run where the application is built,
+    before any replica starts.
 
     Returns:
         The checkpoint's directory, its ``transformers`` config and its ``ModelArgs``.
@@ -183,7 +185,10 @@ def check_target(model: str, *, load_format: LoadFormat = "auto"):
     if load_format == "auto" and not any(src.glob("*.safetensors")):
         raise FileNotFoundError(f"no *.safetensors weights in {src} (load_format 'dummy' runs random weights)")
     config = AutoConfig.from_pretrained(src, local_files_only=True)
-    return src, config, ModelArgs.from_hf_config(config)
+    args = ModelArgs.from_hf_config(config)
+    if load_format == "auto":
+        _check_checkpoint_tensors(src, args)
+    return src, config, args
 
 
 def load_embedding(
@@ -322,7 +327,8 @@ def _dummy_state(target: TargetModel, *, device: torch.device, dtype: torch.dtyp
 
 
 def _to_target_names(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Map transformers' Llama/Qwen parameter names onto ``TargetModel`` (fusing qkv and gate/up)."""
+    """Map transformers' Llama/Qwen parameter names onto ``TargetModel`` (fusing qkv and gate/up); ``state`` holds
+    the tensors ``_check_checkpoint_tensors`` admits."""
     out = {EMBED: state[EMBEDDING], "norm": state["model.norm.weight"]}
     out["lm_head.weight"] = state[EMBEDDING] if args.tie_word_embeddings else state["lm_head.weight"]
     for i in range(args.num_layers):
@@ -340,14 +346,62 @@ def _to_target_names(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[st
         if args.qk_norm:
             out[f"layers.{i}.q_norm"] = state[p + "self_attn.q_norm.weight"]
             out[f"layers.{i}.k_norm"] = state[p + "self_attn.k_norm.weight"]
-    used = {EMBEDDING, "model.norm.weight", "lm_head.weight"} | {
-        f"model.layers.{i}.{name}" for i in range(args.num_layers) for name in (
-            *(f"self_attn.{n}_proj.weight" for n in "qkvo"),
-            *(f"self_attn.{n}_proj.bias" for n in ("qkv" if args.qkv_bias else "")),
-            *(f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")), "input_layernorm.weight",
-            "post_attention_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight")}
-    left = sorted(name for name in set(state) - used if not name.endswith("rotary_emb.inv_freq"))
-    if left:  # a weight this module has no place for would be dropped, and the outputs silently wrong
+    return out
+
+
+def checkpoint_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The tensors a transformers Llama/Qwen checkpoint of ``args`` holds, by name, with their shapes (``lm_head``
+    only when the embeddings are untied; rows are output features: q ``[H * hd, Dm]``, k and v ``[Hkv * hd, Dm]``, o
+    ``[Dm, H * hd]``, gate and up ``[I, Dm]``, down ``[Dm, I]``, norms ``[Dm]``, Qwen3's q/k norms ``[hd]``)."""
+    d, hd, inter = args.hidden_size, args.head_dim, args.intermediate_size
+    shapes = {EMBEDDING: (args.vocab_size, d), "model.norm.weight": (d,)}
+    if not args.tie_word_embeddings:
+        shapes["lm_head.weight"] = (args.vocab_size, d)
+    rows = {"q": args.num_heads * hd, "k": args.num_kv_heads * hd, "v": args.num_kv_heads * hd}
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        for n, out in rows.items():
+            shapes[p + f"self_attn.{n}_proj.weight"] = (out, d)
+            if args.qkv_bias:
+                shapes[p + f"self_attn.{n}_proj.bias"] = (out,)
+        shapes[p + "self_attn.o_proj.weight"] = (d, rows["q"])
+        shapes[p + "mlp.gate_proj.weight"] = shapes[p + "mlp.up_proj.weight"] = (inter, d)
+        shapes[p + "mlp.down_proj.weight"] = (d, inter)
+        shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (d,)
+        if args.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (hd,)
+    return shapes
+
+
+def _check_checkpoint_tensors(src: Path, args: ModelArgs) -> None:
+    """Compare the safetensors headers in ``src`` (names and shapes, no weight is read) with
+    ``checkpoint_shapes(args)``: what ``load_target`` would otherwise find out only after reading every weight.
+
+    Raises:
+        ValueError: a tensor the config implies is missing or has another shape (the config and the weights
+            disagree), or the checkpoint holds tensors this engine has no place for (an architecture variant it does
+            not implement, whose outputs would be silently wrong without them). A tied model's ``lm_head.weight``
+            and rotary ``inv_freq`` buffers are allowed.
+    """
+    from safetensors import safe_open
+
+    found: dict[str, tuple[int, ...]] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            found.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    want = checkpoint_shapes(args)
+    missing = [name for name in want if name not in found]
+    if missing:
+        raise ValueError(f"{len(missing)} tensors the config.json in {src} implies are not in its safetensors, e.g. "
+                         f"{missing[:3]}: the config and the weights disagree")
+    wrong = [f"{name} is {list(found[name])}, the config implies {list(shape)}"
+             for name, shape in want.items() if found[name] != shape]
+    if wrong:
+        raise ValueError(f"{len(wrong)} tensors in {src} do not have the shapes its config.json implies "
+                         f"(vocab_size, hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, "
+                         f"head_dim), e.g. {wrong[:2]}")
+    allowed = {"lm_head.weight"}
+    left = sorted(name for name in set(found) - set(want) - allowed if not name.endswith("rotary_emb.inv_freq"))
+    if left:
         raise ValueError(f"{len(left)} checkpoint tensors this engine does not use, e.g. {left[:3]}: an architecture "
                          "variant it does not implement")
-    return out

@@ -383,7 +383,8 @@ class AppConfig(BaseModel):
                 'auto') weights (``loader.check_target``); ``profile`` or (for drafter 'dspark')
                 ``drafter_checkpoint`` does not exist.
             ProfileMismatchError: a profile named explicitly was measured for another model or dtype.
-            ValueError: the model's architecture is not supported, or its context is shorter than
+            ValueError: the model's architecture is not supported, its config and weights disagree (names or shapes
+                in the safetensors headers), or its context is shorter than
                 ``engine.max_model_len``; ``prompt_lookup`` with a checkpoint that has no lookup table.
         """
         if not self.mock_engine:

@@ -9,6 +9,7 @@ import torch
 from app.loop import generate
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
+from app.engine.loader import check_target
 from app.engine.model import ModelArgs
 from app.engine.near_tie import teacher_forced_logits
 from app.engine.types import SamplingParams
@@ -111,3 +112,22 @@ def test_weights_the_engine_has_no_place_for_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "mlp_bias": False}))  # config and weights disagree
     with pytest.raises(ValueError, match=r"checkpoint tensors this engine does not use, e.g. \['model.layers.0.mlp"):
         TargetEngine(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu", max_model_len=256))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("intermediate_size", 96, r"do not have the shapes its config.json implies .*model.layers.0.mlp.gate_proj.weight "
+                              r"is \[128, 64\], the config implies \[96, 64\]"),
+    ("num_hidden_layers", 3, r"tensors the config.json in .* implies are not in its safetensors, e.g. "
+                             r"\['model.layers.2."),
+    ("num_key_value_heads", 4, r"model.layers.0.self_attn.k_proj.weight is \[32, 64\], the config implies \[64, 64\]"),
+])
+def test_a_config_that_disagrees_with_its_weights_is_refused_from_the_headers(tmp_path, field, value, message):
+    """Before any weight is read (``check_target``, which the server runs before Ray starts): without the check the
+    mismatch surfaced as a tensor-shape or key error inside the Target replica."""
+    import json
+
+    save_tiny_model(tmp_path, "LlamaConfig", SMALL)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=message):
+        check_target(str(tmp_path))

@@ -154,7 +154,7 @@ class ModelArgs:
         # transformers reads these two for Llama (both) and Qwen3 (attention_bias) only: Qwen2 and Mistral ignore them
         read = {"llama": ("attention_bias", "mlp_bias"), "qwen3": ("attention_bias",)}.get(model_type, ())
         unsupported = {name: getattr(config, name) for name in read if getattr(config, name, False)}
-        if getattr(config, "hidden_act", "silu") != "silu":
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):  # transformers: both are SiLU
             unsupported["hidden_act"] = config.hidden_act
         if unsupported:
             raise ValueError(f"unsupported target config {unsupported}: this engine implements the SwiGLU (silu) MLP "

@@ -30,6 +30,7 @@ CASES = {
                                                            "factor": 2.0}}),
     "llama-yarn": ("LlamaConfig", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                         "original_max_position_embeddings": 32}}),
+    "llama-swish": ("LlamaConfig", {"hidden_act": "swish"}),  # transformers' other name for SiLU
     "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": 4096}),
     "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": False, "head_dim": 32}),

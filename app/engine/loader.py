@@ -231,6 +231,16 @@ def local_checkpoint(model: str = "smollm2-135m") -> Path:
     return _local_checkpoint(model)
 
 
+def model_reference(model: str) -> str:
+    """``model`` as files that outlive the command record it (datagen's meta.json, a drafter checkpoint's target): a
+    local directory or .gguf file as an absolute path (a relative one would name another place, or nothing, from
+    another working directory); an embedded model's name or a model id unchanged."""
+    if model in EMBEDDED_MODELS:
+        return model
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.is_dir() or (path.suffix == ".gguf" and path.is_file()) else model
+
+
 def _local_checkpoint(model: str) -> Path:
     """Resolve a model reference to a transformers-loadable local directory (see module docstring)."""
     if model in EMBEDDED_MODELS:

@@ -58,13 +58,14 @@ def prompt_files(folder) -> None:
         (folder / name).write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in prompts))
 
 
-def test_pipeline_writes_a_calibrated_checkpoint_and_report(tmp_path):
+def test_pipeline_writes_a_calibrated_checkpoint_and_report(tmp_path, monkeypatch):
     tiny_target(tmp_path / "target")
     prompt_files(tmp_path / "datasets")
     out = tmp_path / "run"
     drafter_config = {"num_layers": 1, "intermediate_size": 64, "rank": 8, "block_size": 4}
+    monkeypatch.chdir(tmp_path)  # --model as a relative path: the data and the checkpoint record it absolute
     pipeline.main([
-        "--out", str(out), "--model", str(tmp_path / "target"), "--datasets-dir", str(tmp_path / "datasets"),
+        "--out", str(out), "--model", "target", "--datasets-dir", str(tmp_path / "datasets"),
         "--per-set", "gsm8k-train=6", "mbpp=2", "chat=2", "--max-tokens", "12", "--max-batch", "4",
         "--samples", "2", "--temperature", "1.0", "--config", json.dumps(drafter_config), "--steps", "4",
         "--train-minutes", "5", "--batch-seqs", "2", "--anchors", "4", "--eval-limit", "2", "--eval-max-tokens", "8",
@@ -73,6 +74,8 @@ def test_pipeline_writes_a_calibrated_checkpoint_and_report(tmp_path):
     assert json.loads((out / "data-greedy" / "meta.json").read_text())["sequences"] == 10
     assert json.loads((out / "data-sampled" / "meta.json").read_text())["sequences"] == 20
     doc = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert json.loads((out / "data-greedy" / "meta.json").read_text())["model"] == str(tmp_path / "target")
+    assert doc["config"]["target"] == str(tmp_path / "target")
     assert doc["metadata"]["train"]["steps_done"] == 4
     assert len(doc["calibration"]["temperatures"]["greedy"]) == 4
     assert doc["metadata"]["draft_vocab"]["size"] == 64

@@ -41,7 +41,7 @@ from tqdm import tqdm
 from app.loop import generate
 from app.engine.config import EngineConfig, VerifyStep
 from app.engine.engine import TargetEngine
-from app.engine.loader import check_target
+from app.engine.loader import check_target, model_reference
 from app.engine.types import DraftBlock, SamplingParams, StepOutput
 from app.datasets import DEFAULT_DATASETS_DIR, TRAIN_SETS, PromptSet, load_prompts
 
@@ -154,12 +154,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         if value is not None and value <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0, got {value}")
     per_set = {k: int(v) for k, v in (item.split("=", 1) for item in args.per_set)}
+    args.model = model_reference(args.model)
     plan = {"model": args.model, "per_set": per_set, "max_tokens": args.max_tokens, "shard_size": args.shard_size,
             "first_shard": args.first_shard, "samples": args.samples, "temperature": args.temperature,
             "seed": args.seed, "datasets_dir": str(args.datasets_dir)}
     meta_path = args.out / "meta.json"  # the plan at the start, with the counts at the end
     if args.resume:
         saved = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        if saved.get("model"):  # recorded as written by an older run
+            saved["model"] = model_reference(saved["model"])
         if {k: saved.get(k) for k in plan} != plan:
             ap.error(f"--resume: {args.out} holds no run with these flags (its meta.json: {saved or 'none'})")
     try:

@@ -36,7 +36,7 @@ from app.drafters.config import target_shape
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.train.data import Batch, Sequence_, TargetTopK, load_shards, make_batch
 from app.engine.hardware import cpu_has_bf16_kernels
-from app.engine.loader import load_target, resolve_device
+from app.engine.loader import load_target, model_reference, resolve_device
 
 LOSS_WEIGHTS = {"ce": 0.1, "tv": 0.9, "bce": 1.0}
 TIMING_SKIP = 5  # warm-up steps left out of the timing
@@ -392,6 +392,7 @@ def json_object(text: str) -> dict:
 def data_model(folders: Sequence[Path], model: str | None) -> str:
     """The target the datagen ``folders`` were generated with (their ``meta.json``), which features and tokens of
     the data belong to; ``model``, when given, must name the same one (the same string, or the same directory).
+    Returned as ``loader.model_reference`` records it (a local path made absolute): it goes into the checkpoint.
 
     Raises:
         ValueError: the folders record different targets, or not ``model``.
@@ -401,7 +402,7 @@ def data_model(folders: Sequence[Path], model: str | None) -> str:
     if len(recorded) > 1:
         raise ValueError(f"--data folders were generated with different targets: {sorted(recorded)}")
     if model is None:
-        return recorded.pop() if recorded else "smollm2-135m"
+        return model_reference(recorded.pop()) if recorded else "smollm2-135m"
 
     def same(a: str, b: str) -> bool:
         return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
@@ -409,7 +410,7 @@ def data_model(folders: Sequence[Path], model: str | None) -> str:
     if recorded and not same(model, next(iter(recorded))):
         raise ValueError(f"--model {model} is not the target the --data was generated with ({recorded.pop()}); "
                          "leave --model out to use that one")
-    return model
+    return model_reference(model)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -228,7 +228,17 @@ def main(argv: list[str] | None = None) -> None:
     http = (yaml.safe_load(opts.config.read_text()).get("http_options") or {})
     port = opts.port or int(os.environ.get("DSPARK_SERVE_PORT", http.get("port", 8000)))
     application = load_application(opts.config, opts.app)
-    args = app_args(opts.config, parse_overrides(opts.overrides), opts.app)
+    try:
+        args = app_args(opts.config, parse_overrides(opts.overrides), opts.app)
+    except ValueError as err:
+        ap.error(str(err))
+    from app.serving.builder import checked_config
+
+    try:  # what build_app checks, before Ray starts: a bad --set is one line, not tracebacks from inside Ray
+        checked_config(args)
+    except (ValueError, OSError) as err:  # pydantic's ValidationError, the mismatch errors and missing files
+        sys.exit(f"loadtest.server: bad args for {opts.config} with {opts.overrides or 'no --set'} (nothing "
+                 f"started): {type(err).__name__}: {err}")
     serve_until_signalled(args, host=opts.host or http.get("host", "127.0.0.1"), port=port, num_cpus=opts.num_cpus,
                           name=application.get("name", "dspark"), route_prefix=application.get("route_prefix", "/"))
 

@@ -238,9 +238,9 @@ def test_datagen_stopped_while_writing_leaves_no_shard(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "data").glob("shard-*.safetensors")] == ["shard-0000.safetensors"]
 
 
-def test_trainer_resume_continues_only_the_same_run(tmp_path, capsys):
-    """``--resume`` needs the run's state and its flags; a finished run resumed writes the same checkpoint, with its
-    held-out evaluations in the metadata."""
+def test_trainer_resume_continues_only_the_same_run(tmp_path, capsys, monkeypatch):
+    """``--resume`` needs the run's state and its flags (paths compared as folders, not as text); a finished run
+    resumed leaves its checkpoint as it is: what calibration and the draft vocabulary wrote into it since stays."""
     from app.drafters.train import datagen, trainer
 
     tiny_target(tmp_path / "target")
@@ -261,8 +261,15 @@ def test_trainer_resume_continues_only_the_same_run(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         trainer.main([*run, "--lr", "0.01", "--resume"])
     assert exc.value.code == 2 and "'lr': (0.001, 0.01)" in capsys.readouterr().err
-    trainer.main([*run, "--resume"])
-    assert (out / "model.safetensors").read_bytes() == first
+    doc = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**doc, "calibration": {"written": "after training"}}))
+    calibrated = (out / "config.json").read_bytes()
+    monkeypatch.chdir(tmp_path)  # the same folders, given relative to another working directory
+    relative = [str(Path(a).relative_to(tmp_path)) if a.startswith(str(tmp_path)) else a for a in run]
+    capsys.readouterr()
+    trainer.main([*relative, "--resume"])
+    assert "finished (4 steps); its checkpoint is left as it is" in capsys.readouterr().out
+    assert (out / "model.safetensors").read_bytes() == first and (out / "config.json").read_bytes() == calibrated
 
 
 def test_self_written_prompts_feed_datagen(tmp_path, capsys):

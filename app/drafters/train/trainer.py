@@ -413,6 +413,30 @@ def data_model(folders: Sequence[Path], model: str | None) -> str:
     return model_reference(model)
 
 
+PATH_FLAGS = ("data", "out", "init")  # the trainer's path flags, kept absolute in the run's flags
+
+
+def _run_flags(flags: dict) -> dict:
+    """The flags that identify a run (``RUN_FILE``; ``--resume`` compares them): JSON values, the paths absolute, so
+    that a relative and an absolute path to one folder, or runs from different directories, compare equal."""
+    flags = json.loads(json.dumps({k: v for k, v in flags.items() if k != "resume"}, default=str))
+    for key in PATH_FLAGS:
+        value = flags.get(key)
+        if isinstance(value, list):
+            flags[key] = [str(Path(v).resolve()) for v in value]
+        elif value is not None:
+            flags[key] = str(Path(value).resolve())
+    return flags
+
+
+def finished_steps(state_path: Path) -> int | None:
+    """The steps a training state (``train``'s ``state_path``) did when its run has ended: its schedule done, or
+    stopped on time or a plateau; None while it has steps left."""
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    done = len(state["result"]["history"])
+    return done if state["result"]["stopped"] is not None or done >= state["run"]["total"] else None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, nargs="+", required=True, help="datagen output folder(s)")
@@ -460,14 +484,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as e:
         ap.error(str(e))
     state_path, run_path = args.out / STATE_FILE, args.out / RUN_FILE
-    run_flags = json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "resume"}, default=str))
+    run_flags = _run_flags(vars(args))
     if args.resume:
         if not state_path.is_file():
             ap.error(f"--resume: no training state at {state_path}")
-        if (saved := json.loads(run_path.read_text()) if run_path.is_file() else {}) != run_flags:
+        if (saved := _run_flags(json.loads(run_path.read_text())) if run_path.is_file() else {}) != run_flags:
             diff = {k: (saved.get(k), run_flags.get(k)) for k in saved.keys() | run_flags.keys()
                     if saved.get(k) != run_flags.get(k)}
             ap.error(f"--resume: flags differ from the run in {args.out} (saved, given): {diff}")
+        if (done := finished_steps(state_path)) is not None and (args.out / "config.json").is_file():
+            print(f"--resume: the run in {args.out} finished ({done} steps); its checkpoint is left as it is "
+                  "(with any calibration, draft vocabulary and lookup table written into it since)")
+            return
     else:
         state_path.unlink(missing_ok=True)  # a new run
     init_doc: dict = {}

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from app.drafters.config import DrafterConfig, EagleConfig
 from app.drafters.dspark import DSparkDrafter
@@ -78,7 +78,7 @@ def test_shard_features_match_the_target_and_labels_align(engine, seqs):
 
 def test_target_topk_is_the_softmax_top_k_computed_once_per_shard(engine, data_folder, tmp_path):
     """The cached top-k equals the exact softmax's top-k; a second load reads the cache (no LM-head call); another
-    k or another model computes afresh."""
+    k, another model or a shard generated again computes afresh."""
     folder = tmp_path / "data"
     folder.mkdir()
     (folder / "shard-0000.safetensors").write_bytes((data_folder / "shard-0000.safetensors").read_bytes())
@@ -100,6 +100,11 @@ def test_target_topk_is_the_softmax_top_k_computed_once_per_shard(engine, data_f
     made = len(calls)
     load_shards(folder, topk=replace(target_topk(engine, k=4, calls=calls), model="another-model"), progress=False)
     assert len(calls) > made  # another target
+    shard = load_file(str(folder / "shard-0000.safetensors"))  # generated again: other answers of the same length
+    save_file({**shard, "tokens": shard["tokens"].flip(0).contiguous()}, str(folder / "shard-0000.safetensors"))
+    made = len(calls)
+    load_shards(folder, topk=replace(target_topk(engine, k=4, calls=calls), model="another-model"), progress=False)
+    assert len(calls) > made  # another shard content, with as many rows
     assert sorted(p.name for p in folder.iterdir()) == ["shard-0000.safetensors", "topk4-shard-0000.safetensors",
                                                         "topk8-shard-0000.safetensors"]
 

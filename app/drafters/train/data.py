@@ -10,6 +10,7 @@ Shape symbols: B sequences, M anchors per sequence, K block size, T longest sequ
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,7 @@ class TargetTopK:
 
     Computed once per shard from the stored final-layer slice of the features and kept beside the shard
     (``topk_path``), so a resumed or repeated training run does not run the target's LM head over the vocabulary
-    again; a cache made for another ``model`` or ``k``, or for other rows, is recomputed.
+    again; a cache made for another ``model`` or ``k``, or for other tokens (a shard generated again), is recomputed.
     """
 
     logits_fn: Callable[[torch.Tensor], torch.Tensor]  # [N, Dm] final hidden -> [N, V] float32 logits
@@ -110,13 +111,16 @@ class TargetTopK:
         return shard.with_name(f"topk{self.k}-{shard.name}")
 
     @torch.no_grad()
-    def of_shard(self, shard: Path, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """([R, k] int64 ids, [R, k] float32 probabilities) of the shard's R rows, from the cache when it matches.
+    def of_shard(self, shard: Path, features: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([R, k] int64 ids, [R, k] float32 probabilities) of the shard's R rows (``features`` [R, F], ``tokens``
+        [R] the shard's token ids, whose SHA-256 identifies the shard's content in the cache), from the cache when it
+        matches.
 
         p_j = exp(l_j - logsumexp(l)) of the k largest logits l_j: the softmax's top-k without materialising it.
         """
         path = self.topk_path(shard)
-        meta = {"model": self.model, "k": str(self.k), "rows": str(features.shape[0])}
+        digest = hashlib.sha256(tokens.contiguous().numpy().tobytes()).hexdigest()
+        meta = {"model": self.model, "k": str(self.k), "rows": str(features.shape[0]), "tokens_sha256": digest}
         if path.is_file():
             with safe_open(str(path), framework="pt") as f:
                 if f.metadata() == meta:
@@ -150,7 +154,7 @@ def load_shards(folders: Path | str | list[Path] | list[str], *, topk: TargetTop
         off = shard["offsets"].tolist()
         ids = probs = None
         if topk is not None:
-            ids, probs = topk.of_shard(path, shard["features"])
+            ids, probs = topk.of_shard(path, shard["features"], shard["tokens"])
         for i, p in enumerate(shard["prompt_lens"].tolist()):
             lo, hi = off[i], off[i + 1]
             if hi - lo - p >= 2:  # at least one anchor with a label

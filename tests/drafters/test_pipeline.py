@@ -189,7 +189,7 @@ def test_datagen_answers_do_not_depend_on_the_verify_step(tmp_path):
 
 def test_datagen_resume_keeps_the_shards_written_and_writes_the_rest(tmp_path, capsys):
     """A run stopped after its first shard, resumed in its folder: the same three shards as a run never stopped,
-    the first one not generated again; a resume with other flags is refused."""
+    the first one not generated again; a resume with other flags, or a new run in that folder, is refused."""
     from safetensors.torch import load_file
 
     from app.drafters.train import datagen
@@ -203,7 +203,10 @@ def test_datagen_resume_keeps_the_shards_written_and_writes_the_rest(tmp_path, c
     first = (tmp_path / "part" / "shard-0000.safetensors").stat().st_mtime_ns
     with pytest.raises(SystemExit) as exc:
         datagen.main(["--out", str(tmp_path / "part"), "--resume", "--seed", "1", *common])
-    assert exc.value.code == 2 and "no run with these flags" in capsys.readouterr().err
+    assert exc.value.code == 2 and "no run with these flags (saved, given): {'seed': (0, 1)}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # a new run there: training would read the old shards beside the new
+        datagen.main(["--out", str(tmp_path / "part"), "--max-tokens", "4", *common[:-6], *common[-4:]])
+    assert exc.value.code == 2 and "holds 1 shards of an earlier run: --resume continues" in capsys.readouterr().err
     datagen.main(["--out", str(tmp_path / "part"), "--resume", *common])
     assert (tmp_path / "part" / "shard-0000.safetensors").stat().st_mtime_ns == first
     for i in range(3):

@@ -164,7 +164,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         if saved.get("model"):  # recorded as written by an older run
             saved["model"] = model_reference(saved["model"])
         if {k: saved.get(k) for k in plan} != plan:
-            ap.error(f"--resume: {args.out} holds no run with these flags (its meta.json: {saved or 'none'})")
+            diff = {k: (saved.get(k), plan[k]) for k in plan if saved.get(k) != plan[k]}
+            ap.error(f"--resume: {args.out} holds no run with these flags (saved, given): "
+                     f"{diff if saved else 'no meta.json'}")
+    elif old_shards := sorted(args.out.glob("shard-*.safetensors")):  # training would read them beside the new ones
+        ap.error(f"--out {args.out} holds {len(old_shards)} shards of an earlier run: --resume continues that run "
+                 "(same flags); to start anew, remove its shard-* and topk*-shard-* files or choose another folder")
     try:
         picked = pick_prompts(per_set, seed=args.seed, datasets_dir=args.datasets_dir)
     except (ValueError, FileNotFoundError) as e:

@@ -33,7 +33,8 @@ from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.types import SamplingParams, batch_accepted_length
 from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
-from app.eval.evaluate import RecordingProposer, positive_int, summarize
+from app.argtypes import non_negative_float, positive_int
+from app.eval.evaluate import RecordingProposer, summarize
 
 
 def parse_drafter(spec: str) -> tuple[str, Path]:
@@ -143,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--ngram-min", type=positive_int, default=2, help="shortest suffix n-gram matched")
     ap.add_argument("--ngram-max", type=positive_int, default=4, help="longest suffix n-gram matched")
     ap.add_argument("--sets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy")
     ap.add_argument("--gamma", type=positive_int, default=7,
                     help="draft tokens per round (a drafter's block size caps it)")
     ap.add_argument("--limit", type=positive_int, default=None, help="first N prompts of each set")

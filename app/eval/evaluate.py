@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from app.argtypes import non_negative_float, positive_int
 from app.drafters.calibration import auc, ece, prefix_survival
 from app.drafters.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, read_checkpoint_config
 from app.drafters.lookup import LookupHybridProposer, read_lookup_rates
@@ -170,22 +172,11 @@ def markdown(rows: list[dict], gamma: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (raises ``argparse.ArgumentTypeError``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     ap.add_argument("--sets", nargs="+", default=list(EVAL_SETS), choices=list(EVAL_SETS))
-    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7, 1.0])
+    ap.add_argument("--temperatures", nargs="+", type=non_negative_float, default=[0.0, 0.7, 1.0])
     ap.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES),
                     help="accept rules of the sampled rows: rejection (unseeded requests), coupling (seeded ones)")
     ap.add_argument("--gamma", type=positive_int, default=7, help="draft tokens per round")
@@ -222,6 +213,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         return proposer if rates is None else LookupHybridProposer(proposer, rates)
 
     gamma = min(args.gamma, drafter.config.block_size)  # MTP-1 drafts one token whatever --gamma says
+    if gamma < args.gamma:
+        print(f"--gamma {args.gamma}: {args.checkpoint} drafts at most {gamma} tokens a round; evaluated at {gamma}",
+              file=sys.stderr)
     rows = []
     jobs = [(s, t, rule) for s in args.sets for t in args.temperatures for rule in (args.rules if t > 0 else [None])]
     for set_name, temperature, rule in tqdm(jobs, desc="evaluate"):

@@ -133,6 +133,7 @@ def test_trainer_names_an_unknown_config_field(tmp_path, capsys):
     from app.drafters.train.trainer import main
 
     tiny_target(tmp_path / "target")
+    (tmp_path / "shard-0000.safetensors").write_bytes(b"")  # never read: the config is refused first
     with pytest.raises(SystemExit) as exc:
         main(["--data", str(tmp_path), "--out", str(tmp_path / "ckpt"), "--model", str(tmp_path / "target"),
               "--config", '{"hed": "rnn"}'])
@@ -310,3 +311,71 @@ def test_clean_prompt_keeps_the_first_paragraph_without_labels(text, expected):
     from app.drafters.train.self_prompts import clean_prompt
 
     assert clean_prompt(text, min_chars=5) == expected
+
+
+@pytest.mark.parametrize("tool, argv, message", [
+    ("trainer", ["--steps", "0"], "argument --steps: expected an integer >= 1, got 0"),
+    ("trainer", ["--batch-seqs", "0"], "argument --batch-seqs: expected an integer >= 1, got 0"),
+    ("trainer", ["--anchors", "0"], "argument --anchors: expected an integer >= 1, got 0"),
+    ("trainer", ["--max-minutes", "-1"], "argument --max-minutes: expected a number > 0, got -1"),
+    ("trainer", ["--lr", "-1"], "argument --lr: expected a number > 0, got -1"),
+    ("trainer", ["--heldout", "0"], "argument --heldout: expected a fraction in (0, 0.5], got 0"),
+    ("trainer", ["--heldout", "1"], "argument --heldout: expected a fraction in (0, 0.5], got 1"),
+    ("trainer", ["--target-topk", "0"], "argument --target-topk: expected an integer >= 1, got 0"),
+    ("calibrate", ["--anchors", "0"], "argument --anchors: expected an integer >= 1, got 0"),
+    ("calibrate_lookup", ["--max-ngram", "0"], "argument --max-ngram: expected an integer >= 1, got 0"),
+    ("calibrate_lookup", ["--positions", "0"], "argument --positions: expected an integer >= 1, got 0"),
+    ("datagen", ["--max-tokens", "0"], "argument --max-tokens: expected an integer >= 1, got 0"),
+    ("datagen", ["--temperature", "-1"], "argument --temperature: expected a number >= 0, got -1"),
+    ("datagen", ["--max-batch", "0"], "argument --max-batch: expected an integer >= 1, got 0"),
+    ("evaluate", ["--temperatures", "0", "-1"], "argument --temperatures: expected a number >= 0, got -1"),
+])
+def test_bad_flag_values_are_usage_errors_naming_them(tmp_path, capsys, tool, argv, message):
+    """Each was a traceback from deep inside the run (ZeroDivisionError, IndexError, a reshape error) or, for
+    --heldout 1 and --positions 0, a run that went on with a meaningless value."""
+    import importlib
+
+    module = importlib.import_module(f"app.eval.{tool}" if tool == "evaluate" else f"app.drafters.train.{tool}")
+    required = {"trainer": ["--data", str(tmp_path), "--out", str(tmp_path / "out")],
+                "calibrate": ["--checkpoint", str(tmp_path), "--data", str(tmp_path)],
+                "calibrate_lookup": ["--checkpoint", str(tmp_path), "--greedy-data", str(tmp_path)],
+                "datagen": ["--out", str(tmp_path / "data")], "evaluate": []}[tool]
+    with pytest.raises(SystemExit) as exc:
+        module.main([*required, *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_data_the_tools_would_misread_is_refused(tmp_path, capsys):
+    """Training data that is not there or given twice, a top-k wider than the vocabulary, calibration on data the
+    checkpoint was not trained on, and greedy answers given as sampled ones to the lookup table; a --gamma longer
+    than the checkpoint's block is evaluated at the block, and says so."""
+    from app.drafters.train import calibrate, calibrate_lookup, datagen, trainer
+    from app.eval import evaluate
+
+    tiny_target(tmp_path / "target")
+    prompt_files(tmp_path / "datasets")
+    for name, seed in (("data", "0"), ("other", "1")):
+        datagen.main(["--out", str(tmp_path / name), "--model", str(tmp_path / "target"), "--datasets-dir",
+                      str(tmp_path / "datasets"), "--per-set", "gsm8k-train=8", "--max-tokens", "6", "--seed", seed])
+    data, out = str(tmp_path / "data"), tmp_path / "ckpt"
+    small = ["--config", json.dumps({"num_layers": 1, "intermediate_size": 64, "rank": 8, "block_size": 4})]
+
+    def refused(main, argv: list[str], message: str) -> None:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+    refused(trainer.main, ["--data", str(tmp_path / "nope"), "--out", str(out)], "--data: no shard-*.safetensors in")
+    refused(trainer.main, ["--data", data, data, "--out", str(out)], "--data: data folder")
+    refused(trainer.main, ["--data", data, "--out", str(out), "--target-topk", "100000", *small],
+            "--target-topk 100000 exceeds the target's vocabulary of")
+    trainer.main(["--data", data, "--out", str(out), "--steps", "2", "--batch-seqs", "2", "--anchors", "2",
+                  "--heldout", "0.25", *small])
+    refused(calibrate.main, ["--checkpoint", str(out), "--data", str(tmp_path / "other")],
+            f"--data {tmp_path / 'other'} is not what {out} was trained on ({data})")
+    refused(calibrate_lookup.main, ["--checkpoint", str(out), "--greedy-data", data, "--sampled-data", data],
+            f"--sampled-data {data} holds greedy answers (its meta.json: temperature 0.0)")
+    evaluate.main(["--checkpoint", str(out), "--gamma", "12", "--sets", "humaneval", "--temperatures", "0",
+                   "--limit", "1", "--max-tokens", "4", "--datasets-dir", str(tmp_path / "datasets"), "--out",
+                   str(tmp_path / "eval")])
+    assert f"--gamma 12: {out} drafts at most 4 tokens a round; evaluated at 4" in capsys.readouterr().err

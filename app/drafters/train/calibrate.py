@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from tqdm import tqdm
 
+from app.argtypes import positive_int
 from app.drafters.calibration import Calibration, auc, ece, fit_sequential_temperatures, prefix_survival
 from app.drafters.checkpoint import CONFIG, Drafter, load_checkpoint, read_checkpoint_config
 from app.drafters.dspark import DSparkDrafter
-from app.drafters.train.data import Sequence_, load_shards, make_batch
+from app.drafters.train.data import Sequence_, load_shards, make_batch, shard_paths
 from app.drafters.train.trainer import forward_batch, split_heldout
 from app.engine.loader import load_target, resolve_device
 from app.engine.model import TargetModel
@@ -84,13 +86,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--checkpoint", type=Path, required=True, help="checkpoint folder (updated in place)")
     ap.add_argument("--data", type=Path, nargs="+", required=True,
                     help="the datagen folder(s) the checkpoint was trained on, in the same order")
-    ap.add_argument("--anchors", type=int, default=64, help="anchors per held-out sequence")
+    ap.add_argument("--anchors", type=positive_int, default=64, help="anchors per held-out sequence")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     try:
         doc = read_checkpoint_config(args.checkpoint)
     except (FileNotFoundError, ValueError) as e:
         ap.error(f"--checkpoint: {e}")
+    try:
+        shard_paths(args.data)
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(f"--data: {e}")
+    trained = (doc.get("metadata") or {}).get("train", {}).get("data")
+    if trained and [Path(f).resolve() for f in trained] != [Path(f).resolve() for f in args.data]:
+        problem = (f"--data {' '.join(map(str, args.data))} is not what {args.checkpoint} was trained on "
+                   f"({' '.join(trained)}): its held-out split would hold other sequences, some of them trained on")
+        if all(Path(f).is_dir() for f in trained):
+            ap.error(problem)
+        print(f"warning: {problem} (or the folders moved: they are not there)", file=sys.stderr)
     device = resolve_device("auto")
     target = load_target(doc["config"]["target"], device=str(device)).model
     drafter, _, meta = load_checkpoint(args.checkpoint, target.embed_tokens.weight, dtype=torch.float32)

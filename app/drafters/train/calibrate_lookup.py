@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from app.argtypes import positive_int
 from app.drafters.checkpoint import CONFIG, read_checkpoint_config
 from app.drafters.lookup import LOOKUP_RATES, LookupRates, fit_lookup_rates
 from app.drafters.train.data import token_sequences
@@ -29,8 +30,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--greedy-data", type=Path, nargs="+", required=True, help="datagen folders of greedy answers")
     ap.add_argument("--sampled-data", type=Path, nargs="*", default=[],
                     help="datagen folders of sampled answers (none: sampled requests use the greedy table)")
-    ap.add_argument("--max-ngram", type=int, default=8, help="longest suffix matched (N)")
-    ap.add_argument("--positions", type=int, default=40, help="random response positions per sequence")
+    ap.add_argument("--max-ngram", type=positive_int, default=8, help="longest suffix matched (N)")
+    ap.add_argument("--positions", type=positive_int, default=40, help="random response positions per sequence")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
@@ -46,6 +47,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
             seqs = token_sequences(folders)
         except (FileNotFoundError, ValueError) as e:
             ap.error(f"--{mode}-data: {e}")
+        for folder in folders:  # greedy and sampled answers repeat differently: each table from its own kind
+            meta = Path(folder) / "meta.json"
+            temperature = json.loads(meta.read_text()).get("temperature") if meta.is_file() else None
+            if temperature is not None and (temperature > 0) != (mode == "sampled"):
+                ap.error(f"--{mode}-data {folder} holds {'sampled' if temperature > 0 else 'greedy'} answers "
+                         f"(its meta.json: temperature {temperature})")
         rates[mode] = fit_lookup_rates(tqdm(seqs, desc=f"lookup {mode}", unit="seq"), max_ngram=args.max_ngram,
                                        gamma=gamma, positions_per_seq=args.positions, seed=args.seed)
         report[mode] = {"data": [str(f) for f in folders], "sequences": len(seqs)}

@@ -38,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from app.argtypes import non_negative_float, positive_int
 from app.loop import generate
 from app.engine.config import EngineConfig, VerifyStep
 from app.engine.engine import TargetEngine
@@ -121,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True, help="output folder for shards and meta.json")
     ap.add_argument("--per-set", nargs="+", default=["gsm8k-train=160", "math500=80", "mbpp=100", "chat=200"],
                     help="NAME=COUNT prompts drawn from each training set (NAME: a set, or a .jsonl prompt file)")
-    ap.add_argument("--max-tokens", type=int, default=256, help="response length limit")
+    ap.add_argument("--max-tokens", type=positive_int, default=256, help="response length limit")
     ap.add_argument("--shard-size", type=int, default=64, help="answers per shard")
     ap.add_argument("--max-shards", type=int, default=None, help="stop after this many shards (a time budget)")
     ap.add_argument("--first-shard", type=int, default=0,
@@ -136,8 +137,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="continue the run in --out (same flags but the budgets): shards already there are kept "
                          "and not generated again")
     ap.add_argument("--samples", type=int, default=1, help="answers per prompt (> 1 needs --temperature > 0)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; > 0: sampled answers")
-    ap.add_argument("--max-batch", type=int, default=32, help="concurrent requests while decoding")
+    ap.add_argument("--temperature", type=non_negative_float, default=0.0,
+                    help="0: greedy answers; > 0: sampled answers")
+    ap.add_argument("--max-batch", type=positive_int, default=32, help="concurrent requests while decoding")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m", help="target model reference (EngineConfig.model)")
     ap.add_argument("--datasets-dir", type=Path, default=DEFAULT_DATASETS_DIR)

@@ -31,10 +31,11 @@ import torch.nn.functional as F
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from app.argtypes import fraction, positive_float, positive_int
 from app.drafters.checkpoint import KINDS, Drafter, load_checkpoint, read_checkpoint_config, save_checkpoint
 from app.drafters.config import target_shape
 from app.drafters.dspark import DSparkDrafter
-from app.drafters.train.data import Batch, Sequence_, TargetTopK, load_shards, make_batch
+from app.drafters.train.data import Batch, Sequence_, TargetTopK, load_shards, make_batch, shard_paths
 from app.engine.hardware import cpu_has_bf16_kernels
 from app.engine.loader import load_target, model_reference, resolve_device
 
@@ -441,15 +442,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, nargs="+", required=True, help="datagen output folder(s)")
     ap.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--batch-seqs", type=int, default=4, help="sequences per step")
-    ap.add_argument("--anchors", type=int, default=32, help="anchors (blocks) per sequence")
-    ap.add_argument("--max-minutes", type=float, default=None,
+    ap.add_argument("--steps", type=positive_int, default=600)
+    ap.add_argument("--batch-seqs", type=positive_int, default=4, help="sequences per step")
+    ap.add_argument("--anchors", type=positive_int, default=32, help="anchors (blocks) per sequence")
+    ap.add_argument("--max-minutes", type=positive_float, default=None,
                     help="wall-clock budget; the lr schedule is fitted into it (see train)")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--gamma-decay", type=float, default=5.0, help="position weight exp(-(k-1)/gamma_decay)")
-    ap.add_argument("--target-topk", type=int, default=32, help="target tokens kept per position for the TV loss")
-    ap.add_argument("--heldout", type=float, default=0.05, help="fraction of sequences held out for calibration")
+    ap.add_argument("--lr", type=positive_float, default=1e-3)
+    ap.add_argument("--gamma-decay", type=positive_float, default=5.0, help="position weight exp(-(k-1)/gamma_decay)")
+    ap.add_argument("--target-topk", type=positive_int, default=32,
+                    help="target tokens kept per position for the TV loss (at most the vocabulary)")
+    ap.add_argument("--heldout", type=fraction(0.5), default=0.05,
+                    help="fraction of sequences held out for calibration (every round(1 / f)-th; at most 0.5)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default=None,
                     help="target model reference (default: the one the --data folders were generated with, from "
@@ -479,6 +482,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in ("eval_every", "eval_batches", "save_every", "patience"):
         if (value := getattr(args, name)) is not None and value < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    try:
+        shard_paths(args.data)  # each folder holds shards, none is given twice
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(f"--data: {e}")
     try:
         args.model = data_model(args.data, args.model)
     except ValueError as e:
@@ -527,6 +534,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         drafter = drafter_cls(config, target.embed_tokens.weight).to(device)
     if args.train_vocab == "draft" and getattr(drafter, "draft_vocab", None) is None:
         ap.error("--train-vocab draft needs --init with a dspark checkpoint that has a draft vocabulary")
+    if args.target_topk > a.vocab_size:
+        ap.error(f"--target-topk {args.target_topk} exceeds the target's vocabulary of {a.vocab_size} tokens")
     topk = TargetTopK(target.logits_from_final_hidden, k=args.target_topk, hidden_size=a.hidden_size, device=device,
                       model=args.model)
     seqs, heldout = split_heldout(load_shards(args.data, topk=topk), args.heldout)

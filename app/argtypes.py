@@ -1,0 +1,51 @@
+"""argparse types shared by the command-line tools: a bad value is a usage error naming it (exit 2), not a traceback
+from deep inside a run."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+
+def _number(text: str, kind: type) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") \
+            from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (raises ``argparse.ArgumentTypeError``)."""
+    value = _number(text, int)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (raises ``argparse.ArgumentTypeError``)."""
+    value = _number(text, float)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0, e.g. a temperature (raises ``argparse.ArgumentTypeError``)."""
+    value = _number(text, float)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def fraction(most: float) -> Callable[[str], float]:
+    """The type of a fraction in (0, ``most``] (raises ``argparse.ArgumentTypeError``)."""
+
+    def parse(text: str) -> float:
+        value = _number(text, float)
+        if not 0 < value <= most:
+            raise argparse.ArgumentTypeError(f"expected a fraction in (0, {most}], got {text}")
+        return value
+
+    return parse

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -366,7 +367,9 @@ def export_deepspec(
     """Write ``drafter`` to folder ``out`` in DeepSpec's format: ``config.json``, ``model.safetensors`` (weights cast to
     ``dtype``, with ``embed_tokens`` / ``lm_head`` from the drafter's embedding and LM head, and ``d2t`` / ``t2d``
     plus the draft-vocabulary rows of ``lm_head`` and ``markov_w2`` when it has a draft vocabulary),
-    ``dspark_calibration.json`` and, with ``profile``, the validated throughput profile as ``dspark_cost_table.json``.
+    ``dspark_calibration.json`` and, with ``profile``, the validated throughput profile as ``dspark_cost_table.json``
+    (without it, a cost table an earlier export left in ``out`` is removed). The profile is read before anything is
+    written.
 
     Returns:
         ``out``.
@@ -374,9 +377,11 @@ def export_deepspec(
     Raises:
         ValueError: the drafter uses an option the format cannot express (``deepspec_config``);
         pydantic.ValidationError: ``profile`` does not match the profile schema.
+        FileNotFoundError: no file at ``profile``.
     """
     from app.scheduling.profile import load_profile, save_profile
 
+    table = load_profile(profile) if profile is not None else None
     c = drafter.config
     ids = drafter.draft_vocab if isinstance(drafter, DSparkDrafter) else None
     hf = deepspec_config(c, dtype=dtype, draft_vocab_size=None if ids is None else len(ids))
@@ -397,8 +402,10 @@ def export_deepspec(
     save_file(tensors, str(out / WEIGHTS))
     (out / CONFIG).write_text(json.dumps(hf, indent=2) + "\n")
     (out / CALIBRATION).write_text(json.dumps((calibration or Calibration()).to_json(), indent=2) + "\n")
-    if profile is not None:
-        save_profile(load_profile(profile), out / COST_TABLE)
+    if table is not None:
+        save_profile(table, out / COST_TABLE)
+    else:
+        (out / COST_TABLE).unlink(missing_ok=True)  # an earlier export's, which would describe another drafter
     return out
 
 
@@ -430,8 +437,18 @@ def main(argv: list[str] | None = None) -> None:
         deepspec_config(KINDS[kind][0].model_validate(doc["config"]), dtype=dtype)  # refuse before loading the target
     except (FileNotFoundError, ValueError) as err:  # pydantic's ValidationError is a ValueError
         e.error(str(err))
-    model = TargetEngine(EngineConfig(model=args.target or doc["config"]["target"], max_num_seqs=1,
-                                      max_model_len=64)).model
+    target = args.target or doc["config"]["target"]
+    if args.profile is not None:
+        from app.scheduling.profile import load_profile, model_matches
+
+        try:
+            measured_for = load_profile(args.profile).provenance.model
+        except (FileNotFoundError, ValueError) as err:
+            e.error(f"--profile: {err}")
+        if not model_matches(measured_for, target):
+            print(f"warning: --profile {args.profile} was measured for {measured_for!r}, the drafter's target is "
+                  f"{target!r}: its costs are another model's", file=sys.stderr)
+    model = TargetEngine(EngineConfig(model=target, max_num_seqs=1, max_model_len=64)).model
     drafter, calibration, _ = load_checkpoint(args.checkpoint, model.embed_tokens.weight,
                                               head_weight=model.lm_head.weight, dtype=torch.float32)
     out = export_deepspec(drafter, args.out, calibration=calibration, profile=args.profile, dtype=dtype)

@@ -193,6 +193,11 @@ def test_export_writes_calibration_and_cost_table(target, tmp_path):
     assert json.loads((tmp_path / "out" / "dspark_cost_table.json").read_text()) == json.loads(profile.read_text())
     _, loaded, meta = load_checkpoint(tmp_path / "out", target["embed"])
     assert loaded == calibration and meta["format"] == "deepspec"
+    export_deepspec(load(FIXTURE / "dspark_vanilla", target), tmp_path / "out")  # again, without a profile
+    assert not (tmp_path / "out" / "dspark_cost_table.json").exists()  # the earlier one described another export
+    with pytest.raises(FileNotFoundError):
+        export_deepspec(load(FIXTURE / "dspark_vanilla", target), tmp_path / "new", profile=tmp_path / "none.json")
+    assert not (tmp_path / "new").exists()  # refused before anything was written
 
 
 def test_export_refuses_options_the_format_cannot_express(target):

@@ -55,6 +55,19 @@ def test_export_cli_writes_a_reference_config(exported):
     assert (exported / "dspark_calibration.json").is_file()
 
 
+def test_export_cli_checks_the_profile_before_it_writes(exported, capsys):
+    """A missing profile is a usage error before the target loads and nothing is written; one measured for another
+    model is shipped with a warning naming both."""
+    ours, out = exported.parent / "ours", exported.parent / "with-profile"
+    with pytest.raises(SystemExit) as exit_:
+        deepspec_cli(["export", str(ours), str(out), "--profile", str(exported.parent / "none.json")])
+    assert exit_.value.code == 2 and "--profile:" in capsys.readouterr().err and not out.exists()
+    profile = Path(__file__).resolve().parents[2] / "profiles" / "roofline-llama-3.1-8b-h200.json"
+    deepspec_cli(["export", str(ours), str(out), "--profile", str(profile)])
+    assert "was measured for 'Llama-3.1-8B', the drafter's target is 'smollm2-135m'" in capsys.readouterr().err
+    assert (out / "dspark_cost_table.json").is_file()
+
+
 @pytest.mark.slow
 def test_served_greedy_run_with_a_deepspec_drafter_is_lossless(engine, exported):
     config = AppConfig(drafter="dspark", drafter_checkpoint=str(exported), prompt_lookup=False, gamma=4)

@@ -352,7 +352,13 @@ class Ingress:
                 if chunk.finish_reason is not None:
                     choice.done = True
                     return None
-                chunk = await choice.stream.__anext__()
+                try:
+                    chunk = await choice.stream.__anext__()
+                except (RayActorError, RayTaskError) as err:  # the target replica died or hung, as in ``_sse``
+                    log.error("target replica failed mid-request: %s", err)
+                    choice.done = True
+                    return ErrorItem(503, "target replica failed mid-request, retry", type="server_error",
+                                     code="unavailable")
                 if isinstance(chunk, ErrorItem):  # the target failed the request after its first chunk
                     choice.done = True
                     return chunk

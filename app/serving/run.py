@@ -30,8 +30,8 @@ DEFAULT_METRICS_PORT = 8080  # Ray's metrics export port (Prometheus scrapes it;
 READY_POLL_S = 1.0  # how often the deployment's status is read until every application runs
 SERVE_DEFAULT_HOST, SERVE_DEFAULT_PORT = "127.0.0.1", 8000  # Serve's http_options defaults
 BUILDER = "app.serving.builder:build_app"  # the import path of this project's applications
-# Serve's graceful shutdown (each replica drains for up to its graceful_shutdown_timeout_s, 20 s by default; Serve
-# gives its controller 30 s), then Ray's
+# Serve's shutdown (each replica waits for up to its graceful_shutdown_timeout_s, 20 s by default, though the
+# proxies' client connections close at once; Serve gives its controller 30 s), then Ray's
 SHUTDOWN_TIMEOUT_S = 60.0
 
 

@@ -418,9 +418,12 @@ PATH_FLAGS = ("data", "out", "init")  # the trainer's path flags, kept absolute 
 
 
 def _run_flags(flags: dict) -> dict:
-    """The flags that identify a run (``RUN_FILE``; ``--resume`` compares them): JSON values, the paths absolute, so
-    that a relative and an absolute path to one folder, or runs from different directories, compare equal."""
+    """The flags that identify a run (``RUN_FILE``; ``--resume`` compares them): JSON values, the paths absolute (a
+    local model as ``model_reference`` records it), so that a relative and an absolute path to one folder, or runs
+    from different directories, compare equal."""
     flags = json.loads(json.dumps({k: v for k, v in flags.items() if k != "resume"}, default=str))
+    if flags.get("model"):
+        flags["model"] = model_reference(flags["model"])
     for key in PATH_FLAGS:
         value = flags.get(key)
         if isinstance(value, list):

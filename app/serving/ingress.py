@@ -94,6 +94,13 @@ def admission_limit(config: AppConfig) -> int:
     return max(1, math.ceil(capacity / config.ingress.num_replicas))
 
 
+def _target_lost(err: Exception, message: str) -> ErrorItem:
+    """The 503 ``unavailable`` answer (``message``) of a request whose target replica died or hung (Serve raises
+    ``err``, a ``RayActorError`` or ``RayTaskError``); logged with its cause."""
+    log.error("%s: %s", message, err)
+    return ErrorItem(503, message, type="server_error", code="unavailable")
+
+
 @dataclass
 class _Choice:
     """One choice of an HTTP request: its target stream and what it has produced."""
@@ -289,9 +296,7 @@ class Ingress:
             return stream, ErrorItem(503, "server overloaded: the target replicas' request queues are full",
                                      type="server_overloaded", code="overloaded")
         except (RayActorError, RayTaskError) as err:
-            log.error("target replica failed: %s", err)
-            return stream, ErrorItem(503, "target replica unavailable, retry", type="server_error",
-                                     code="unavailable")
+            return stream, _target_lost(err, "target replica unavailable, retry")
 
     def _overloaded(self, needed: int) -> JSONResponse | None:
         """The 503 answer when ``needed`` more target requests would pass the admission limit (None: room)."""
@@ -354,11 +359,9 @@ class Ingress:
                     return None
                 try:
                     chunk = await choice.stream.__anext__()
-                except (RayActorError, RayTaskError) as err:  # the target replica died or hung, as in ``_sse``
-                    log.error("target replica failed mid-request: %s", err)
+                except (RayActorError, RayTaskError) as err:
                     choice.done = True
-                    return ErrorItem(503, "target replica failed mid-request, retry", type="server_error",
-                                     code="unavailable")
+                    return _target_lost(err, "target replica failed mid-request, retry")
                 if isinstance(chunk, ErrorItem):  # the target failed the request after its first chunk
                     choice.done = True
                     return chunk
@@ -409,9 +412,7 @@ class Ingress:
             except RequestCancelledError:  # the client went away: the response is being closed, nothing to send
                 return
             except (RayActorError, RayTaskError) as err:
-                log.error("target replica failed mid-stream: %s", err)
-                queue.put_nowait((choice, ErrorItem(503, "target replica failed mid-stream", type="server_error",
-                                                    code="unavailable")))
+                queue.put_nowait((choice, _target_lost(err, "target replica failed mid-stream")))
 
         def event(body: dict) -> str:
             return f"data: {json.dumps(body)}\n\n"

@@ -232,13 +232,12 @@ def main(argv: list[str] | None = None) -> None:
         args = app_args(opts.config, parse_overrides(opts.overrides), opts.app)
     except ValueError as err:
         ap.error(str(err))
-    from app.serving.builder import checked_config
+    from app.serving.run import check_applications
 
-    try:  # what build_app checks, before Ray starts: a bad --set is one line, not tracebacks from inside Ray
-        checked_config(args)
-    except (ValueError, OSError) as err:  # pydantic's ValidationError, the mismatch errors and missing files
+    # what build_app checks, before Ray starts: a bad --set is one line, not tracebacks from inside Ray
+    if refused := check_applications({"applications": [{**application, "args": args}]}):
         sys.exit(f"loadtest.server: bad args for {opts.config} with {opts.overrides or 'no --set'} (nothing "
-                 f"started): {type(err).__name__}: {err}")
+                 f"started): {next(iter(refused.values()))}")
     serve_until_signalled(args, host=opts.host or http.get("host", "127.0.0.1"), port=port, num_cpus=opts.num_cpus,
                           name=application.get("name", "dspark"), route_prefix=application.get("route_prefix", "/"))
 

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from app.argtypes import positive_int
 from app.drafters.checkpoint import CONFIG, read_checkpoint_config
 from app.drafters.lookup import LOOKUP_RATES, LookupRates, fit_lookup_rates
-from app.drafters.train.data import token_sequences
+from app.drafters.train.data import data_meta, token_sequences
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -48,8 +48,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         except (FileNotFoundError, ValueError) as e:
             ap.error(f"--{mode}-data: {e}")
         for folder in folders:  # greedy and sampled answers repeat differently: each table from its own kind
-            meta = Path(folder) / "meta.json"
-            temperature = json.loads(meta.read_text()).get("temperature") if meta.is_file() else None
+            temperature = data_meta(folder).get("temperature")
             if temperature is not None and (temperature > 0) != (mode == "sampled"):
                 ap.error(f"--{mode}-data {folder} holds {'sampled' if temperature > 0 else 'greedy'} answers "
                          f"(its meta.json: temperature {temperature})")

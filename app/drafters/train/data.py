@@ -11,6 +11,7 @@ Shape symbols: B sequences, M anchors per sequence, K block size, T longest sequ
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,13 @@ class Batch:
     topk_ids: torch.Tensor | None = None
     # [B, M, K, Kt] their target probabilities
     topk_probs: torch.Tensor | None = None
+
+
+def data_meta(folder: Path | str) -> dict:
+    """What datagen recorded of the run that wrote ``folder`` (its ``meta.json``: the target ``model``, the
+    ``temperature``, counts); {} for a folder without one."""
+    meta = Path(folder) / "meta.json"
+    return json.loads(meta.read_text()) if meta.is_file() else {}
 
 
 def shard_paths(folders: Path | str | list[Path] | list[str]) -> list[Path]:

@@ -35,7 +35,7 @@ from app.argtypes import fraction, positive_float, positive_int
 from app.drafters.checkpoint import KINDS, Drafter, load_checkpoint, read_checkpoint_config, save_checkpoint
 from app.drafters.config import target_shape
 from app.drafters.dspark import DSparkDrafter
-from app.drafters.train.data import Batch, Sequence_, TargetTopK, load_shards, make_batch, shard_paths
+from app.drafters.train.data import Batch, Sequence_, TargetTopK, data_meta, load_shards, make_batch, shard_paths
 from app.engine.hardware import cpu_has_bf16_kernels
 from app.engine.loader import load_target, model_reference, resolve_device
 
@@ -398,8 +398,7 @@ def data_model(folders: Sequence[Path], model: str | None) -> str:
     Raises:
         ValueError: the folders record different targets, or not ``model``.
     """
-    recorded = {json.loads(meta.read_text()).get("model") for meta in (Path(f) / "meta.json" for f in folders)
-                if meta.is_file()} - {None}
+    recorded = {data_meta(f).get("model") for f in folders} - {None}
     if len(recorded) > 1:
         raise ValueError(f"--data folders were generated with different targets: {sorted(recorded)}")
     if model is None:
@@ -502,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             diff = {k: (saved.get(k), run_flags.get(k)) for k in saved.keys() | run_flags.keys()
                     if saved.get(k) != run_flags.get(k)}
             ap.error(f"--resume: flags differ from the run in {args.out} (saved, given): {diff}")
-        if (done := finished_steps(state_path)) is not None and (args.out / "config.json").is_file():
+        if (args.out / "config.json").is_file() and (done := finished_steps(state_path)) is not None:
             print(f"--resume: the run in {args.out} finished ({done} steps); its checkpoint is left as it is "
                   "(with any calibration, draft vocabulary and lookup table written into it since)")
             return

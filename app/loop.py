@@ -604,8 +604,9 @@ class SpecLoop:
         return res
 
     def fail_over(self, request_ids: Sequence[str], cause: str) -> list[str]:
-        """Move speculating requests to plain decoding for the rest of their life (their lookup history is dropped
-        now; their drafter state is not touched: the caller knows whether the drafter still holds it).
+        """Move speculating requests to plain decoding for the rest of their life (their lookup history and the
+        drafter hooks not yet sent for them are dropped now; drafter state that calls already made is not touched:
+        the caller knows whether the drafter still holds it).
 
         Returns:
             the ids moved (active and speculating, each once).
@@ -619,6 +620,10 @@ class SpecLoop:
                 if self.lookup is not None:
                     self.lookup.finish(rid)
                 moved.append(rid)
+        if moved:
+            gone = set(moved)
+            self._starts = [s for s in self._starts if s.request_id not in gone]
+            self._updates = [out for out in self._updates if out.request_id not in gone]
         return moved
 
     def forget_later(self, request_ids: Sequence[str]) -> None:

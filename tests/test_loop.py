@@ -152,6 +152,19 @@ def test_cancel_frees_the_slot_and_tells_the_drafter_fail_over_stops_speculation
     assert [o.request_id for o in loop.take_call().updates] == ["c"]  # b no longer speculates
 
 
+def test_fail_over_drops_the_hooks_not_yet_sent_for_the_moved_requests():
+    """A request moved to plain decoding before its start reached the drafter (the target backs off from a drafter
+    that stopped answering) leaves nothing behind to send: its prompt features are not kept for a later call."""
+    engine = mock_engine()
+    loop = SpecLoop(engine, gamma=GAMMA, speculates=True)
+    loop.admit([NewRequest(rid, [4], SamplingParams(max_tokens=20)) for rid in ("a", "b")])
+    loop.step(None)
+    assert loop.fail_over(["a"], "drafter_backoff") == ["a"]
+    call = loop.take_call()
+    assert [s.request_id for s in call.starts] == ["b"] and [o.request_id for o in call.updates] == ["b"]
+    assert call.finished == []  # the drafter never saw "a"
+
+
 def test_lookup_draft_is_chosen_where_it_expects_more():
     """A request whose own context repeats drafts by prompt lookup when the drafter's block is weaker."""
     from app.drafters.lookup import PromptLookup

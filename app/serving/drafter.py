@@ -143,6 +143,12 @@ class DrafterReplica:
         reply = await self._torch.run(self.core.draft, call)
         return check_reply(reply, gamma=self.core.config.gamma)
 
+    async def ping(self, replica_key: str | None = None) -> int:
+        """The number of requests this replica holds state for, answered from its torch thread (so a replica whose
+        thread is stuck does not answer): a target's drafter client probes a replica that stopped answering with it.
+        ``replica_key`` only steers routing."""
+        return await self._torch.run(lambda: self.core.num_states)
+
     def debug_state(self) -> dict:
         """Requests this replica holds drafter state for (leak checks) and where it runs (placement checks)."""
         return {"states": self.core.num_states, "node_id": ray.get_runtime_context().get_node_id()}

@@ -3,13 +3,18 @@
 Owns: the call to the Drafter replica (pinned to this target replica by its replica key, ``router.py``) or to the
 colocated ``DrafterCore`` on the replica's torch thread; the call's timeout; choosing Ray's object store over Serve's
 gRPC data plane for a call whose message or answer could pass the transport's limit; and turning every way a call
-can fail into one of ``DRAFTER_FAILURES`` with a cause label (``fallback_cause``). Does not own: what a call carries
-(``app.loop.DraftCall``, assembled by the loop) or what a failure does to requests (the replica's fail-over).
+can fail into one of ``DRAFTER_FAILURES`` with a cause label (``fallback_cause``); and backing off a Drafter replica
+that stopped answering (a call timed out, found it gone, or was refused by back pressure): ``reachable`` turns False
+and a background probe calls the replica, at growing intervals, until it answers, so that rounds do not each wait out
+a timeout while the replica is restarted. Does not own: what a call carries (``app.loop.DraftCall``, assembled by the
+loop) or what a failure or a backoff does to requests (the replica's fail-over).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from typing import Awaitable, Callable
 
 import grpc
@@ -25,6 +30,16 @@ from app.serving.protocol import DraftReplyTooLargeError, call_bytes, reply_byte
 # replica messages stop at 4 MiB by default (``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH``): a long prompt's features
 # alone take 6 MB on SmolLM2-135M. A quarter of the limit leaves room for what the bounds do not model.
 BY_REFERENCE_BYTES = 1 << 20
+
+# A failed call of these causes says the Drafter replica does not answer (dead, restarting, hung or overloaded): the
+# client backs off. The others (``transport``, ``reply_too_large``, ``drafter_error``, ``cancelled``) concern one call.
+BACKOFF_CAUSES = frozenset({"timeout", "drafter_unavailable", "drafter_overloaded"})
+# While backing off, the first probe goes out after PROBE_FIRST_S seconds; each probe that fails doubles the wait, up
+# to PROBE_MAX_S, which bounds how long a replaced replica stays unused once it is ready.
+PROBE_FIRST_S = 0.5
+PROBE_MAX_S = 10.0
+
+log = logging.getLogger("ray.serve")
 
 
 class ColocatedDrafterError(RuntimeError):
@@ -78,12 +93,13 @@ class DrafterClient:
         run: runs a function on the replica's torch thread and awaits it (the colocated drafter's calls).
         replica_id: this target replica's id, the routing key that pins its calls to one Drafter replica.
         gamma: the block size (the bound on an answer's size).
-        timeout_s: a Drafter replica call's limit (seconds).
+        timeout_s: a Drafter replica call's limit, and a probe's (seconds).
         stats: counts calls that went by reference (``by_reference_calls``).
+        on_reachable: called (on the event loop) when a probe finds the replica answering again after a backoff.
     """
 
     def __init__(self, *, handle, colocated: DrafterCore | None, run: Callable[..., Awaitable], replica_id: str,
-                 gamma: int, timeout_s: float, stats) -> None:
+                 gamma: int, timeout_s: float, stats, on_reachable: Callable[[], None] | None = None) -> None:
         if (handle is None) == (colocated is None):
             raise ValueError("a drafter client needs exactly one of a Drafter handle and a colocated drafter")
         self.colocated = colocated
@@ -92,30 +108,72 @@ class DrafterClient:
         self._by_reference = handle.options(_by_reference=True) if handle is not None else None
         self._run, self._key = run, f"target:{replica_id}"
         self._gamma, self._timeout_s, self._stats = gamma, timeout_s, stats
+        self._on_reachable = on_reachable
+        self._probe: asyncio.Task | None = None  # runs while backing off
+        self.backoff_cause: str | None = None  # the cause of the failure that started the backoff under way
+
+    @property
+    def reachable(self) -> bool:
+        """False while backing off from a Drafter replica that stopped answering (module docstring): do not call."""
+        return self.backoff_cause is None
 
     async def draft(self, call: DraftCall) -> DraftRound:
-        """One drafter call.
+        """One drafter call; a failure of one of ``BACKOFF_CAUSES`` starts a backoff (``reachable`` False).
 
         Raises:
             One of ``DRAFTER_FAILURES`` (the cancelled remote call is abandoned).
+            RuntimeError: called while backing off.
         """
         if self.colocated is not None:  # same process: no message, no size limit
             try:
                 return await self._run(self.colocated.draft, call)
             except Exception as err:  # a drafter bug must not take the batch's requests down with it
                 raise ColocatedDrafterError(f"{type(err).__name__}: {err}") from err
+        if not self.reachable:
+            raise RuntimeError(f"drafter call while backing off ({self.backoff_cause}): check `reachable` first")
         by_reference = goes_by_reference(call, gamma=self._gamma)
         self._stats.by_reference_calls += by_reference
         handle = self._by_reference if by_reference else self._handle
         response = handle.draft.remote(call, replica_key=self._key)
         try:
             return await asyncio.wait_for(response, timeout=self._timeout_s)
-        except DRAFTER_FAILURES:
+        except DRAFTER_FAILURES as err:
             response.cancel()
+            self._back_off(err)
             raise
         except Exception as err:
             response.cancel()
             raise RemoteDrafterError(f"{type(err).__name__}: {err}") from err
+
+    def _back_off(self, err: BaseException) -> None:
+        """Stop calling after a failure that says the replica does not answer, and probe it until it does."""
+        cause = fallback_cause(err)
+        if cause not in BACKOFF_CAUSES:
+            return
+        self.backoff_cause = cause
+        log.warning("Drafter replica does not answer (%s: %s: %s); requests decode without it until a probe gets an "
+                    "answer (counted as drafter_backoff in dspark_fallbacks)", cause, type(err).__name__, err)
+        self._probe = asyncio.get_running_loop().create_task(self._probe_until_answered())
+
+    async def _probe_until_answered(self) -> None:
+        """Call the replica's ``ping`` (answered on its torch thread) at doubling intervals until one answers in
+        time; then end the backoff."""
+        started, wait = time.monotonic(), PROBE_FIRST_S
+        while True:
+            await asyncio.sleep(wait)
+            response = self._handle.ping.remote(replica_key=self._key)
+            try:
+                await asyncio.wait_for(response, timeout=self._timeout_s)
+                break
+            except Exception as err:  # any failure means the same here: not answering yet
+                response.cancel()
+                log.debug("Drafter probe failed: %s: %s", type(err).__name__, err)
+                wait = min(2 * wait, PROBE_MAX_S)
+        log.warning("Drafter replica answers again after %.1f s of backoff (%s); new requests speculate",
+                    time.monotonic() - started, self.backoff_cause)
+        self.backoff_cause, self._probe = None, None
+        if self._on_reachable is not None:
+            self._on_reachable()
 
     async def forget_colocated(self, request_ids: list[str]) -> None:
         """Drop requests' state from the colocated drafter (after a failed call that may have raised half-way).

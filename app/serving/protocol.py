@@ -24,9 +24,11 @@ if TYPE_CHECKING:  # the drafter call's own types (app/loop.py) need torch; the 
 PICKLE_OVERHEAD = 1024
 
 # Why a request was moved to plain decoding for the rest of its life (``drafter_client.fallback_cause`` for a failed
-# drafter call; ``missing_state``: the drafter answered without the request's state, e.g. after a restart).
+# drafter call; ``missing_state``: the drafter answered without the request's state, e.g. after a restart;
+# ``drafter_backoff``: it would have speculated while the target backed off from a Drafter replica that stopped
+# answering, ``drafter_client.BACKOFF_CAUSES``).
 FALLBACK_CAUSES = ("transport", "timeout", "drafter_unavailable", "drafter_overloaded", "cancelled", "reply_too_large",
-                   "drafter_error", "missing_state")
+                   "drafter_error", "missing_state", "drafter_backoff")
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,7 @@ class TargetReplica:
         self.drafter = DrafterClient(
             handle=drafter if speculates and colocated is None else None, colocated=colocated,
             run=self._run, replica_id=self.replica_id, gamma=config.gamma, timeout_s=config.drafter_timeout_s,
-            stats=self.stats,
+            stats=self.stats, on_reachable=self._wake,
         ) if speculates else None
         self.lookup = self._torch.call(make_prompt_lookup, config) if speculates else None
         self.router = router
@@ -303,6 +303,7 @@ class TargetReplica:
                 "lookup_states": None if self.lookup is None else self.lookup.num_states,
                 "cancelled_pending": len(self._cancelled), "node_id": ray.get_runtime_context().get_node_id(),
                 "guard": None if self.guard is None else self.guard.state(),
+                "drafter_backoff": None if self.drafter is None else self.drafter.backoff_cause,
                 **dataclasses.asdict(self.stats), "drafter_failures": self.stats.drafter_failures}
 
     def record_autoscaling_stats(self) -> dict:
@@ -339,7 +340,7 @@ class TargetReplica:
 
     async def _loop(self) -> None:
         while True:
-            if not (self._waiting or self._running or self._cancelled or self.loop.has_pending_finishes):
+            if not (self._waiting or self._running or self._cancelled or self._finishes_due):
                 self._wakeup.clear()
                 await self._wakeup.wait()
             try:
@@ -347,7 +348,7 @@ class TargetReplica:
                 await self._admit()
                 if self._active:
                     await self._round()
-                elif self.loop.has_pending_finishes and self.loop.speculates:
+                elif self._finishes_due:
                     await self._call_drafter(self.loop.take_call())  # tell the drafter to forget cancelled requests
                 elif self._waiting and not self._prefilling:  # nothing running, yet no slot free: a slot is lost
                     err = RuntimeError(f"no free KV slot with no request running ({len(self._waiting)} waiting)")
@@ -357,6 +358,16 @@ class TargetReplica:
             except Exception as err:  # a bug must cost the requests it touched, not the replica's step loop
                 log.exception("target step loop: unexpected error; failing the running requests")
                 await self._fail(list(self._active.values()) + list(self._prefilling.values()), err)
+
+    @property
+    def _finishes_due(self) -> bool:
+        """Whether a drafter call of finishes only is due (held back while the drafter client backs off)."""
+        return self.loop.has_pending_finishes and self.loop.speculates and self.drafter.reachable
+
+    def _wake(self) -> None:
+        """Wake the step loop (the drafter answers again: finishes held back may be due)."""
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     async def _fail(self, streams: list[_Stream], err: Exception) -> None:
         """End these requests with a 500 error and free their state (the step loop goes on)."""
@@ -476,6 +487,10 @@ class TargetReplica:
         t0 = time.perf_counter()
         batch = len(self._active)
         speculative = self.loop.speculating()
+        if speculative and not self.drafter.reachable:  # new requests since the drafter stopped answering
+            backoff = RuntimeError(f"backing off the Drafter replica ({self.drafter.backoff_cause})")
+            self._fail_over(speculative, backoff, cause="drafter_backoff")
+            speculative = []
         draft_ms, drafted, drafter_called = 0.0, None, False
         speculate = bool(speculative) and (self.guard is None or self.guard.speculate(batch))
         steady = True  # no drafter call, or one that carries a single round of context
@@ -554,9 +569,9 @@ class TargetReplica:
         if first:  # later failures of the same cause are counted, not logged again
             # a colocated drafter's exception is a bug in this process: keep its traceback in the log
             trace = err if isinstance(err, ColocatedDrafterError) else None
-            log.warning("drafter call failed (cause %s: %s: %s); %d requests continue with plain decoding (later "
-                        "failures of this cause are counted in dspark_fallbacks, not logged)", cause,
-                        type(err).__name__, err, len(moved), exc_info=trace)
+            log.warning("%d requests continue with plain decoding (cause %s: %s: %s; later fallbacks of this cause "
+                        "are counted in dspark_fallbacks, not logged)", len(moved), cause, type(err).__name__, err,
+                        exc_info=trace)
         return moved
 
     def _emit(self, stream: _Stream, out: StepOutput) -> None:

@@ -296,10 +296,21 @@ def test_drafter_failure_falls_back_to_plain_decoding(url):
     full = expected_text("hi", n)
     assert full.endswith(stream_text(events))
     assert target_state()["drafter_failures"] >= 1
-    # The replica is replaced; later requests speculate again and state does not leak.
-    wait_until(lambda: httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=10, spec_stats=True),
-                                  headers=AUTH, timeout=30).json()["spec_stats"]["fallback"] is False,
-               timeout_s=60, interval_s=1.0)
+    # While Serve replaces the replica (seconds), new requests decode plain at once instead of each waiting out
+    # drafter_timeout_s; once a probe gets an answer, they speculate again, and state does not leak.
+    causes = []
+
+    def speculates() -> bool:
+        t0 = time.monotonic()
+        stats = httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=10, spec_stats=True), headers=AUTH,
+                           timeout=30).json()["spec_stats"]
+        causes.append((stats["fallback_cause"], time.monotonic() - t0))
+        return stats["fallback"] is False
+
+    wait_until(speculates, timeout_s=60, interval_s=0.5)
+    backed_off = [seconds for cause, seconds in causes if cause == "drafter_backoff"]
+    assert backed_off and max(backed_off) < ARGS["drafter_timeout_s"], causes
+    assert target_state()["drafter_backoff"] is None
     wait_until(lambda: drafter_states() == 0)
 
 

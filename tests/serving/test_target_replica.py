@@ -464,6 +464,50 @@ class _InProcessDrafter:
         return asyncio.ensure_future(self.replica.draft(call))
 
 
+class _RestartingDrafter(_InProcessDrafter):
+    """An in-process Drafter handle whose replica answers nothing, calls nor probes, until ``up_at``
+    (``time.monotonic()``), like a replica being replaced; ``hung`` counts the calls and the probes that got none."""
+
+    def __init__(self, config: AppConfig, up_at: float) -> None:
+        super().__init__(config)
+        self.up_at, self.hung, self.ping = up_at, {"draft": 0, "ping": 0}, SimpleNamespace(remote=self._ping)
+
+    def _down(self, method: str) -> asyncio.Future | None:
+        if time.monotonic() >= self.up_at:
+            return None
+        self.hung[method] += 1
+        return asyncio.get_running_loop().create_future()  # never answered
+
+    def remote(self, call, replica_key=None) -> asyncio.Future:
+        return self._down("draft") or super().remote(call, replica_key)
+
+    def _ping(self, replica_key=None) -> asyncio.Future:
+        return self._down("ping") or asyncio.ensure_future(self.replica.ping(replica_key))
+
+
+def test_a_drafter_that_stops_answering_is_backed_off_and_probed_until_it_answers(monkeypatch):
+    """One call waits out the timeout; requests that arrive while the replica does not answer decode plain at once
+    (``drafter_backoff``) instead of each stalling the batch for a timeout; once a probe gets an answer, new requests
+    speculate again. Output is plain decoding's throughout."""
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
+    monkeypatch.setattr(drafter_client, "PROBE_FIRST_S", 0.05)
+    monkeypatch.setattr(drafter_client, "PROBE_MAX_S", 0.1)
+    config = AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate"})
+    drafter = _RestartingDrafter(config, up_at=time.monotonic() + 1.0)
+    replica = make_replica(monkeypatch, drafter, drafter_placement="separate", drafter_timeout_s=0.3)
+    plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
+    lengths, delays = [40, 8, 8, 8, 12], [0.0, 0.4, 0.5, 0.6, 2.0]
+    results, expected = run_requests(replica, lengths, delays), run_requests(plain, lengths)
+    assert [[t for item in items for t in item.token_ids] for items in results] == \
+        [[t for item in items for t in item.token_ids] for items in expected]
+    causes = [items[-1].spec.fallback_cause for items in results]
+    assert causes == ["timeout", "drafter_backoff", "drafter_backoff", "drafter_backoff", None], causes
+    assert replica.stats.fallbacks == {"timeout": 1, "drafter_backoff": 3}
+    assert drafter.hung["draft"] == 1 and 1 <= drafter.hung["ping"] <= 4, drafter.hung  # not a call per request
+    assert replica.drafter.reachable and results[-1][-1].spec.accepted_tokens > 0
+
+
 def test_drafter_calls_whose_message_or_answer_may_be_large_go_by_reference(monkeypatch):
     """Over Serve's gRPC data plane a message past 4 MiB fails, in either direction: a long prompt's features alone
     are 6 MB on SmolLM2, and an answer's size grows with the requests it drafts."""

@@ -160,6 +160,12 @@ class AppConfig(BaseModel):
         5.0, gt=0, description="A call to a Drafter replica slower than this fails over to plain decoding for its "
         "requests (separate placement; a colocated drafter runs on the engine's thread and has no timeout).",
     )
+    step_timeout_s: float = Field(
+        120.0, gt=0, description="A replica whose torch thread has been in one call (a round, a prefill piece, a "
+        "drafter call) for longer than this is stuck: it fails Serve's health check, so Serve replaces it, and a "
+        "Target stops reporting its load, so the Router sends it no new request (vLLM's engine iteration timeout is "
+        "the same idea). Keep it above the slowest legitimate step, e.g. a first step that compiles.",
+    )
 
     # ------------------------------------------------------------------ placement
     target: Placement = Field(

@@ -31,7 +31,7 @@ from app.loop import DraftCall, DraftRound, ProposerHost
 from app.serving.config import AppConfig
 from app.serving.metrics import DrafterMetrics
 from app.serving.protocol import check_reply
-from app.serving.torch_thread import TorchThread, intra_op_threads
+from app.serving.torch_thread import TorchThread, intra_op_threads, stuck_thread
 
 log = logging.getLogger("ray.serve")
 
@@ -142,6 +142,16 @@ class DrafterReplica:
         """
         reply = await self._torch.run(self.core.draft, call)
         return check_reply(reply, gamma=self.core.config.gamma)
+
+    def check_health(self) -> None:
+        """Serve's health check: unhealthy (the replica is replaced) while its torch thread is stuck in one call for
+        longer than ``step_timeout_s``.
+
+        Raises:
+            RuntimeError: the torch thread is stuck.
+        """
+        if (stuck := stuck_thread(self._torch, "drafter", self.core.config.step_timeout_s)) is not None:
+            raise RuntimeError(stuck)
 
     async def ping(self, replica_key: str | None = None) -> int:
         """The number of requests this replica holds state for, answered from its torch thread (so a replica whose

@@ -54,7 +54,7 @@ from app.serving.drafter_client import (
 from app.serving.protocol import ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText, strip_for_drafter
 from app.serving.router import TargetLoad
 from app.serving.telemetry import TargetTelemetry
-from app.serving.torch_thread import TorchThread, thread_cpu_ms
+from app.serving.torch_thread import TorchThread, stuck_thread, thread_cpu_ms
 
 log = logging.getLogger("ray.serve")
 
@@ -390,15 +390,22 @@ class TargetReplica:
         await self._run(self.loop.cancel, rid)
 
     def check_health(self) -> None:
-        """Serve's health check: unhealthy (the replica is replaced) once the step loop or load reports stopped.
+        """Serve's health check: unhealthy (the replica is replaced) once the step loop or load reports stopped, or
+        the torch thread is stuck (``stuck``).
 
         Raises:
-            RuntimeError: a background task ended.
+            RuntimeError: a background task ended, or the torch thread is stuck.
         """
         for task in self._tasks:
             if task.done():
                 cause = "cancelled" if task.cancelled() else repr(task.exception())
                 raise RuntimeError(f"target background task {task.get_coro().__name__} stopped: {cause}")
+        if (stuck := self.stuck()) is not None:
+            raise RuntimeError(stuck)
+
+    def stuck(self) -> str | None:
+        """Why the replica is stuck (its torch thread has been in one call longer than ``step_timeout_s``), or None."""
+        return stuck_thread(self._torch, "engine", self.config.step_timeout_s)
 
     async def _drop_cancelled(self) -> None:
         for rid in list(self._cancelled):
@@ -620,11 +627,17 @@ class TargetReplica:
 
     async def _report_loop(self) -> None:
         """Push this replica's load to the Router every ``stats_interval_s`` (never on the token path)."""
+        silent = False  # stuck: no reports, so that the Router stops sending requests here
         while True:
             load = self.load()
             self.telemetry.report(active=load.active, queued=load.waiting)
+            stuck = self.stuck()
+            if stuck is not None and not silent:
+                log.error("%s: no more load reports to the Router until it moves again", stuck)
+            silent = stuck is not None
             try:
-                await self.router.report.remote(load)
+                if not silent:
+                    await self.router.report.remote(load)
             except (RayActorError, RayTaskError) as err:
                 log.warning("load report to the Router failed: %s", err)
             await asyncio.sleep(self.config.stats_interval_s)

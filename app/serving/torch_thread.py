@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
@@ -50,14 +51,37 @@ class TorchThread:
             initializer=torch.set_num_threads if num_threads else None,
             initargs=(num_threads,) if num_threads else (),
         )
+        self._busy_since: float | None = None  # time.monotonic() when the call now running started
 
     def call(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on the worker thread, blocking the caller; its exception is re-raised here."""
-        return self._executor.submit(fn, *args).result()
+        return self._executor.submit(self._timed, fn, *args).result()
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """``fn(*args)`` on the worker thread without blocking the running event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)
+
+    def busy_s(self) -> float:
+        """Seconds the call now running on the worker has taken so far (0.0 when none runs): a replica's health check
+        reads it to tell a stuck step from a slow one."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _timed(self, fn: Callable[..., T], *args) -> T:
+        self._busy_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._busy_since = None
+
+
+def stuck_thread(thread: TorchThread, name: str, timeout_s: float) -> str | None:
+    """Why ``thread`` is stuck (one call has run longer than ``timeout_s`` seconds), or None: a replica's health check
+    and load reports ask this."""
+    busy = thread.busy_s()
+    if busy <= timeout_s:
+        return None
+    return f"the {name} thread has been in one call for {busy:.0f} s (step_timeout_s {timeout_s:g})"
 
 
 @contextlib.contextmanager

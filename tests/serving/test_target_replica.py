@@ -325,6 +325,57 @@ def test_a_replica_started_by_serve_reports_its_load_before_its_first_request(mo
     assert len(reports) >= 2 and {(r.replica_id, r.active, r.waiting) for r in reports} == {("target-new", 0, 0)}
 
 
+def test_a_stuck_step_fails_the_health_check_and_stops_load_reports_until_it_moves(monkeypatch):
+    """A step that never returns (a hung kernel, a deadlock) leaves the step loop alive: the health check must see the
+    torch thread stuck, so Serve replaces the replica, and the Router must stop hearing from it."""
+    reports, release = [], threading.Event()
+
+    class Router:
+        class _Report:
+            @staticmethod
+            async def remote(load) -> None:
+                reports.append(time.monotonic())
+
+        report = _Report()
+
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-0")))
+
+    async def main() -> None:
+        replica = target_module.TargetReplica(AppConfig(**MOCK_FIELDS, stats_interval_s=0.02, step_timeout_s=0.3),
+                                              drafter=None, router=Router())
+        verify = replica.engine.verify
+        monkeypatch.setattr(replica.engine, "verify", lambda blocks: release.wait(10) and verify(blocks))
+        request = GenerateRequest(request_id="r0", messages=[{"role": "user", "content": "hi"}],
+                                  params=SamplingParams(max_tokens=4, temperature=0.0))
+        stream = asyncio.ensure_future(_items(replica.generate(request)))
+        try:
+            await asyncio.sleep(0.2)
+            replica.check_health()  # slow, not yet stuck
+            await asyncio.sleep(0.4)
+            stuck = r"engine thread has been in one call for \d+ s \(step_timeout_s 0.3\)"
+            with pytest.raises(RuntimeError, match=stuck):
+                replica.check_health()
+            stuck_at = time.monotonic()
+            await asyncio.sleep(0.2)
+            assert not [t for t in reports if t > stuck_at]
+            release.set()
+            assert num_tokens(await asyncio.wait_for(stream, 10)) == 4
+            replica.check_health()
+            await asyncio.sleep(0.1)
+            assert [t for t in reports if t > stuck_at]  # reports again once it moves
+        finally:
+            release.set()
+            for task in replica._tasks:
+                task.cancel()
+
+    asyncio.run(main())
+
+
+async def _items(stream) -> list:
+    return [item async for item in stream]
+
+
 def test_drafting_runs_with_drafter_threads_and_verify_with_torch_threads(monkeypatch):
     replica = make_replica(monkeypatch, torch_threads=2, drafter_threads=1, draft_gate=False)
     seen = {"propose": set(), "verify": set()}

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import pytest
 
 from app.serving import torch_thread
-from app.serving.torch_thread import TorchThread, thread_cpu_ms
+from app.serving.torch_thread import TorchThread, stuck_thread, thread_cpu_ms
 
 pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
 
@@ -39,3 +40,16 @@ def test_thread_cpu_ms_is_none_without_schedstat(monkeypatch, tmp_path):
     bad.write_text("not numbers\n")
     monkeypatch.setattr(torch_thread, "SCHEDSTAT", str(bad))
     assert thread_cpu_ms() is None
+
+
+def test_busy_s_times_the_call_now_running_and_stuck_thread_names_the_limit():
+    thread, release = TorchThread("t"), threading.Event()
+    assert thread.busy_s() == 0.0 and stuck_thread(thread, "engine", 0.05) is None
+    future = thread._executor.submit(thread._timed, release.wait, 10)
+    time.sleep(0.15)
+    assert thread.busy_s() >= 0.1
+    expected = "the engine thread has been in one call for 0 s (step_timeout_s 0.05)"
+    assert stuck_thread(thread, "engine", 0.05) == expected
+    release.set()
+    assert future.result() is True and thread.busy_s() == 0.0
+    assert thread.call(lambda: 7) == 7 and thread.busy_s() == 0.0

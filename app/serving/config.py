@@ -160,6 +160,11 @@ class AppConfig(BaseModel):
         5.0, gt=0, description="A call to a Drafter replica slower than this fails over to plain decoding for its "
         "requests (separate placement; a colocated drafter runs on the engine's thread and has no timeout).",
     )
+    drafter_state_ttl_s: float = Field(
+        600.0, gt=0, description="A Drafter replica drops the state of a target replica's requests once it has heard "
+        "nothing (no call, no probe) from that target for this long: the target died or was replaced and cannot tell "
+        "it to forget them. A live target with speculating requests calls far more often.",
+    )
     step_timeout_s: float = Field(
         120.0, gt=0, description="A replica whose torch thread has been in one call (a round, a prefill piece, a "
         "drafter call) for longer than this is stuck: it fails Serve's health check, so Serve replaces it, and a "

@@ -13,6 +13,10 @@ one drafter replica for its life. ``colocated`` runs a ``DrafterCore`` inside ea
 engine's torch thread (no Drafter deployment, no call between processes: on a small CPU host each drafter call
 between replicas costs more than drafting itself, see docs/serving.md).
 
+A Drafter replica also keeps track of which target replica (the call's ``replica_key``) started each request: a
+target that dies cannot tell it to forget its requests, so the state of a target not heard from (no call, no probe)
+for ``drafter_state_ttl_s`` is dropped.
+
 Does not own: deciding how much of a draft is verified (the target replica's scheduler).
 
 Shape symbols: B requests in a call, K block size (gamma).
@@ -21,6 +25,7 @@ Shape symbols: B requests in a call, K block size (gamma).
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 import torch
@@ -130,18 +135,37 @@ class DrafterReplica:
         self._torch = TorchThread("drafter", config.torch_threads)
         replica = serve.get_replica_context().replica_id.unique_id
         self.core = self._torch.call(lambda: DrafterCore(config, replica=replica))
+        self._owned: dict[str, set[str]] = {}  # replica_key -> ids of the requests its calls started
+        self._heard: dict[str, float] = {}  # replica_key -> time.monotonic() of its last call or probe
 
     async def draft(self, call: DraftCall, replica_key: str | None = None) -> DraftRound:
         """``DrafterCore.draft`` on the replica's torch thread (calls applied one at a time, in arrival order).
 
-        ``replica_key`` only steers routing.
+        ``replica_key`` steers routing and names the calling target replica (whose state ``drafter_state_ttl_s``
+        ends).
 
         Raises:
             DraftReplyTooLargeError: the answer exceeds the size the target chose its transport by
                 (``protocol.reply_bytes_bound``).
         """
+        owned = self._owned.setdefault(replica_key or "", set())
+        owned.update(start.request_id for start in call.starts)
+        owned.difference_update(call.finished)
+        await self._heard_from(replica_key)
         reply = await self._torch.run(self.core.draft, call)
         return check_reply(reply, gamma=self.core.config.gamma)
+
+    async def _heard_from(self, replica_key: str | None) -> None:
+        """Note a call or probe from ``replica_key``; drop the state of targets silent for ``drafter_state_ttl_s``."""
+        now = time.monotonic()
+        self._heard[replica_key or ""] = now
+        for key in [k for k, at in self._heard.items() if now - at > self.core.config.drafter_state_ttl_s]:
+            del self._heard[key]
+            gone = sorted(self._owned.pop(key, set()))
+            if gone:
+                log.warning("no call from %s for over %g s (drafter_state_ttl_s): dropping the state of its %d "
+                            "requests", key or "a target", self.core.config.drafter_state_ttl_s, len(gone))
+                await self._torch.run(self.core.forget, gone)
 
     def check_health(self) -> None:
         """Serve's health check: unhealthy (the replica is replaced) while its torch thread is stuck in one call for
@@ -156,7 +180,8 @@ class DrafterReplica:
     async def ping(self, replica_key: str | None = None) -> int:
         """The number of requests this replica holds state for, answered from its torch thread (so a replica whose
         thread is stuck does not answer): a target's drafter client probes a replica that stopped answering with it.
-        ``replica_key`` only steers routing."""
+        ``replica_key`` steers routing and names the calling target replica, as in ``draft``."""
+        await self._heard_from(replica_key)
         return await self._torch.run(lambda: self.core.num_states)
 
     def debug_state(self) -> dict:

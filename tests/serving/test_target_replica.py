@@ -24,13 +24,14 @@ import torch
 from ray import serve
 
 from app.drafters.lookup import LookupRates, PromptLookup
+from app.engine.testing import MockEngine, MockEngineConfig
 from app.engine.types import DraftBlock, NewRequest, SamplingParams
 from app.scheduling.guard import SpeculationGuard
 from app.serving import drafter_client
 from app.serving import target as target_module
 from app.serving.config import AppConfig
 from app.serving.drafter import DrafterReplica
-from app.loop import DraftRound
+from app.loop import DraftCall, DraftRound, DraftStart
 from app.serving.protocol import (
     DraftReplyTooLargeError, ErrorItem, GenerateRequest, TextChunk, call_bytes, check_reply, reply_bytes_bound,
 )
@@ -557,6 +558,33 @@ def test_a_drafter_that_stops_answering_is_backed_off_and_probed_until_it_answer
     assert replica.stats.fallbacks == {"timeout": 1, "drafter_backoff": 3}
     assert drafter.hung["draft"] == 1 and 1 <= drafter.hung["ping"] <= 4, drafter.hung  # not a call per request
     assert replica.drafter.reachable and results[-1][-1].spec.accepted_tokens > 0
+
+
+def test_a_drafter_replica_drops_the_state_of_a_target_it_no_longer_hears_from(monkeypatch):
+    """A target that dies cannot send the finishes of its requests: their state would stay on the Drafter replica for
+    good. Past ``drafter_state_ttl_s`` without a call or probe from that target, it is dropped, and only its."""
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
+    drafter = DrafterReplica(AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate"}, drafter_state_ttl_s=0.5))
+    engine = MockEngine(MockEngineConfig(max_num_seqs=8))
+    params = SamplingParams(max_tokens=8)
+
+    def starts(*ids: str) -> list[DraftStart]:
+        firsts = engine.add_requests([NewRequest(rid, [3], params) for rid in ids])
+        return [DraftStart(rid, [3], first, params) for rid, first in zip(ids, firsts)]
+
+    async def main() -> None:
+        await drafter.draft(DraftCall(starts=starts("a1", "a2", "a3")), replica_key="target:a")
+        await drafter.draft(DraftCall(starts=starts("b1", "b2"), finished=[]), replica_key="target:b")
+        await drafter.draft(DraftCall(finished=["a3"]), replica_key="target:a")
+        assert drafter.core.num_states == 4
+        await asyncio.sleep(0.3)
+        assert await drafter.ping(replica_key="target:b") == 4  # b is heard from; a not for 0.3 s
+        await asyncio.sleep(0.3)
+        await drafter.draft(DraftCall(propose=["b1"]), replica_key="target:b")  # a: silent for 0.6 s
+        assert drafter.core.num_states == 2 and drafter.core.host._live == {"b1", "b2"}
+
+    asyncio.run(main())
 
 
 def test_drafter_calls_whose_message_or_answer_may_be_large_go_by_reference(monkeypatch):

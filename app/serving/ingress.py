@@ -40,11 +40,14 @@ from app.serving.openai_api import (
     ChatCompletionRequest, CompletionRequest, chat_logprobs, choice_body, chunk_body, completion_body,
     completion_logprobs, error_body, usage, validation_error,
 )
-from app.serving.protocol import ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText, openai_param
+from app.serving.protocol import (
+    DRAINING, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText, openai_param,
+)
 
 log = logging.getLogger("ray.serve")
 
 MAX_JSON_DEPTH = 64  # deepest nesting of arrays and objects a request body may have (deeper: 400)
+ROUTER_HEALTH_TIMEOUT_S = 2.0  # /health's wait for the Router's drain flag
 
 # redirect_slashes off: a path with a trailing slash is a JSON 404 naming it, not a 307 with an empty body
 app = FastAPI(title="dspark-serve", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -143,7 +146,16 @@ class Ingress:
         self._inflight = 0
 
     @app.get("/health")
-    async def health(self) -> dict:
+    async def health(self):
+        """200 ``{"status": "ok"}``; 503 ``{"status": "draining"}`` once a graceful shutdown drains the server (the
+        Router says so; a Router that does not answer is soft state and leaves the answer at 200, logged)."""
+        try:
+            draining = await asyncio.wait_for(self.router.is_draining.remote(), timeout=ROUTER_HEALTH_TIMEOUT_S)
+        except (RayActorError, RayTaskError, asyncio.TimeoutError) as err:
+            log.warning("/health: Router unavailable, answering as not draining: %r", err)
+            draining = False
+        if draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -285,6 +297,9 @@ class Ingress:
         except (RayActorError, RayTaskError) as err:  # balance is lost, not the request: any replica will do
             log.warning("Router unavailable, default routing: %s", err)
             key = None
+        if key == DRAINING:
+            return None, ErrorItem(503, "server shutting down: not accepting new requests, retry on another server",
+                                   type="server_error", code="unavailable")
         stream = self.target.options(stream=True).generate.remote(generate, replica_key=key)
         try:
             return stream, await stream.__anext__()

@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # the drafter call's own types (app/loop.py) need torch; the 
 # takes about 400 bytes): the bounds below add it per tensor so they stay upper bounds for small batches.
 PICKLE_OVERHEAD = 1024
 
+# The Router's answer to ``choose_target`` once a graceful shutdown drains the server (never a replica id).
+DRAINING = "<draining>"
+
 # Why a request was moved to plain decoding for the rest of its life (``drafter_client.fallback_cause`` for a failed
 # drafter call; ``missing_state``: the drafter answered without the request's state, e.g. after a restart;
 # ``drafter_backoff``: it would have speculated while the target backed off from a Drafter replica that stopped

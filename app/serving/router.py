@@ -3,7 +3,9 @@
 ``Router`` collects load reports that target replicas push every ``stats_interval_s`` (active requests, queue
 length, step time, tokens per step, recent acceptance), computes each replica's load-aware verification
 capacity from the throughput profile, picks the target replica for a new request (one call per request,
-never per token) and exposes a snapshot for metrics and autoscaling.
+never per token) and exposes a snapshot for metrics and autoscaling. It also carries a graceful shutdown's drain:
+once told to ``drain``, it answers ``DRAINING`` instead of a target (the Ingress then refuses the request with a 503)
+and counts the requests still in flight (``in_flight``) for the launcher to wait on.
 
 Load-aware capacity (DSpark Sec. 3.3, the asynchronous variant, evaluated per replica): with B active requests
 and recent per-draft acceptance rate alpha, the expected committed tokens for verify length l are
@@ -32,7 +34,7 @@ from app.scheduling.gain import best_uniform_length
 from app.scheduling.profile import ThroughputProfile, load_profile
 from app.serving.config import AppConfig
 from app.serving.metrics import RouterMetrics
-from app.serving.protocol import SpecCounters
+from app.serving.protocol import DRAINING, SpecCounters
 
 STALE_AFTER_REPORTS = 5  # a replica silent for this many report intervals is dropped from routing
 
@@ -101,6 +103,7 @@ class Router:
         self._assigned: dict[str, int] = {}  # requests sent to a replica since its last report
         self._choices = 0
         self._warned_no_profile = False
+        self.draining = False
         self.metrics = RouterMetrics(policy=config.policy)
 
     def report(self, load: TargetLoad) -> None:
@@ -110,7 +113,10 @@ class Router:
         self.metrics.snapshot(self.snapshot())
 
     def choose_target(self) -> str | None:
-        """The live target replica with the lowest expected load; None before any replica reported."""
+        """The live target replica with the lowest expected load; None before any replica reported; ``DRAINING``
+        once ``drain`` was called."""
+        if self.draining:
+            return DRAINING
         live = self._live()
         if not live:
             return None
@@ -123,6 +129,22 @@ class Router:
         best = min(live, key=score)
         self._assigned[best.replica_id] = self._assigned.get(best.replica_id, 0) + 1
         return best.replica_id
+
+    def drain(self) -> None:
+        """Start a graceful shutdown's drain: from now on ``choose_target`` answers ``DRAINING``."""
+        if not self.draining:
+            log.warning("router: draining: new requests are refused (503) while those in flight finish")
+        self.draining = True
+
+    def is_draining(self) -> bool:
+        """Whether ``drain`` was called (the Ingress's ``/health`` answers 503 then)."""
+        return self.draining
+
+    def in_flight(self) -> int:
+        """Requests the live target replicas held at their last report (running or queued) plus those sent to each
+        since. A request sent just before a report may be missed by that report and counted by the next one, so a
+        drain waits for this to stay 0 over two report intervals."""
+        return sum(load.active + load.waiting + self._assigned.get(load.replica_id, 0) for load in self._live())
 
     def counters(self) -> SpecCounters:
         """The target replicas' counters summed, including replicas that have since gone (so totals never drop

@@ -3,8 +3,10 @@
 What ``serve run`` does (Ray's CLI, run in this process), plus: Ray starts the way this project needs it
 (``local_ray.init_local_ray``: ``SERVE_ENV``; node address and metrics export endpoint on 127.0.0.1 when the YAML's
 HTTP host is a loopback address, on a fixed port), one log line per application says when it is ready to serve,
-with its URL and model, and Ctrl-C (or SIGTERM) shuts Serve and Ray down, waiting at most ``SHUTDOWN_TIMEOUT_S``.
-Exit status 1 when an application fails to deploy or the shutdown does not end in time. The applications this
+with its URL and model, and Ctrl-C (or SIGTERM) drains, then shuts Serve and Ray down, waiting at most
+``SHUTDOWN_TIMEOUT_S``. The drain (``drain``, at most ``--drain-timeout`` seconds; a second Ctrl-C ends it): new
+requests answer 503 and ``/health`` 503 ``draining`` while the requests in flight finish. Exit status 1 when an
+application fails to deploy or the shutdown does not end in time. The applications this
 project builds (``BUILDER``) have their args checked before Ray starts: a bad field fails at once, once, naming it.
 """
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from app.argtypes import non_negative_float
 from app.serving.local_ray import init_local_ray, is_loopback
 
 log = logging.getLogger("dspark.serve")
@@ -33,6 +36,8 @@ BUILDER = "app.serving.builder:build_app"  # the import path of this project's a
 # Serve's shutdown (each replica waits for up to its graceful_shutdown_timeout_s, 20 s by default, though the
 # proxies' client connections close at once; Serve gives its controller 30 s), then Ray's
 SHUTDOWN_TIMEOUT_S = 60.0
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # Kubernetes' default grace period between SIGTERM and SIGKILL
+DRAIN_POLL_S = 0.25  # how often a drain reads the requests still in flight
 
 
 def http_host(config: dict) -> str:
@@ -140,6 +145,47 @@ def shutdown(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
     return not thread.is_alive()
 
 
+def drain(config: dict, timeout_s: float) -> bool:
+    """Drain the applications this project builds (``BUILDER``): their Routers refuse new requests (the Ingress
+    answers 503, ``/health`` 503), then wait, at most ``timeout_s`` seconds, until no request is in flight: the
+    Routers' ``in_flight`` reads 0 over two load-report intervals (a report may miss a request sent just before it).
+    A KeyboardInterrupt (a second Ctrl-C or SIGTERM) ends the wait. Returns whether every request finished."""
+    from ray import serve
+    from ray.exceptions import RayError
+
+    from app.serving.config import AppConfig
+
+    apps = [app for app in config.get("applications", []) if app.get("import_path") == BUILDER]
+    if timeout_s <= 0 or not apps:
+        return False
+    default_interval = AppConfig.model_fields["stats_interval_s"].default  # the args were checked at start
+    settle_s = 2 * max(float((app.get("args") or {}).get("stats_interval_s", default_interval)) for app in apps)
+    left = None
+    try:
+        routers = [serve.get_deployment_handle("Router", app["name"]) for app in apps]
+        for router in routers:
+            router.drain.remote().result(timeout_s=timeout_s)
+        deadline, idle_since = time.monotonic() + timeout_s, None
+        while time.monotonic() < deadline:
+            left = sum(router.in_flight.remote().result(timeout_s=timeout_s) for router in routers)
+            now = time.monotonic()
+            if left:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif now - idle_since >= settle_s:
+                log.info("drained: no request in flight")
+                return True
+            time.sleep(DRAIN_POLL_S)
+        log.warning("drain: %s requests still in flight after %g s (--drain-timeout) lose their connection",
+                    left, timeout_s)
+    except KeyboardInterrupt:
+        log.warning("drain interrupted: %s requests in flight lose their connection", left)
+    except (RayError, TimeoutError) as err:
+        log.warning("drain failed, shutting down without it: %s", err)
+    return False
+
+
 def _interrupt(signum: int, frame) -> None:
     raise KeyboardInterrupt  # SIGTERM shuts down like Ctrl-C (a background job started by a script ignores SIGINT)
 
@@ -149,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", type=Path, help="Serve YAML (deployments/*.yaml)")
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                         help=f"Ray's Prometheus metrics export port (default {DEFAULT_METRICS_PORT}; 0: a free one)")
+    parser.add_argument("--drain-timeout", type=non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                        help="on Ctrl-C or SIGTERM, refuse new requests and wait at most this many seconds for those "
+                             f"in flight before shutting down (default {DEFAULT_DRAIN_TIMEOUT_S:g}; 0: no drain)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = yaml.safe_load(args.config.read_text())
@@ -170,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     init_local_ray(http_host=http_host(config), include_dashboard=None, log_to_driver=True,
                    _metrics_export_port=args.metrics_port or None)
     signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, whose core worker installs its own handler
+    ready = False
     try:
         cli.main(["run", "--non-blocking", str(args.config)], standalone_mode=False)
         failed = wait_until_running([app["name"] for app in config.get("applications", [])])
@@ -179,9 +229,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         for line in ready_lines(config):
             log.info(line)
+        ready = True
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        if ready and args.drain_timeout > 0:
+            log.info("draining: new requests answer 503 while those in flight finish (at most %g s; Ctrl-C again "
+                     "to stop now)", args.drain_timeout)
+            drain(config, args.drain_timeout)
         log.info("shutting down")
         return 0
     finally:

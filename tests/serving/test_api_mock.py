@@ -606,3 +606,35 @@ def test_a_client_gone_before_its_first_token_never_runs(url):
     assert after[finished] - before[finished] == 4 and 4 * 200 <= after[tokens] - before[tokens] < 5 * 200
     state = target_state()
     assert (state["active"], state["waiting"], state["engine_active"]) == (0, 0, 0), state
+
+
+def _router_actor():
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if f"{APP}#Router" in a["name"] and a["namespace"] == "serve"]
+    assert len(names) == 1, names
+    return ray.get_actor(names[0]["name"], namespace="serve")
+
+
+def test_a_drain_refuses_new_requests_with_503_while_those_in_flight_finish(url):
+    """What the launcher's Ctrl-C does before shutting down (``app.serving.run.drain``): a new request gets a JSON 503
+    with Retry-After and ``/health`` a 503 ``draining``, while a stream already running finishes, exactly. The
+    Router is soft state: the one Serve starts in its place serves again (this module's later tests need it)."""
+    router = serve.get_deployment_handle("Router", APP)
+    n = 120
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, timeout=60,
+                      json=chat(max_tokens=n, stream=True)) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if '"content"' in line)
+        router.drain.remote().result()
+        refused = httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=4), headers=AUTH, timeout=30)
+        health = httpx.get(f"{url}/health", timeout=30)
+        events = sse_events(_Lines([first] + list(lines)))
+    assert refused.status_code == 503 and refused.headers["retry-after"] == str(ARGS.get("retry_after_s", 1))
+    assert refused.json()["error"]["code"] == "unavailable" and "shutting down" in refused.json()["error"]["message"]
+    assert health.status_code == 503 and health.json() == {"status": "draining"}
+    assert stream_text(events) == expected_text("hi", n)
+    wait_until(lambda: router.in_flight.remote().result() == 0)
+    ray.kill(_router_actor(), no_restart=False)
+    wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200, timeout_s=60, interval_s=0.5)
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=4), headers=AUTH, timeout=30).status_code \
+        == 200

@@ -12,7 +12,7 @@ import yaml
 
 from app.serving.config import REPO_ROOT
 from app.serving.local_ray import is_loopback
-from app.serving.run import http_host, ready_lines, shutdown
+from app.serving.run import BUILDER, drain, http_host, ready_lines, shutdown
 
 
 def test_make_serve_runs_the_launcher():
@@ -65,6 +65,42 @@ def test_a_shutdown_that_hangs_is_given_up_after_its_timeout(monkeypatch):
             if thread.name == "shutdown":
                 thread.join(5)
     assert calls == ["ray"]
+
+
+class _FakeRouter:
+    """A Router handle whose ``in_flight`` reads ``counts`` one by one (then the last one for ever)."""
+
+    def __init__(self, counts: list[int]) -> None:
+        self.counts, self.drained = list(counts), False
+
+    def __getattr__(self, method: str):
+        def remote():
+            if method == "drain":
+                self.drained = True
+                value = None
+            else:
+                value = self.counts.pop(0) if len(self.counts) > 1 else self.counts[0]
+            return type("Response", (), {"result": lambda self, timeout_s=None: value})()
+        return type("Method", (), {"remote": staticmethod(remote)})()
+
+
+def test_a_drain_waits_until_nothing_is_in_flight_over_two_report_intervals(monkeypatch, caplog):
+    from ray import serve
+
+    routers = {"a": _FakeRouter([2, 1, 0, 0, 0]), "b": _FakeRouter([0])}
+    monkeypatch.setattr(serve, "get_deployment_handle", lambda name, app: routers[app])
+    apps = {"applications": [{"name": "a", "import_path": BUILDER, "args": {"stats_interval_s": 0.1}},
+                             {"name": "b", "import_path": BUILDER}, {"name": "other", "import_path": "x:y"}]}
+    t0 = time.perf_counter()
+    assert drain(apps, timeout_s=10) is True
+    assert routers["a"].drained and routers["b"].drained
+    assert 1.0 <= time.perf_counter() - t0 < 5  # 0 held for 2 x 0.5 s (the slower app's report interval)
+    stuck = {"a": _FakeRouter([1])}
+    monkeypatch.setattr(serve, "get_deployment_handle", lambda name, app: stuck[app])
+    t0 = time.perf_counter()
+    assert drain({"applications": apps["applications"][:1]}, timeout_s=0.5) is False
+    assert time.perf_counter() - t0 < 2 and "1 requests still in flight after 0.5 s" in caplog.text
+    assert drain(apps, timeout_s=0) is False  # --drain-timeout 0: no drain
 
 
 def test_a_deploy_failure_names_the_replicas_error():

@@ -208,6 +208,8 @@ def test_datagen_resume_keeps_the_shards_written_and_writes_the_rest(tmp_path, c
     with pytest.raises(SystemExit) as exc:  # a new run there: training would read the old shards beside the new
         datagen.main(["--out", str(tmp_path / "part"), "--max-tokens", "4", *common[:-6], *common[-4:]])
     assert exc.value.code == 2 and "holds 1 shards of an earlier run: --resume continues" in capsys.readouterr().err
+    meta_path = tmp_path / "part" / "meta.json"  # the first run took 1000 s: the resumed run's time adds to it
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), "seconds": 1000.0}))
     datagen.main(["--out", str(tmp_path / "part"), "--resume", *common])
     assert (tmp_path / "part" / "shard-0000.safetensors").stat().st_mtime_ns == first
     for i in range(3):
@@ -215,6 +217,7 @@ def test_datagen_resume_keeps_the_shards_written_and_writes_the_rest(tmp_path, c
         assert all(torch.equal(full[k], part[k]) for k in full), i
     meta, ref = (json.loads((tmp_path / d / "meta.json").read_text()) for d in ("part", "full"))
     assert meta["sequences"] == ref["sequences"] == 6 and meta["new_tokens"] == ref["new_tokens"]
+    assert meta["seconds"] > 1000.0
 
 
 def test_datagen_stopped_while_writing_leaves_no_shard(tmp_path, monkeypatch):

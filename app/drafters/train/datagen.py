@@ -161,6 +161,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "first_shard": args.first_shard, "samples": args.samples, "temperature": args.temperature,
             "seed": args.seed, "datasets_dir": str(args.datasets_dir)}
     meta_path = args.out / "meta.json"  # the plan at the start, with the counts at the end
+    earlier_s = 0.0  # generation time of the runs this one resumes
     if args.resume:
         saved = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
         if saved.get("model"):  # recorded as written by an older run
@@ -169,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             diff = {k: (saved.get(k), plan[k]) for k in plan if saved.get(k) != plan[k]}
             ap.error(f"--resume: {args.out} holds no run with these flags (saved, given): "
                      f"{diff if saved else 'no meta.json'}")
+        earlier_s = float(saved.get("seconds") or 0.0)
     elif old_shards := sorted(args.out.glob("shard-*.safetensors")):  # training would read them beside the new ones
         ap.error(f"--out {args.out} holds {len(old_shards)} shards of an earlier run: --resume continues that run "
                  "(same flags); to start anew, remove its shard-* and topk*-shard-* files or choose another folder")
@@ -195,9 +197,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if first >= len(ids):
         ap.error(f"--first-shard {args.first_shard}: these flags give only "
                  f"{math.ceil(len(ids) / args.shard_size)} shards of {args.shard_size} answers")
-    meta_path.write_text(json.dumps({**plan, "sequences": None}, indent=2))  # None: still running
+    def running(seconds: float) -> None:  # sequences None: still running; seconds so far, resumed runs' included
+        meta_path.write_text(json.dumps({**plan, "sequences": None, "seconds": round(seconds, 1)}, indent=2))
+
+    running(earlier_s)
     bar = tqdm(total=len(ids) - first, desc="datagen", unit="answer")
-    new_tokens, done, start = 0, 0, time.perf_counter()
+    new_tokens, run_tokens, done, start = 0, 0, 0, time.perf_counter()
     for i in range(first, len(ids), args.shard_size):
         path = args.out / f"shard-{i // args.shard_size:04d}.safetensors"
         if args.resume and path.is_file():  # written before the run stopped
@@ -216,12 +221,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         tmp = path.with_name(f"{path.name}.tmp")  # a run stopped while writing leaves no half shard for --resume
         save_file(shard, str(tmp))
         os.replace(tmp, path)
-        new_tokens += int(shard["offsets"][-1]) - int(shard["prompt_lens"].sum())
+        shard_tokens = int(shard["offsets"][-1]) - int(shard["prompt_lens"].sum())
+        new_tokens, run_tokens = new_tokens + shard_tokens, run_tokens + shard_tokens
+        running(earlier_s + time.perf_counter() - start)
         bar.update(len(chunk))
-        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+        bar.set_postfix(tok_s=f"{run_tokens / (time.perf_counter() - start):.0f}")
     bar.close()
     meta = {**plan, "sequences": done, "new_tokens": new_tokens, "feature_layers": list(engine.model.feature_layers),
-            "verify_step": args.verify_step, "seconds": round(time.perf_counter() - start, 1)}
+            "verify_step": args.verify_step, "seconds": round(earlier_s + time.perf_counter() - start, 1)}
     meta_path.write_text(json.dumps(meta, indent=2))
     print(json.dumps(meta))
 

@@ -288,11 +288,18 @@ class ChatCompletionRequest(_Common):
             raise _unsupported(info.field_name, "no tool calling; only 'none' is accepted")
         return value
 
-    @field_validator("audio", "reasoning_effort", "verbosity", "web_search_options", "moderation")
+    @field_validator("audio", "verbosity", "web_search_options", "moderation")
     @classmethod
     def _not_offered(cls, value: Any, info) -> Any:
         if value is not None:
             raise _unsupported(info.field_name, "this model has no such option")
+        return value
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _no_reasoning(cls, value: Any, info) -> Any:
+        if value not in (None, "none"):  # OpenAI's "none": no reasoning, what this server does
+            raise _unsupported(info.field_name, "this model does not reason; only 'none' is accepted")
         return value
 
     @field_validator("top_logprobs")
@@ -328,7 +335,9 @@ class CompletionRequest(_Common):
     @classmethod
     def _text_prompts(cls, value: Any) -> Any:
         if isinstance(value, list) and any(not isinstance(p, str) for p in value):
-            raise _unsupported("a token-id prompt", "send the prompt as text")
+            if all(isinstance(p, int) or isinstance(p, list) and all(isinstance(t, int) for t in p) for p in value):
+                raise _unsupported("a token-id prompt", "send the prompt as text")
+            raise ValueError("prompt must be a string or a list of strings")
         return value
 
     @field_validator("prompt")

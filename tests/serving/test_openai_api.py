@@ -122,6 +122,17 @@ def test_unsupported_fields_are_400s_naming_them(body, param):
     assert item.message and "Value error" not in item.message
 
 
+def test_neutral_values_of_options_this_server_lacks_are_accepted_and_bad_prompts_named_by_kind():
+    for field, value in (("reasoning_effort", "none"), ("tool_choice", "none"), ("tools", [])):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, field: value})
+    for prompt, message in (([[1, 2], [3]], "a token-id prompt is not supported"),
+                            ([["a"]], "prompt must be a string or a list of strings")):
+        with pytest.raises(ValidationError) as err:
+            CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+        item = validation_error(err.value)
+        assert item.param == "prompt" and message in item.message, item
+
+
 def test_text_parts_join_with_newlines():
     req = ChatCompletionRequest.model_validate({"model": "m", "messages": [
         {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},

@@ -33,6 +33,7 @@ from ray.serve import context as serve_context
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from app.serving.config import AppConfig
 from app.serving.metrics import prometheus_text
@@ -48,6 +49,7 @@ log = logging.getLogger("ray.serve")
 
 MAX_JSON_DEPTH = 64  # deepest nesting of arrays and objects a request body may have (deeper: 400)
 ROUTER_HEALTH_TIMEOUT_S = 2.0  # /health's wait for the Router's drain flag
+BODY_TIMEOUT_S = 60.0  # a request body not received whole within this is a 408 (a stalled client holds no slot)
 
 # redirect_slashes off: a path with a trailing slash is a JSON 404 naming it, not a 307 with an empty body
 app = FastAPI(title="dspark-serve", docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
@@ -229,10 +231,17 @@ class Ingress:
         if declared.isdigit() and int(declared) > limit:
             return too_large
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                return too_large
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > limit:
+                        return too_large
+        except TimeoutError:
+            return ErrorItem(408, f"request body not received within {BODY_TIMEOUT_S:g} s ({len(body)} bytes came)",
+                             code="request_timeout")
+        except ClientDisconnect:  # nobody reads the answer; no traceback for a client that left
+            return ErrorItem(400, "client disconnected before sending the whole request body")
         return bytes(body)
 
     async def _parse(self, request: Request, chat: bool) -> ChatCompletionRequest | CompletionRequest | ErrorItem:

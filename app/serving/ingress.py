@@ -439,6 +439,8 @@ class Ingress:
                 queue.put_nowait((choice, _target_lost(err, "target replica failed mid-stream")))
 
         def event(body: dict) -> str:
+            if req.include_usage and "choices" in body:  # OpenAI: every chunk but the last has "usage": null
+                body.setdefault("usage", None)
             return f"data: {json.dumps(body)}\n\n"
 
         def logprobs(choice: _Choice, entries: list[TokenLogprobText] | None, offset: int) -> dict | None:

@@ -95,6 +95,7 @@ def test_streaming_equals_non_streamed_and_usage(url):
     assert stream_text(events) == plain["choices"][0]["message"]["content"]
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
     assert events[-1]["usage"]["completion_tokens"] == 15 and events[-1]["choices"] == []
+    assert all("usage" in e and e["usage"] is None for e in events[:-1])  # OpenAI: null but in every other chunk
     assert len({e["created"] for e in events}) == 1  # the stream's, in every chunk
 
 

@@ -3,11 +3,14 @@
 Owns: turning a request's generated token ids into text one token at a time, safe across multi-byte
 characters split between tokens, and finding stop strings. Text that could still be the start of a stop
 string is held back, so the streamed text never contains part of a stop string and its concatenation equals
-the final text. Also each token's own bytes (``TokenBytes``: OpenAI's logprobs ``bytes``).
+the final text. Text is released at token boundaries only, with the characters each released token brings, so a
+streamed chunk's text is its tokens' text and completions' ``text_offset`` indexes the text. Also each token's own
+bytes (``TokenBytes``: OpenAI's logprobs ``bytes``).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import re
@@ -28,7 +31,11 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self.text = ""  # all decoded text so far (final text once stopped)
+        # per token whose text is out: len(text) once it was added (non-decreasing); the tokens after them (an
+        # unfinished UTF-8 character, a special token) have none yet
+        self._ends: list[int] = []
         self._emitted = 0  # chars of ``text`` already released
+        self._released = 0  # tokens whose text is released
         self.stopped = False
 
     def add(self, token_id: int, *, check_stop: bool = True) -> None:
@@ -42,20 +49,35 @@ class IncrementalDetokenizer:
             return  # an incomplete UTF-8 sequence or a special token: nothing new yet
         before = len(self.text)
         self.text += full[len(prefix) :]
+        self._ends.extend([before] * (len(self._ids) - len(self._ends) - 1))  # the tokens this one completes
+        self._ends.append(len(self.text))
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         if self._stop and check_stop:
             start = max(0, before - self._holdback)
             hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
             if hits:
                 self.text = self.text[: min(hits)]
+                self._ends = [min(end, len(self.text)) for end in self._ends]
                 self.stopped = True
 
-    def release(self, *, final: bool) -> str:
-        """Text not yet released; keeps back a possible stop-string prefix unless ``final``."""
-        end = len(self.text) if final or self.stopped else max(self._emitted, len(self.text) - self._holdback)
-        out = self.text[self._emitted : end]
-        self._emitted = end
-        return out
+    def release(self, *, final: bool) -> tuple[str, list[int]]:
+        """The text not yet released, up to the end of the last token whose text cannot be the start of a stop string
+        (unless ``final`` or stopped: all of it), and, for each token it releases (the first not yet released
+        onwards), the characters of that text the token brings: 0 for a token inside an unfinished UTF-8 character
+        (the one that finishes it brings the character) or one with no text (a special token; at the end, an
+        unfinished character), fewer than its own for the token a stop string cuts."""
+        if final or self.stopped:
+            count = len(self._ids)
+        else:
+            count = max(self._released, bisect.bisect_right(self._ends, len(self.text) - self._holdback))
+        ends = self._ends[self._released : count] + [len(self.text)] * max(0, count - len(self._ends))
+        lens, start = [], self._emitted
+        for end in ends:
+            lens.append(end - start)
+            start = end
+        out = self.text[self._emitted : start]
+        self._emitted, self._released = start, count
+        return out, lens
 
 
 def byte_level_alphabet() -> dict[str, int]:

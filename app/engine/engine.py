@@ -750,6 +750,7 @@ class TargetEngine(Engine):
                 req.controls.commit(kept)
             if req.grammar is not None:
                 req.grammar.commit(kept)
+        text, text_lens = req.detok.release(final=finished)
         return StepOutput(
             request_id=req.request_id,
             new_token_ids=kept,
@@ -757,7 +758,8 @@ class TargetEngine(Engine):
             num_accepted=min(num_accepted, len(kept)),
             finished=finished,
             finish_reason=reason,
-            text=req.detok.release(final=finished),
+            text=text,
+            text_lens=text_lens,
             features=features,
             logprobs=token_logprobs(head, kept, p.logprobs) if p.logprobs is not None else None,
             num_cached_tokens=cached_tokens,

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from app.engine.contract import Engine
+from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
 from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob
 
@@ -48,7 +49,7 @@ def mock_logprobs(previous: int, k: int, vocab_size: int) -> TokenLogprob:
 class MockTokenizer:
     """``decode`` for the mock vocabulary (``token_text``)."""
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(token_text(t) for t in token_ids)
 
 
@@ -67,8 +68,8 @@ class _MockRequest:
     params: SamplingParams
     prompt_len: int
     last: int
+    detok: IncrementalDetokenizer
     generated: int = 0
-    text: str = ""
     prefill_left: int = 0  # prompt tokens a chunked prefill has still to compute
 
 
@@ -121,7 +122,8 @@ class MockEngine(Engine):
             raise ValueError(f"limits must be one count >= 1 per request, got {list(limits)}")
         outputs: list[StepOutput | None] = []
         for i, r in enumerate(requests):
-            req = _MockRequest(params=r.params, prompt_len=len(r.prompt_ids), last=int(r.prompt_ids[-1]))
+            req = _MockRequest(params=r.params, prompt_len=len(r.prompt_ids), last=int(r.prompt_ids[-1]),
+                               detok=IncrementalDetokenizer(self.tokenizer, r.params.stop))
             self._requests[r.request_id] = req
             req.prefill_left = len(r.prompt_ids)
             outputs.append(self._prefill(r.request_id, req, None if limits is None else limits[i]))
@@ -192,30 +194,26 @@ class MockEngine(Engine):
     def _commit(
         self, request_id: str, req: _MockRequest, tokens: list[int], num_draft: int, num_accepted: int, rows: int
     ) -> StepOutput:
-        kept, delta, reason, logprobs = [], "", None, []
+        kept, reason, logprobs = [], None, []
         for tok in tokens:
             if req.params.logprobs is not None:
                 logprobs.append(mock_logprobs(req.last, req.params.logprobs, self.vocab_size))
             kept.append(tok)
             req.generated += 1
             req.last = tok
-            piece = token_text(tok)
-            full = req.text + delta + piece
-            hit = min((full.find(s) for s in req.params.stop if s in full), default=-1)
-            if hit >= 0:
-                delta = full[len(req.text):hit] if hit >= len(req.text) else ""
+            req.detok.add(tok, check_stop=req.generated >= req.params.min_tokens)
+            if req.detok.stopped:
                 reason = FinishReason.STOP
-                break
-            delta += piece
-            if req.generated >= req.params.max_tokens:
+            elif req.generated >= req.params.max_tokens:
                 reason = FinishReason.LENGTH
+            if reason is not None:
                 break
-        req.text += delta
         if reason is not None:
             del self._requests[request_id]
+        text, text_lens = req.detok.release(final=reason is not None)
         return StepOutput(
             request_id=request_id, new_token_ids=kept, num_draft=num_draft,
             num_accepted=min(num_accepted, len(kept)), finished=reason is not None, finish_reason=reason,
-            text=delta, features=torch.zeros(rows, MOCK_FEATURE_DIM),
+            text=text, text_lens=text_lens, features=torch.zeros(rows, MOCK_FEATURE_DIM),
             logprobs=logprobs if req.params.logprobs is not None else None,
         )

@@ -285,7 +285,13 @@ class StepOutput:
         num_accepted: draft tokens accepted this step (<= num_draft).
         finished: whether the request ended in this step; its cache is released by the engine.
         finish_reason: set when finished.
-        text: detokenised text of ``new_token_ids`` (incremental, safe across UTF-8 splits).
+        text: the request's detokenised text released this step (incremental, safe across UTF-8 splits): the text
+            of the tokens ``text_lens`` counts.
+        text_lens: the characters of ``text`` each token it releases brings, in order: the request's output tokens
+            from the first whose text was not released yet (the text of the last tokens of a step is held back while
+            it could be the start of a stop string, or ends inside a UTF-8 character), so ``len(text_lens)`` need
+            not be ``len(new_token_ids)``; every token is released by the step that finishes the request. A token
+            inside an unfinished UTF-8 character brings 0 (the one that finishes it the character).
         features: target hidden states, at the engine's feature layers, of the tokens that entered the KV
             cache in this step (the drafter's conditioning input): after a prefill the prompt tokens
             (row j predicted prompt token j+1, the last row predicted ``new_token_ids[0]``); after a verify
@@ -303,6 +309,7 @@ class StepOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     text: str = ""
+    text_lens: list[int] = field(default_factory=list)
     # [T_new, F] features of the tokens that entered the cache this step (dtype of the model)
     features: torch.Tensor | None = field(default=None, repr=False)
     logprobs: list[TokenLogprob] | None = None  # one per new_token_ids entry when SamplingParams.logprobs is set

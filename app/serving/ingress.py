@@ -472,7 +472,7 @@ class Ingress:
                     yield event(chunk_body(chat=chat, request_id=request_id, created=created, model=model, text=text,
                                            index=choice.index,
                                            logprobs=logprobs(choice, chunk.logprobs, offsets[choice.index])))
-                    offsets[choice.index] += sum(len(e.token) for e in chunk.logprobs or ())
+                    offsets[choice.index] += len(chunk.text)
                 if chunk.finish_reason is not None:
                     choice.done, remaining = True, remaining - 1
                     final = chunk_body(chat=chat, request_id=request_id, created=created, model=model,

@@ -426,12 +426,13 @@ def chat_logprobs(entries: list[TokenLogprobText]) -> dict:
 
 
 def completion_logprobs(entries: list[TokenLogprobText], offset: int) -> dict:
-    """OpenAI's completions ``logprobs`` object; ``offset`` is the text offset of the first token (characters).
+    """OpenAI's completions ``logprobs`` object; ``offset`` is the text offset of the first token (characters), and
+    ``text_offset`` indexes the response text (a token inside a UTF-8 character starts where the character does).
     ``top_logprobs`` maps the k alternatives and the chosen token to their logprobs (up to k + 1 entries)."""
     offsets = []
     for e in entries:
         offsets.append(offset)
-        offset += len(e.token)
+        offset += len(e.token) if e.text_len is None else e.text_len
     return {
         "tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
         "top_logprobs": [{**dict(e.top), e.token: e.logprob} for e in entries], "text_offset": offsets,

@@ -224,6 +224,8 @@ class TokenLogprobText:
     top: tuple[tuple[str, float], ...] = ()  # (token text, logprob), most likely first
     token_bytes: bytes | None = None
     top_bytes: tuple[bytes, ...] | None = None  # one per ``top`` entry
+    # characters of the response text this token brings (``StepOutput.text_lens``); None: ``len(token)``
+    text_len: int | None = None
 
 
 @dataclass(frozen=True)

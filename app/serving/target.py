@@ -173,6 +173,9 @@ class _Stream:
     record: RequestResult | None = None  # the loop's record of it, once admitted
     done: bool = False
     held: TextChunk | None = None  # committed output not sent yet (``stream_interval``)
+    # committed tokens whose text the engine has not released yet (``StepOutput.text_lens``), with their logprobs
+    unreleased: list[int] = field(default_factory=list)
+    unreleased_logprobs: list[TokenLogprobText] = field(default_factory=list)
 
     @property
     def spec(self) -> SpecStats:
@@ -587,12 +590,20 @@ class TargetReplica:
         spec = stream.spec
         self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished, spec=spec,
                               length=out.finish_reason is FinishReason.LENGTH, arrived_at=stream.arrived_at)
+        # a chunk carries the tokens whose text it carries, each logprob with the characters its token brings
+        stream.unreleased += out.new_token_ids
+        n = len(out.text_lens)
+        token_ids, stream.unreleased = stream.unreleased[:n], stream.unreleased[n:]
+        logprobs = None
+        if out.logprobs is not None:
+            stream.unreleased_logprobs += logprob_texts(self.engine.tokenizer, out.logprobs, self._token_bytes)
+            logprobs = [replace(entry, text_len=chars)
+                        for entry, chars in zip(stream.unreleased_logprobs[:n], out.text_lens, strict=True)]
+            stream.unreleased_logprobs = stream.unreleased_logprobs[n:]
         chunk = TextChunk(
-            text=out.text, token_ids=list(out.new_token_ids), prompt_tokens=len(stream.prompt_ids),
+            text=out.text, token_ids=token_ids, prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,
-            spec=spec if out.finished else None,
-            logprobs=logprob_texts(self.engine.tokenizer, out.logprobs, self._token_bytes),
-            cached_tokens=out.num_cached_tokens,
+            spec=spec if out.finished else None, logprobs=logprobs, cached_tokens=out.num_cached_tokens,
         )
         if stream.held is not None:
             chunk = stream.held.then(chunk)

@@ -507,6 +507,27 @@ def test_client_completion_logprobs_streamed_and_not(client):
     assert tokens == lp.tokens and offsets == lp.text_offset
 
 
+def test_streamed_chunks_carry_the_tokens_of_their_text_while_a_stop_string_holds_text_back(client):
+    """With ``stop`` the server holds back text that could start the stop string: the tokens (and logprobs) of that
+    text wait with it, so each chunk's text is its tokens' text, and ``text_offset`` indexes the answer."""
+    full = client.completions.create(model=MODEL, prompt="ab", max_tokens=12, temperature=0).choices[0].text
+    stop = full.split()[7][:3]  # the first 3 characters of the 8th word
+    answer = full[: full.index(stop)]
+    chunks = [(c.text, c.logprobs) for chunk in client.completions.create(
+        model=MODEL, prompt="ab", max_tokens=12, temperature=0, logprobs=1, stop=[stop], stream=True)
+        for c in chunk.choices if c.logprobs is not None]
+    assert "".join(text for text, _ in chunks) == answer and len(chunks) > 1
+    for text, lp in chunks[:-1]:
+        assert text == "".join(lp.tokens)
+    assert answer.endswith(chunks[-1][0]) and "".join(chunks[-1][1].tokens).startswith(chunks[-1][0])
+    tokens = [t for _, lp in chunks for t in lp.tokens]
+    offsets = [o for _, lp in chunks for o in lp.text_offset]
+    assert len(tokens) == 8 and offsets == [sum(len(t) for t in tokens[:i]) for i in range(8)]
+    whole = client.completions.create(model=MODEL, prompt="ab", max_tokens=12, temperature=0, logprobs=1,
+                                      stop=[stop]).choices[0]
+    assert whole.text == answer and whole.logprobs.tokens == tokens and whole.logprobs.text_offset == offsets
+
+
 # ---------------------------------------------------------------------- the field walk: nothing silently ignored
 
 FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -157,6 +157,10 @@ def test_logprobs_json_shapes():
     text = completion_logprobs(ENTRIES, offset=4)
     assert text == {"tokens": [" w1", "é"], "token_logprobs": [-0.5, -0.25], "text_offset": [4, 7],
                     "top_logprobs": [{" w1": -0.5, " w2": -1.5}, {"é": -0.25}]}
+    # a character split over two tokens: both start where it does (each token decoded alone reads U+FFFD)
+    split = [TokenLogprobText("a", -0.1, text_len=1), TokenLogprobText("\ufffd", -0.1, text_len=0),
+             TokenLogprobText("\ufffd", -0.1, text_len=1), TokenLogprobText("b", -0.1, text_len=1)]
+    assert completion_logprobs(split, offset=0)["text_offset"] == [0, 1, 1, 2]  # the text is "a🌟b"
 
 
 def test_metrics_text_has_vllm_spec_decode_counters():

@@ -144,6 +144,15 @@ def test_streaming_concatenation_equals_non_streamed(url, eval_prompts):
         assert stream_text(events) == plain["choices"][0]["message"]["content"]
         assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == \
             plain["choices"][0]["finish_reason"]
+    # a stop string holds text back: each streamed chunk still carries the tokens of its text (the last may be cut)
+    answer = plain["choices"][0]["message"]["content"]
+    stop = answer.split()[len(answer.split()) // 2]
+    body = {**chat_body(eval_prompts[11], stream=True), "stop": [stop], "logprobs": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
+        chunks = [c for e in sse_events(r) for c in e["choices"] if c.get("logprobs")]
+    texts = [c["delta"].get("content", "") for c in chunks]
+    tokens = ["".join(t["token"] for t in c["logprobs"]["content"]) for c in chunks]
+    assert "".join(texts) == answer[: answer.index(stop)] and texts[:-1] == tokens[:-1], (texts, tokens)
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -196,45 +197,46 @@ def slo_of(args: argparse.Namespace) -> Slo:
     return Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, e2el_ms=args.slo_e2el_ms)
 
 
-def run_sweep(args: argparse.Namespace, config: dict) -> tuple[list[dict], list[dict]]:
-    """Every (policy, level); returns the levels' results and the errors of policies that failed."""
+def run_sweep(args: argparse.Namespace, config: dict, levels: list[dict], errors: list[dict]) -> None:
+    """Every (policy, level): appends each finished level's results to ``levels`` and the error of each policy that
+    failed to ``errors`` (what was appended stays there when a KeyboardInterrupt ends the sweep)."""
     slo = slo_of(args)
-    levels, errors = [], []
     progress = tqdm(total=len(args.policies) * len(args.concurrency), desc="sweep", unit="level", file=sys.stderr)
-    for policy in args.policies:
-        progress.set_description(f"{policy}: starting")
-        server = nullcontext() if args.url else ManagedServer(
-            config=args.config, overrides=[*args.overrides, f"policy={policy}"], port=args.port,
-            num_cpus=args.num_cpus, log_path=args.out / f"server-{policy}.log",
-            ready_timeout_s=args.server_timeout, api_key=args.api_key)
-        try:
-            with server:
-                url = (args.url or server.url).rstrip("/")
-                if args.url:
-                    wait_ready(url, headers=auth(args.api_key), timeout_s=args.server_timeout)
-                model = args.model or (server.model if not args.url else first_model(url, args.api_key))
-                warm_up(url, model=model, api_key=args.api_key, requests=args.server_warmup)
-                counters = settled_counters(url, headers=auth(args.api_key))
-                for users in args.concurrency:
-                    name = level_name(policy, users)
-                    progress.set_description(f"{policy} c={users}")
-                    records, markers = read_records(run_locust(args, url=url, model=model, users=users, name=name))
-                    window = measurement_window(markers, warmup_s=args.warmup, duration_s=args.duration)
-                    before, counters = counters, settled_counters(url, headers=auth(args.api_key))
-                    level = {"policy": policy, "concurrency": users, **summarize(records, window, slo),
-                             **round_split(before, counters)}
-                    levels.append(level)
-                    write_level(args.out, level, slo.to_json())
-                    write_results(args.out, config=config, slo=slo.to_json(), levels=levels)
-                    progress.set_postfix(tok_s=f"{level['output_throughput']:.1f}",
-                                         user_tok_s=f"{level['median_user_tok_s'] or 0:.1f}")
-                    progress.update()
-        except (RuntimeError, ValueError, httpx.HTTPError) as err:
-            errors.append({"policy": policy, "error": str(err)})
-            progress.write(f"policy {policy} failed: {err}")
-            progress.update(len(args.concurrency) - sum(lv["policy"] == policy for lv in levels))
-    progress.close()
-    return levels, errors
+    try:
+        for policy in args.policies:
+            progress.set_description(f"{policy}: starting")
+            server = nullcontext() if args.url else ManagedServer(
+                config=args.config, overrides=[*args.overrides, f"policy={policy}"], port=args.port,
+                num_cpus=args.num_cpus, log_path=args.out / f"server-{policy}.log",
+                ready_timeout_s=args.server_timeout, api_key=args.api_key)
+            try:
+                with server:
+                    url = (args.url or server.url).rstrip("/")
+                    if args.url:
+                        wait_ready(url, headers=auth(args.api_key), timeout_s=args.server_timeout)
+                    model = args.model or (server.model if not args.url else first_model(url, args.api_key))
+                    warm_up(url, model=model, api_key=args.api_key, requests=args.server_warmup)
+                    counters = settled_counters(url, headers=auth(args.api_key))
+                    for users in args.concurrency:
+                        name = level_name(policy, users)
+                        progress.set_description(f"{policy} c={users}")
+                        records, markers = read_records(run_locust(args, url=url, model=model, users=users, name=name))
+                        window = measurement_window(markers, warmup_s=args.warmup, duration_s=args.duration)
+                        before, counters = counters, settled_counters(url, headers=auth(args.api_key))
+                        level = {"policy": policy, "concurrency": users, **summarize(records, window, slo),
+                                 **round_split(before, counters)}
+                        levels.append(level)
+                        write_level(args.out, level, slo.to_json())
+                        write_results(args.out, config=config, slo=slo.to_json(), levels=levels)
+                        progress.set_postfix(tok_s=f"{level['output_throughput']:.1f}",
+                                             user_tok_s=f"{level['median_user_tok_s'] or 0:.1f}")
+                        progress.update()
+            except (RuntimeError, ValueError, httpx.HTTPError) as err:
+                errors.append({"policy": policy, "error": str(err)})
+                progress.write(f"policy {policy} failed: {err}")
+                progress.update(len(args.concurrency) - sum(lv["policy"] == policy for lv in levels))
+    finally:
+        progress.close()
 
 
 def run_config(args: argparse.Namespace) -> dict:
@@ -249,11 +251,33 @@ def run_config(args: argparse.Namespace) -> dict:
     return config
 
 
+def _interrupt(signum: int, frame) -> None:
+    """SIGINT or SIGTERM: stop as Ctrl-C does, so the started server (in its own session) is stopped on the way out;
+    a second signal while that happens is ignored."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     config = run_config(args)
-    levels, errors = run_sweep(args, config)
+    levels, errors = [], []
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        run_sweep(args, config, levels, errors)
+    except KeyboardInterrupt as stop:
+        signum = stop.args[0] if stop.args else signal.SIGINT
+        json_path, _ = write_results(args.out, config={**config, "errors": errors,
+                                                        "stopped_by": signal.Signals(signum).name},
+                                     slo=slo_of(args).to_json(), levels=levels)
+        print(f"sweep stopped by {signal.Signals(signum).name}: {len(levels)} finished levels are kept in {json_path}",
+              file=sys.stderr)
+        return 128 + signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     json_path, csv_path = write_results(args.out, config={**config, "errors": errors}, slo=slo_of(args).to_json(),
                                         levels=levels)
     plot = pareto_plot(levels, args.out / "pareto.png", slo_tpot_ms=args.slo_tpot_ms,

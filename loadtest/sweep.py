@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
+from app.argtypes import non_negative_float
 from loadtest.metrics import Slo, measurement_window, read_records, summarize
 from loadtest.prompts import DEFAULT_PROMPTS, load_prompt_spec
 from loadtest.report import format_table, level_name, pareto_plot, write_level, write_results
@@ -89,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="each request's max_tokens uniform in --max-tokens x [1 - r, 1 + r], the same sequence for "
                          "every policy (0: all the same; answers of one length make closed-loop users arrive in "
                          "cohorts)")
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=non_negative_float, default=0.0)
     ap.add_argument("--system-prompt-file", type=Path, default=None,
                     help="a text file sent as the system message of every request (a shared prompt prefix: the "
                     "level reports the server's prefix_cache_hit_rate from usage.prompt_tokens_details)")
@@ -193,6 +194,12 @@ def warm_up(url: str, *, model: str, api_key: str, requests: int) -> None:
             raise RuntimeError(f"warm-up request failed: HTTP {r.status_code}: {r.text[:300]}")
 
 
+def first_error(records: list) -> str | None:
+    """The error of the first failed request (by start time) of a level; None when every request succeeded."""
+    failed = [r for r in records if not r.ok]
+    return min(failed, key=lambda r: r.start).error if failed else None
+
+
 def slo_of(args: argparse.Namespace) -> Slo:
     return Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, e2el_ms=args.slo_e2el_ms)
 
@@ -224,7 +231,10 @@ def run_sweep(args: argparse.Namespace, config: dict, levels: list[dict], errors
                         window = measurement_window(markers, warmup_s=args.warmup, duration_s=args.duration)
                         before, counters = counters, settled_counters(url, headers=auth(args.api_key))
                         level = {"policy": policy, "concurrency": users, **summarize(records, window, slo),
-                                 **round_split(before, counters)}
+                                 **round_split(before, counters), "first_error": first_error(records)}
+                        if level["first_error"] is not None:
+                            progress.write(f"{name}: {level['completed']} requests succeeded, {level['failed']} "
+                                           f"failed; the first failure: {level['first_error']}", file=sys.stderr)
                         levels.append(level)
                         write_level(args.out, level, slo.to_json())
                         write_results(args.out, config=config, slo=slo.to_json(), levels=levels)
@@ -233,7 +243,7 @@ def run_sweep(args: argparse.Namespace, config: dict, levels: list[dict], errors
                         progress.update()
             except (RuntimeError, ValueError, httpx.HTTPError) as err:
                 errors.append({"policy": policy, "error": str(err)})
-                progress.write(f"policy {policy} failed: {err}")
+                progress.write(f"policy {policy} failed: {err}", file=sys.stderr)
                 progress.update(len(args.concurrency) - sum(lv["policy"] == policy for lv in levels))
     finally:
         progress.close()
@@ -283,11 +293,15 @@ def main(argv: list[str] | None = None) -> int:
     plot = pareto_plot(levels, args.out / "pareto.png", slo_tpot_ms=args.slo_tpot_ms,
                        title=f"Throughput vs interactivity{' - ' + args.label if args.label else ''}")
     print(format_table(levels))
-    keep = ("policy", "concurrency", "output_throughput", "median_user_tok_s", "p90_tpot_ms", "request_goodput",
+    keep = ("policy", "concurrency", "completed", "failed", "output_throughput", "median_user_tok_s", "p90_tpot_ms", "request_goodput",
             "mean_accepted_length", "mean_verify_length", "prefix_cache_hit_rate", "p50_ttft_ms_later_turns")
-    print(json.dumps({"results": str(json_path), "csv": str(csv_path), "plot": str(plot), "errors": len(errors),
+    failed_requests = sum(lv["failed"] for lv in levels)
+    print(json.dumps({"results": str(json_path), "csv": str(csv_path), "plot": str(plot),
+                      "errors": len(errors) + failed_requests, "failed_requests": failed_requests,
                       "levels": [{k: lv.get(k) for k in keep} for lv in levels]}))
-    return 1 if errors else 0
+    if hopeless := [level_name(lv["policy"], lv["concurrency"]) for lv in levels if not lv["completed"]]:
+        print(f"no request succeeded at {', '.join(hopeless)}", file=sys.stderr)
+    return 1 if errors or hopeless else 0
 
 
 if __name__ == "__main__":

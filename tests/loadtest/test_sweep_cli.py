@@ -52,3 +52,9 @@ def test_a_signal_stops_the_server_and_keeps_what_finished(tmp_path, monkeypatch
     assert "Traceback" not in err
     assert json.loads((tmp_path / "run" / "results.json").read_text())["levels"] == []
     assert signal.getsignal(sig) is before  # the handlers are put back
+
+
+def test_a_negative_temperature_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.parse_args(["--url", "http://127.0.0.1:1", "--temperature", "-1", "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == 2 and "--temperature: expected a number >= 0, got -1" in capsys.readouterr().err

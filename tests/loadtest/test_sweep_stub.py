@@ -81,6 +81,21 @@ def test_sweep_reports_a_failed_policy_and_exits_nonzero(tmp_path, capsys):
         "config"]["errors"][0]["error"]
 
 
+def test_a_level_without_a_successful_request_is_an_error(tmp_path, capsys):
+    with stub_server(TIMELINE) as url:  # the stub answers 404 to every request for another model
+        code = sweep.main(["--url", url, "--model", "no-such-model", "--policies", "stub", "--concurrency", "1",
+                           "--duration", "1", "--warmup", "0", "--server-warmup", "0", "--out", str(tmp_path)])
+    assert code == 1
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    (level,) = summary["levels"]
+    assert level["completed"] == 0 and level["failed"] >= 1
+    assert summary["errors"] == summary["failed_requests"] == level["failed"]
+    assert f"stub-c1: 0 requests succeeded, {level['failed']} failed; the first failure: HTTP 404" in err
+    assert "no request succeeded at stub-c1" in err
+    assert json.loads((tmp_path / "results.json").read_text())["levels"][0]["first_error"].startswith("HTTP 404")
+
+
 def test_max_tokens_plan_is_seeded_and_in_range():
     assert list(itertools.islice(max_tokens_plan(128, 0.0, seed=3), 5)) == [128] * 5
     plan = list(itertools.islice(max_tokens_plan(100, 0.5, seed=3), 400))

@@ -34,6 +34,7 @@ import requests
 from locust import User, constant, events, task
 
 from loadtest.prompts import DEFAULT_PROMPTS, chat_messages, load_conversation_spec, max_tokens_plan, shuffled
+from loadtest.server import base_url
 from loadtest.stream import StreamObserver, observe_stream
 
 ROUTE = "/v1/chat/completions"
@@ -141,7 +142,7 @@ class ChatCompletionUser(User):
         self.session = requests.Session()
         options = self.environment.parsed_options
         self.headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
-        self.url = self.environment.host.rstrip("/") + ROUTE
+        self.url = base_url(self.environment.host) + ROUTE
         self.turns: list[str] = []  # the conversation's user turns not sent yet
         self.history: list[tuple[str, str]] = []  # its (user turn, answer) pairs so far
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from loadtest.metrics import distribution
-from loadtest.server import DEFAULT_CONFIG, ManagedServer
+from loadtest.server import DEFAULT_CONFIG, ManagedServer, base_url
 
 
 async def _burst(url: str, n: int, method: str, path: str, **kwargs) -> list[tuple[int, float, httpx.Headers, str]]:
@@ -61,7 +61,9 @@ def run_round(url: str, model: str, n: int, max_tokens: int, headers: dict) -> d
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", help="a running server (otherwise one is started from --config)")
+    ap.add_argument("--url", type=base_url,
+                    help="a running server, http://HOST:PORT (a trailing /v1 is dropped; otherwise one is started "
+                    "from --config)")
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--model", default=None, help="model name to send (default: the config's)")
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         return out
 
     if args.url:
-        results = rounds(args.url.rstrip("/"), args.model or "smollm2-135m")
+        results = rounds(args.url, args.model or "smollm2-135m")
     else:
         with ManagedServer(config=args.config, overrides=args.overrides, api_key=args.api_key) as server:
             results = rounds(server.url, args.model or server.model)

@@ -40,7 +40,7 @@ from loadtest.metrics import Slo, measurement_window, read_records, summarize
 from loadtest.prompts import DEFAULT_PROMPTS, load_prompt_spec
 from loadtest.report import format_table, level_name, pareto_plot, write_level, write_results
 from loadtest.rounds import round_split, settled_counters
-from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, wait_ready
+from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, base_url, wait_ready
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LOCUST_GRACE_S = 60  # beyond run time + drain before a Locust process is considered hung
@@ -73,8 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="seconds requests in flight may take to finish after a level")
     ap.add_argument("--policies", type=name_list, default=None,
                     help="verify policies, default none,mtp1,dspark; with --url only labels (default: one, 'server')")
-    ap.add_argument("--url", default=None, help="an external OpenAI-compatible server (no server is started)")
-    ap.add_argument("--model", default=None, help="served model name (default: the config's served_model_name)")
+    ap.add_argument("--url", type=base_url, default=None,
+                    help="an external OpenAI-compatible server, http://HOST:PORT (a trailing /v1 is dropped; no "
+                    "server is started)")
+    ap.add_argument("--model", default=None, help="served model name (default: the config's served_model_name for a "
+                    "started server; with --url the first model the server lists)")
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML to start per policy")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override an application args field for every policy (repeatable)")
@@ -218,8 +221,9 @@ def run_sweep(args: argparse.Namespace, config: dict, levels: list[dict], errors
                 ready_timeout_s=args.server_timeout, api_key=args.api_key)
             try:
                 with server:
-                    url = (args.url or server.url).rstrip("/")
+                    url = args.url or server.url
                     if args.url:
+                        progress.set_description(f"{policy}: waiting for {url}/health")
                         wait_ready(url, headers=auth(args.api_key), timeout_s=args.server_timeout)
                     model = args.model or (server.model if not args.url else first_model(url, args.api_key))
                     warm_up(url, model=model, api_key=args.api_key, requests=args.server_warmup)

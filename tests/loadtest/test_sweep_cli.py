@@ -58,3 +58,8 @@ def test_a_negative_temperature_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         sweep.parse_args(["--url", "http://127.0.0.1:1", "--temperature", "-1", "--out", str(tmp_path / "run")])
     assert exit_info.value.code == 2 and "--temperature: expected a number >= 0, got -1" in capsys.readouterr().err
+
+
+def test_url_takes_the_openai_base_url(tmp_path):
+    args = sweep.parse_args(["--url", "http://127.0.0.1:8300/v1", "--out", str(tmp_path / "run")])
+    assert args.url == "http://127.0.0.1:8300"

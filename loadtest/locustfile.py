@@ -5,8 +5,9 @@ Run it through the sweep (``python -m loadtest.sweep``) or directly::
     locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 4 -r 4 -t 60s \\
         --model smollm2-135m --max-tokens 128 --records runs/records.jsonl
 
-Each user sends one request after another (no wait) with a prompt from ``--prompts``; with ``--multi-turn`` a user
-plays each prompt line as a conversation, every later turn sent with the earlier turns and the server's answers
+Each user sends one request after another (no wait) with the next prompt from ``--prompts`` (in the order seeded by
+``--prompt-seed``, from line ``--prompt-offset`` on; the users of a process share the sequence); with ``--multi-turn``
+a user plays each prompt line as a conversation, every later turn sent with the earlier turns and the server's answers
 to them (a prompt set with one turn a line sends the same requests either way). The answer is read
 with ``iter_content(chunk_size=None)``, which returns each chunk as the socket delivers it (Locust's and
 requests' line iterators wait to fill a buffer, which delays the timestamps). Every request is reported to
@@ -33,7 +34,9 @@ import time
 import requests
 from locust import User, constant, events, task
 
-from loadtest.prompts import DEFAULT_PROMPTS, chat_messages, load_conversation_spec, max_tokens_plan, shuffled
+from loadtest.prompts import (
+    DEFAULT_PROMPTS, chat_messages, load_conversation_spec, max_tokens_plan, rotated, shuffled,
+)
 from loadtest.server import base_url
 from loadtest.stream import StreamObserver, observe_stream
 
@@ -46,6 +49,8 @@ def _options(parser) -> None:
                         help="Evaluation set names or JSONL paths, comma-separated (loadtest/prompts.py).")
     parser.add_argument("--prompt-seed", type=int, default=0, env_var="LOADTEST_PROMPT_SEED",
                         help="Seed of the prompt order (the same order for every run).")
+    parser.add_argument("--prompt-offset", type=int, default=0, env_var="LOADTEST_PROMPT_OFFSET",
+                        help="Start at this line of the seeded order (the sweep gives each level its own slice).")
     parser.add_argument("--model", default="smollm2-135m", env_var="LOADTEST_MODEL", help="Served model name.")
     parser.add_argument("--max-tokens", type=int, default=128, env_var="LOADTEST_MAX_TOKENS")
     parser.add_argument("--max-tokens-range-ratio", type=float, default=0.0, env_var="LOADTEST_MAX_TOKENS_RANGE_RATIO",
@@ -99,7 +104,8 @@ def _init(environment, **_kwargs) -> None:
     conversations = load_conversation_spec(options.prompts)
     if not options.multi_turn:
         conversations = [turns[:1] for turns in conversations]
-    _state["conversations"] = itertools.cycle(shuffled(conversations, options.prompt_seed))
+    order = rotated(shuffled(conversations, options.prompt_seed), options.prompt_offset)
+    _state["conversations"] = itertools.cycle(order)
     _state["max_tokens"] = max_tokens_plan(options.max_tokens, options.max_tokens_range_ratio, options.prompt_seed)
     _state["records"] = _Records(options.records)
 

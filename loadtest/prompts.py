@@ -92,6 +92,21 @@ def chat_messages(prompt: str, system_prompt: str = "", history: Sequence[tuple[
     return [*messages, {"role": "user", "content": prompt}]
 
 
+def level_offsets(count: int, levels: int) -> list[int]:
+    """Where each of ``levels`` load levels starts in a sequence of ``count`` prompt lines: level i at
+    ``i * (count // levels)`` (a step of at least 1, wrapping past the end), so each level has its own slice of the
+    sequence, the same for every policy, and a server does not meet a level's prompts before that level (unless a level
+    sends more lines than its slice holds, or there are fewer lines than levels)."""
+    step = max(1, count // levels)
+    return [i * step % count for i in range(levels)]
+
+
+def rotated(items: list[T], offset: int) -> list[T]:
+    """``items`` starting at ``offset`` (modulo their count), the ones before it at the end."""
+    offset %= len(items)
+    return items[offset:] + items[:offset]
+
+
 def shuffled(prompts: list[T], seed: int) -> list[T]:
     """A seeded permutation: every run (and every policy) draws prompts (or conversations) in the same order."""
     order = list(prompts)

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from app.argtypes import non_negative_float
 from loadtest.metrics import Slo, measurement_window, read_records, summarize
-from loadtest.prompts import DEFAULT_PROMPTS, load_prompt_spec
+from loadtest.prompts import DEFAULT_PROMPTS, level_offsets, load_prompt_spec
 from loadtest.report import format_table, level_name, pareto_plot, write_level, write_results
 from loadtest.rounds import round_split, settled_counters
 from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, base_url, wait_ready
@@ -116,7 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--duration must be > 0 and --warmup >= 0")
     if not 0 <= args.max_tokens_range_ratio < 1:
         ap.error(f"--max-tokens-range-ratio must be in [0, 1), got {args.max_tokens_range_ratio}")
-    load_prompt_spec(args.prompts)  # fail now, not inside the first Locust process
+    # fail now, not inside the first Locust process; each level gets its slice of the lines (level_offsets)
+    args.prompt_lines = len(load_prompt_spec(args.prompts))
     args.system_prompt = ""
     if args.system_prompt_file is not None:
         try:
@@ -129,10 +130,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def locust_env(args: argparse.Namespace, *, model: str, records: Path) -> dict:
+def locust_env(args: argparse.Namespace, *, model: str, records: Path, prompt_offset: int) -> dict:
     env = dict(os.environ)
     env.update({
-        "LOADTEST_PROMPTS": args.prompts, "LOADTEST_PROMPT_SEED": str(args.prompt_seed), "LOADTEST_MODEL": model,
+        "LOADTEST_PROMPTS": args.prompts, "LOADTEST_PROMPT_SEED": str(args.prompt_seed),
+        "LOADTEST_PROMPT_OFFSET": str(prompt_offset), "LOADTEST_MODEL": model,
         "LOADTEST_MAX_TOKENS": str(args.max_tokens),
         "LOADTEST_MAX_TOKENS_RANGE_RATIO": str(args.max_tokens_range_ratio),
         "LOADTEST_TEMPERATURE": str(args.temperature), "LOADTEST_RECORDS": str(records),
@@ -148,8 +150,9 @@ def locust_env(args: argparse.Namespace, *, model: str, records: Path) -> dict:
     return env
 
 
-def run_locust(args: argparse.Namespace, *, url: str, model: str, users: int, name: str) -> Path:
-    """One headless Locust run at ``users`` users; returns its records file.
+def run_locust(args: argparse.Namespace, *, url: str, model: str, users: int, name: str, prompt_offset: int) -> Path:
+    """One headless Locust run at ``users`` users, its prompts from line ``prompt_offset`` of the seeded order on;
+    returns its records file.
 
     Raises:
         RuntimeError: Locust failed or hung (with its output's tail).
@@ -164,10 +167,11 @@ def run_locust(args: argparse.Namespace, *, url: str, model: str, users: int, na
            "--host", url, "--csv", str(args.out / "locust" / name), "--only-summary", "--loglevel", "WARNING",
            "--exit-code-on-error", "0"]
     log = args.out / "locust" / f"{name}.log"
+    env = locust_env(args, model=model, records=records, prompt_offset=prompt_offset)
     with log.open("w") as f:
         try:
-            done = subprocess.run(cmd, cwd=REPO_ROOT, env=locust_env(args, model=model, records=records), stdout=f,
-                                  stderr=subprocess.STDOUT, check=False, timeout=run_time + args.drain_timeout + LOCUST_GRACE_S)
+            done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, check=False,
+                                  timeout=run_time + args.drain_timeout + LOCUST_GRACE_S)
         except subprocess.TimeoutExpired as err:
             raise RuntimeError(f"Locust hung at {name}; see {log}") from err
     if done.returncode != 0:
@@ -207,10 +211,33 @@ def slo_of(args: argparse.Namespace) -> Slo:
     return Slo(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, e2el_ms=args.slo_e2el_ms)
 
 
+def run_level(args: argparse.Namespace, *, url: str, model: str, policy: str, users: int, prompt_offset: int,
+              counters: dict, progress: tqdm) -> tuple[dict, dict]:
+    """One level: Locust at ``users`` users, its prompts from ``prompt_offset`` on; returns its results and the server's
+    round counters after it (``counters``: those before it)."""
+    slo, name = slo_of(args), level_name(policy, users)
+    records, markers = read_records(run_locust(args, url=url, model=model, users=users, name=name,
+                                               prompt_offset=prompt_offset))
+    window = measurement_window(markers, warmup_s=args.warmup, duration_s=args.duration)
+    after = settled_counters(url, headers=auth(args.api_key))
+    level = {"policy": policy, "concurrency": users, **summarize(records, window, slo), **round_split(counters, after),
+             "prompt_offset": prompt_offset, "first_error": first_error(records)}
+    if level["first_error"] is not None:
+        progress.write(f"{name}: {level['completed']} requests succeeded, {level['failed']} failed; the first "
+                       f"failure: {level['first_error']}", file=sys.stderr)
+    conversations, lines = sum(r.turn == 0 for r in records), args.prompt_lines // len(args.concurrency)
+    if conversations > lines:
+        progress.write(f"{name}: sent {conversations} prompt lines, more than its slice of {lines}: the rest were "
+                       "the next slice's (more --prompts lines, or fewer or shorter levels, avoid it)", file=sys.stderr)
+    return level, after
+
+
 def run_sweep(args: argparse.Namespace, config: dict, levels: list[dict], errors: list[dict]) -> None:
     """Every (policy, level): appends each finished level's results to ``levels`` and the error of each policy that
-    failed to ``errors`` (what was appended stays there when a KeyboardInterrupt ends the sweep)."""
+    failed to ``errors`` (what was appended stays there when a KeyboardInterrupt ends the sweep). Level i of every
+    policy sends the prompt lines from ``level_offsets(...)[i]`` on."""
     slo = slo_of(args)
+    offsets = level_offsets(args.prompt_lines, len(args.concurrency))
     progress = tqdm(total=len(args.policies) * len(args.concurrency), desc="sweep", unit="level", file=sys.stderr)
     try:
         for policy in args.policies:
@@ -228,17 +255,10 @@ def run_sweep(args: argparse.Namespace, config: dict, levels: list[dict], errors
                     model = args.model or (server.model if not args.url else first_model(url, args.api_key))
                     warm_up(url, model=model, api_key=args.api_key, requests=args.server_warmup)
                     counters = settled_counters(url, headers=auth(args.api_key))
-                    for users in args.concurrency:
-                        name = level_name(policy, users)
+                    for users, offset in zip(args.concurrency, offsets):
                         progress.set_description(f"{policy} c={users}")
-                        records, markers = read_records(run_locust(args, url=url, model=model, users=users, name=name))
-                        window = measurement_window(markers, warmup_s=args.warmup, duration_s=args.duration)
-                        before, counters = counters, settled_counters(url, headers=auth(args.api_key))
-                        level = {"policy": policy, "concurrency": users, **summarize(records, window, slo),
-                                 **round_split(before, counters), "first_error": first_error(records)}
-                        if level["first_error"] is not None:
-                            progress.write(f"{name}: {level['completed']} requests succeeded, {level['failed']} "
-                                           f"failed; the first failure: {level['first_error']}", file=sys.stderr)
+                        level, counters = run_level(args, url=url, model=model, policy=policy, users=users,
+                                                    prompt_offset=offset, counters=counters, progress=progress)
                         levels.append(level)
                         write_level(args.out, level, slo.to_json())
                         write_results(args.out, config=config, slo=slo.to_json(), levels=levels)
@@ -297,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     plot = pareto_plot(levels, args.out / "pareto.png", slo_tpot_ms=args.slo_tpot_ms,
                        title=f"Throughput vs interactivity{' - ' + args.label if args.label else ''}")
     print(format_table(levels))
-    keep = ("policy", "concurrency", "completed", "failed", "output_throughput", "median_user_tok_s", "p90_tpot_ms", "request_goodput",
-            "mean_accepted_length", "mean_verify_length", "prefix_cache_hit_rate", "p50_ttft_ms_later_turns")
+    keep = ("policy", "concurrency", "completed", "failed", "output_throughput", "median_user_tok_s", "p90_tpot_ms",
+            "request_goodput", "mean_accepted_length", "mean_verify_length", "prefix_cache_hit_rate", "p50_ttft_ms_later_turns")
     failed_requests = sum(lv["failed"] for lv in levels)
     print(json.dumps({"results": str(json_path), "csv": str(csv_path), "plot": str(plot),
                       "errors": len(errors) + failed_requests, "failed_requests": failed_requests,

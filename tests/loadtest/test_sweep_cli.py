@@ -9,6 +9,8 @@ import signal
 import pytest
 
 from loadtest import sweep
+from loadtest.prompts import DEFAULT_PROMPTS, level_offsets, load_prompt_spec, rotated
+from loadtest.stream import RequestRecord
 
 
 class FakeServer:
@@ -32,7 +34,7 @@ def fake_server(monkeypatch):
     FakeServer.started = []
     monkeypatch.setattr(sweep, "ManagedServer", FakeServer)
     monkeypatch.setattr(sweep, "warm_up", lambda *a, **k: None)
-    monkeypatch.setattr(sweep, "settled_counters", lambda *a, **k: {})
+    monkeypatch.setattr(sweep, "settled_counters", lambda *a, **k: None)  # a server without /metrics
     return FakeServer
 
 
@@ -63,3 +65,51 @@ def test_a_negative_temperature_is_a_usage_error(tmp_path, capsys):
 def test_url_takes_the_openai_base_url(tmp_path):
     args = sweep.parse_args(["--url", "http://127.0.0.1:8300/v1", "--out", str(tmp_path / "run")])
     assert args.url == "http://127.0.0.1:8300"
+
+
+def fake_locust(calls: list, *, lines_sent: int = 1):
+    """A ``run_locust`` that records its call and writes a records file: ``lines_sent`` successful first turns."""
+
+    def run(args, *, url, model, users, name, prompt_offset):
+        calls.append((name, prompt_offset))
+        path = args.out / "records" / f"{name}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows = [{"kind": "spawning_complete", "t": 1000.0, "user_count": users}]
+        rows += [RequestRecord(user=0, start=1000.0 + i / 100, end=1000.5 + i / 100, ok=True, ttft_ms=100.0,
+                               e2el_ms=500.0, output_tokens=5).to_json() for i in range(lines_sent)]
+        rows.append({"kind": "test_stopping", "t": 1000.0 + args.warmup + args.duration})
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return path
+
+    return run
+
+
+def test_each_level_starts_at_its_own_slice_of_the_prompts_the_same_for_every_policy(tmp_path, monkeypatch,
+                                                                                      capsys, fake_server):
+    calls = []
+    monkeypatch.setattr(sweep, "run_locust", fake_locust(calls))
+    code = sweep.main(["--policies", "none,dspark", "--concurrency", "1,2,4", "--duration", "5", "--warmup", "0",
+                       "--out", str(tmp_path / "run")])
+    assert code == 0, capsys.readouterr().err
+    lines = len(load_prompt_spec(DEFAULT_PROMPTS))
+    step = lines // 3
+    assert calls == [(f"{p}-c{c}", i * step) for p in ("none", "dspark") for i, c in enumerate((1, 2, 4))]
+    levels = json.loads((tmp_path / "run" / "results.json").read_text())["levels"]
+    assert [lv["prompt_offset"] for lv in levels] == [0, step, 2 * step] * 2
+
+
+def test_a_level_that_sends_more_lines_than_its_slice_says_so(tmp_path, monkeypatch, capsys, fake_server):
+    prompts = tmp_path / "six.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"question {i}"]}) + "\n" for i in range(6)))
+    monkeypatch.setattr(sweep, "run_locust", fake_locust([], lines_sent=4))
+    sweep.main(["--policies", "none", "--concurrency", "1,2", "--duration", "5", "--warmup", "0",
+                "--prompts", str(prompts), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert "none-c1: sent 4 prompt lines, more than its slice of 3: the rest were the next slice's" in err
+
+
+def test_level_offsets_give_disjoint_slices_and_rotated_starts_there():
+    assert level_offsets(618, 5) == [0, 123, 246, 369, 492]
+    assert level_offsets(80, 1) == [0]
+    assert level_offsets(3, 5) == [0, 1, 2, 0, 1]  # fewer lines than levels: slices of one line, reused
+    assert rotated(["a", "b", "c", "d"], 1) == ["b", "c", "d", "a"] and rotated(["a", "b"], 5) == ["b", "a"]

@@ -44,6 +44,7 @@ from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, base_url, 
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LOCUST_GRACE_S = 60  # beyond run time + drain before a Locust process is considered hung
+RUN_FILES = ("results.json", "results.csv", "pareto.png", "levels", "records", "locust", "server-*.log")
 
 
 def int_list(text: str) -> list[int]:
@@ -127,7 +128,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not args.system_prompt:
             ap.error(f"--system-prompt-file: {args.system_prompt_file} is empty")
     args.out = args.out or REPO_ROOT / "runs" / "loadtest" / time.strftime("%Y%m%d-%H%M%S")
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out} is a file, not a folder")
+    if earlier := earlier_run(args.out):
+        ap.error(f"--out {args.out} holds an earlier run ({', '.join(earlier)}): choose another folder or remove it")
     return args
+
+
+def earlier_run(out: Path) -> list[str]:
+    """The files and folders of a run (``RUN_FILES``) already in ``out``: a new run there would mix with them."""
+    return sorted(p.name for pattern in RUN_FILES for p in out.glob(pattern)) if out.is_dir() else []
 
 
 def locust_env(args: argparse.Namespace, *, model: str, records: Path, prompt_offset: int) -> dict:

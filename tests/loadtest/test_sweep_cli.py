@@ -113,3 +113,18 @@ def test_level_offsets_give_disjoint_slices_and_rotated_starts_there():
     assert level_offsets(80, 1) == [0]
     assert level_offsets(3, 5) == [0, 1, 2, 0, 1]  # fewer lines than levels: slices of one line, reused
     assert rotated(["a", "b", "c", "d"], 1) == ["b", "c", "d", "a"] and rotated(["a", "b"], 5) == ["b", "a"]
+
+
+def test_out_must_be_a_new_or_empty_folder(tmp_path, capsys):
+    url = ["--url", "http://127.0.0.1:1"]
+    assert sweep.parse_args([*url, "--out", str(tmp_path)]).out == tmp_path  # an empty folder is fine
+    (tmp_path / "notes.txt").write_text("mine")
+    assert sweep.parse_args([*url, "--out", str(tmp_path)]).out == tmp_path  # and so are files of other kinds
+    (tmp_path / "levels").mkdir()
+    (tmp_path / "server-none.log").write_text("")
+    for out, message in ((tmp_path, f"--out {tmp_path} holds an earlier run (levels, server-none.log): choose another "
+                                    "folder or remove it"),
+                         (tmp_path / "notes.txt", f"--out {tmp_path / 'notes.txt'} is a file, not a folder")):
+        with pytest.raises(SystemExit) as exit_info:
+            sweep.parse_args([*url, "--out", str(out)])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -35,6 +35,9 @@ CSV_FIELDS = (
     "prefix_cache_hit_rate", "p50_ttft_ms_later_turns",
     "server_mean_batch", "server_round_ms", "server_verify_ms", "server_drafter_wait_ms", "server_verify_cpu_wait_ms",
 )
+# the run settings (results.json's config) that runs combined by --median must share, where all of them record it
+SETTINGS = ("label", "prompts", "prompt_seed", "max_tokens", "max_tokens_range_ratio", "temperature", "ignore_eos",
+            "multi_turn", "system_prompt_file", "overrides")
 TABLE = (  # header, key, format
     ("policy", "series", "{}"), ("conc", "concurrency", "{}"), ("done", "completed", "{}"),
     ("fail", "failed", "{}"), ("out tok/s", "output_throughput", "{:.1f}"),
@@ -120,8 +123,12 @@ def median_levels(paths: list[Path]) -> tuple[list[dict], dict]:
     finished, sorts first), the middle one (the lower middle for an even count) is kept whole, so its fields stay
     those of one measured level; ``runs`` gives how many levels it was chosen from and ``runs_median_user_tok_s`` /
     ``runs_output_throughput`` all their values, sorted.
+
+    Raises:
+        ValueError: the runs of a policy differ in a run setting (``SETTINGS``; the message names each).
     """
     runs = [load_results(p) for p in paths]
+    check_same_settings(list(zip(map(Path, paths), runs)))
     groups: dict[tuple[str, int], list[dict]] = {}
     for data in runs:
         for lv in data["levels"]:
@@ -133,6 +140,29 @@ def median_levels(paths: list[Path]) -> tuple[list[dict], dict]:
                        "runs_median_user_tok_s": [lv["median_user_tok_s"] for lv in group],
                        "runs_output_throughput": sorted(lv["output_throughput"] for lv in group)})
     return levels, (runs[0].get("slo") or {}) if runs else {}
+
+
+def check_same_settings(runs: list[tuple[Path, dict]]) -> None:
+    """Refuse to combine runs of one policy measured under different settings (``SETTINGS`` of their configs; a setting
+    that some run does not record is not compared).
+
+    Raises:
+        ValueError: naming the policy, and each differing setting with its values and runs.
+    """
+    by_policy: dict[str, list[tuple[Path, dict]]] = {}
+    for path, data in runs:
+        for policy in sorted({lv["policy"] for lv in data["levels"]}):
+            by_policy.setdefault(policy, []).append((path, data.get("config") or {}))
+    for policy, group in by_policy.items():
+        differ = []
+        for key in (k for k in SETTINGS if all(k in config for _, config in group)):
+            values: dict[str, list[str]] = {}
+            for path, config in group:
+                values.setdefault(json.dumps(config[key]), []).append(str(path))
+            if len(values) > 1:
+                differ.append(f"{key} " + " vs ".join(f"{v} ({', '.join(p)})" for v, p in values.items()))
+        if differ:
+            raise ValueError(f"the runs of {policy!r} differ in settings, not combined: {'; '.join(differ)}")
 
 
 def _speed_or_lowest(speed: float | None) -> float:
@@ -235,14 +265,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--title", default=None)
     ap.add_argument("--median", action="store_true",
                     help="the runs repeat the same policies: one level per (policy, concurrency), the run with the "
-                    "median per-user speed (median_levels)")
+                    "median per-user speed (median_levels); runs of a policy must share their settings (SETTINGS)")
     ap.add_argument("--matched", action="append", default=[], metavar="SERIES:BASELINE",
                     help="also print SERIES's per-user speed over BASELINE's at BASELINE's throughputs (repeatable)")
     args = ap.parse_args(argv)
     pairs = [m.split(":", 1) for m in args.matched]
     if any(len(p) != 2 or not all(p) for p in pairs):
         ap.error("--matched takes SERIES:BASELINE")
-    levels, slo = median_levels(args.results) if args.median else merge_results(args.results)
+    try:
+        levels, slo = median_levels(args.results) if args.median else merge_results(args.results)
+    except ValueError as err:
+        ap.error(str(err))
     slo_tpot = args.slo_tpot_ms if args.slo_tpot_ms is not None else slo.get("tpot_ms")
     png = pareto_plot(levels, args.out, slo_tpot_ms=slo_tpot, title=args.title)
     csv_path = args.out.with_suffix(".csv")

@@ -24,8 +24,9 @@ LEVELS = [level("none", c, 15 * c ** 0.8, 15 / c ** 0.2) for c in (1, 2, 4, 8)] 
 SLO = {"ttft_ms": None, "tpot_ms": 100.0, "e2el_ms": None}
 
 
-def write_run(tmp_path, name: str, levels: list[dict], label: str = "") -> Path:
-    json_path, _ = report.write_results(tmp_path / name, config={"label": label}, slo=SLO, levels=levels)
+def write_run(tmp_path, name: str, levels: list[dict], label: str = "", config: dict | None = None) -> Path:
+    json_path, _ = report.write_results(tmp_path / name, config={"label": label, **(config or {})}, slo=SLO,
+                                        levels=levels)
     return json_path
 
 
@@ -137,3 +138,19 @@ def test_matched_speedups_and_cli(tmp_path, capsys):
     assert summary["matched"]["dspark:mtp1"][0]["ratio"] == pytest.approx(25.0 / 15.0)
     with pytest.raises(SystemExit):
         report.main([str(path), "--out", str(tmp_path / "p.png"), "--matched", "dspark:eagle"])
+
+
+def test_median_refuses_runs_of_a_policy_with_different_settings(tmp_path, capsys):
+    greedy = write_run(tmp_path, "greedy", [level("dspark", 1, 40.0, 41.0)], config={"temperature": 0.0})
+    sampled = write_run(tmp_path, "sampled", [level("dspark", 1, 30.0, 31.0), level("none", 1, 20.0, 20.0)],
+                        config={"temperature": 0.7, "max_tokens": 64})
+    other = write_run(tmp_path, "other", [level("none", 1, 21.0, 21.0)], config={"temperature": 0.0})
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(greedy), str(sampled), "--median", "--out", str(tmp_path / "m.png")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "the runs of 'dspark' differ in settings, not combined: temperature 0.0" in err
+    assert "max_tokens" not in err  # recorded by one run only
+    with pytest.raises(ValueError, match=r"'none' differ in settings, not combined: temperature 0.7 \(.*sampled"):
+        report.median_levels([sampled, other])
+    levels, _ = report.median_levels([greedy, other])  # other policies: nothing to combine
+    assert len(levels) == 2

@@ -84,13 +84,23 @@ def load_results(path: Path) -> dict:
     """A ``results.json``, checked against the schema.
 
     Raises:
-        ValueError: another schema, or a level without a required field (the message names it).
+        ValueError: an unreadable file, not JSON (empty or cut short), another schema, or a level without a required
+            field (the message names it).
     """
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise ValueError(f"{path}: {err.strerror or err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: not a JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a JSON {type(data).__name__}, not a sweep's results (schema {SCHEMA!r})")
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{path}: schema {data.get('schema')!r}, expected {SCHEMA!r}")
+    if not isinstance(data.get("levels", []), list):
+        raise ValueError(f"{path}: levels is not a list")
     for i, level in enumerate(data.get("levels", [])):
-        missing = [k for k in REQUIRED if k not in level]
+        missing = [k for k in REQUIRED if k not in level] if isinstance(level, dict) else list(REQUIRED)
         if missing:
             raise ValueError(f"{path}: level {i} lacks {missing}")
     return data

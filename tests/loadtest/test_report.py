@@ -154,3 +154,21 @@ def test_median_refuses_runs_of_a_policy_with_different_settings(tmp_path, capsy
         report.median_levels([sampled, other])
     levels, _ = report.median_levels([greedy, other])  # other policies: nothing to combine
     assert len(levels) == 2
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "No such file or directory"),
+    ("", "not a JSON file"),
+    ('{"schema": "loadtest.sweep/1", "levels": [', "not a JSON file"),  # cut short
+    ("[]", "a JSON list, not a sweep's results"),
+    ("{}", "schema None, expected 'loadtest.sweep/1'"),
+])
+def test_report_refuses_unreadable_results_in_one_line(tmp_path, capsys, content, message):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(path), "--out", str(tmp_path / "p.png")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"error: {path}: " in err and message in err
+    assert not (tmp_path / "p.png").exists()

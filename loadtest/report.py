@@ -23,6 +23,8 @@ import json
 import math
 from pathlib import Path
 
+from app.argtypes import positive_float
+
 SCHEMA = "loadtest.sweep/1"
 LEVEL_SCHEMA = "loadtest.level/1"
 REQUIRED = ("policy", "concurrency", "output_throughput", "median_user_tok_s", "request_throughput")
@@ -270,8 +272,8 @@ def pareto_plot(levels: list[dict], out: Path, *, slo_tpot_ms: float | None = No
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Re-plot or merge sweep results into one table and Pareto plot.")
     ap.add_argument("results", nargs="+", type=Path, help="results.json files of one or more sweeps")
-    ap.add_argument("--out", type=Path, required=True, help="PNG to write (a CSV of the merged levels beside it)")
-    ap.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO line (default: the first run's)")
+    ap.add_argument("--out", type=Path, required=True, help="PNG to write, *.png (a CSV of the levels beside it)")
+    ap.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="SLO line (default: the first run's)")
     ap.add_argument("--title", default=None)
     ap.add_argument("--median", action="store_true",
                     help="the runs repeat the same policies: one level per (policy, concurrency), the run with the "
@@ -279,6 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--matched", action="append", default=[], metavar="SERIES:BASELINE",
                     help="also print SERIES's per-user speed over BASELINE's at BASELINE's throughputs (repeatable)")
     args = ap.parse_args(argv)
+    if args.out.suffix.lower() != ".png":
+        ap.error(f"--out {args.out}: the plot is a PNG, name it *.png")
     pairs = [m.split(":", 1) for m in args.matched]
     if any(len(p) != 2 or not all(p) for p in pairs):
         ap.error("--matched takes SERIES:BASELINE")

@@ -172,3 +172,18 @@ def test_report_refuses_unreadable_results_in_one_line(tmp_path, capsys, content
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"error: {path}: " in err and message in err
     assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--out", "plot/noext"], "--out plot/noext: the plot is a PNG, name it *.png"),
+    (["--out", "x.txt"], "--out x.txt: the plot is a PNG, name it *.png"),
+    (["--out", "p.png", "--slo-tpot-ms", "0"], "--slo-tpot-ms: expected a number > 0, got 0"),
+    (["--out", "p.png", "--slo-tpot-ms", "-5"], "--slo-tpot-ms: expected a number > 0, got -5"),
+])
+def test_report_refuses_a_plot_not_named_png_and_a_slo_not_positive(tmp_path, monkeypatch, capsys, flags, message):
+    monkeypatch.chdir(tmp_path)
+    results = write_run(tmp_path, "run", LEVELS)
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(results), *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png")) and not (tmp_path / "plot").exists()

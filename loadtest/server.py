@@ -199,6 +199,23 @@ def wait_ready(url: str, *, headers: dict | None = None, timeout_s: float = 600.
         time.sleep(0.5)
 
 
+def refusal(args: dict) -> str | None:
+    """What the builder refuses in the application ``args`` (``builder.checked_config``), in one line; None when it
+    accepts them. Imports Ray (through the builder): not for the sweep's own process."""
+    from pydantic import ValidationError
+
+    from app.serving.builder import checked_config
+
+    try:
+        checked_config(args)
+    except ValidationError as err:
+        return "ValidationError: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'args'}: {e['msg']}"
+                                               for e in err.errors())
+    except (ValueError, OSError) as err:  # the files checked, a profile or drafter that does not fit the target
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def serve_until_signalled(
     args: dict, *, host: str, port: int, num_cpus: float | None, name: str = "dspark", route_prefix: str = "/"
 ) -> None:
@@ -232,20 +249,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=None,
                     help="HTTP port (default: $DSPARK_SERVE_PORT, else the config's http_options.port)")
     ap.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: all)")
+    ap.add_argument("--check", default=None, metavar="POLICY,...",
+                    help="start nothing: check the args with each of these policies (as the sweep does before it "
+                    "starts a server); a line for each refused one, exit 1")
     opts = ap.parse_args(argv)
-    http = (yaml.safe_load(opts.config.read_text()).get("http_options") or {})
-    port = opts.port or int(os.environ.get("DSPARK_SERVE_PORT", http.get("port", 8000)))
-    application = load_application(opts.config, opts.app)
+    if not opts.config.is_file():
+        ap.error(f"--config {opts.config}: no such file")
     try:
-        args = app_args(opts.config, parse_overrides(opts.overrides), opts.app)
+        overrides = parse_overrides(opts.overrides)
     except ValueError as err:
-        ap.error(str(err))
-    from app.serving.run import check_applications
-
+        ap.error(f"--set: {err}")
+    try:
+        http = (yaml.safe_load(opts.config.read_text()).get("http_options") or {})
+        application = load_application(opts.config, opts.app)
+        args = app_args(opts.config, overrides, opts.app)
+    except (ValueError, AttributeError, yaml.YAMLError) as err:
+        ap.error(f"--config {opts.config}: {err}")
+    port = opts.port or int(os.environ.get("DSPARK_SERVE_PORT", http.get("port", 8000)))
+    if opts.check is not None:
+        refused = [f"policy {p}: {why}" for p in opts.check.split(",") if (why := refusal({**args, "policy": p}))]
+        sys.exit("\n".join(refused) or None)
     # what build_app checks, before Ray starts: a bad --set is one line, not tracebacks from inside Ray
-    if refused := check_applications({"applications": [{**application, "args": args}]}):
+    if why := refusal(args):
         sys.exit(f"loadtest.server: bad args for {opts.config} with {opts.overrides or 'no --set'} (nothing "
-                 f"started): {next(iter(refused.values()))}")
+                 f"started): {why}")
     serve_until_signalled(args, host=opts.host or http.get("host", "127.0.0.1"), port=port, num_cpus=opts.num_cpus,
                           name=application.get("name", "dspark"), route_prefix=application.get("route_prefix", "/"))
 

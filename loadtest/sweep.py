@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from app.argtypes import non_negative_float
+from app.argtypes import non_negative_float, positive_float, positive_int
 from loadtest.metrics import Slo, measurement_window, read_records, summarize
 from loadtest.prompts import DEFAULT_PROMPTS, level_offsets, load_prompt_spec
 from loadtest.report import format_table, level_name, pareto_plot, write_level, write_results
@@ -48,16 +48,25 @@ RUN_FILES = ("results.json", "results.csv", "pareto.png", "levels", "records", "
 
 
 def int_list(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
+    """Comma-separated distinct integers >= 1 (raises ``argparse.ArgumentTypeError``)."""
+    values = [positive_int(v) for v in text.split(",") if v.strip()]
+    if not values:
         raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
-    return values
+    return no_repeats(values)
 
 
 def name_list(text: str) -> list[str]:
+    """Comma-separated distinct names (raises ``argparse.ArgumentTypeError``)."""
     values = [v.strip() for v in text.split(",") if v.strip()]
     if not values:
         raise argparse.ArgumentTypeError("need at least one name")
+    return no_repeats(values)
+
+
+def no_repeats(values: list) -> list:
+    """``values`` when none repeats (a repeated level or policy would overwrite the other's records)."""
+    if repeated := sorted({str(v) for v in values if values.count(v) > 1}):
+        raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given more than once")
     return values
 
 
@@ -68,9 +77,10 @@ def optional_ms(text: str) -> float | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16], help="users per level")
-    ap.add_argument("--duration", type=float, default=60.0, help="measured seconds per level")
-    ap.add_argument("--warmup", type=float, default=5.0, help="unmeasured seconds at the start of each level")
-    ap.add_argument("--drain-timeout", type=float, default=300.0,
+    ap.add_argument("--duration", type=positive_float, default=60.0, help="measured seconds per level")
+    ap.add_argument("--warmup", type=non_negative_float, default=5.0,
+                    help="unmeasured seconds at the start of each level")
+    ap.add_argument("--drain-timeout", type=positive_float, default=300.0,
                     help="seconds requests in flight may take to finish after a level")
     ap.add_argument("--policies", type=name_list, default=None,
                     help="verify policies, default none,mtp1,dspark; with --url only labels (default: one, 'server')")
@@ -82,14 +92,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML to start per policy")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override an application args field for every policy (repeatable)")
-    ap.add_argument("--num-cpus", type=float, default=None, help="CPUs of each local Ray (default: all)")
+    ap.add_argument("--num-cpus", type=positive_float, default=None, help="CPUs of each local Ray (default: all)")
     ap.add_argument("--port", type=int, default=None, help="HTTP port of the started servers (default: free)")
-    ap.add_argument("--server-timeout", type=float, default=600.0, help="seconds a server may take to be ready")
+    ap.add_argument("--server-timeout", type=positive_float, default=600.0, help="seconds a server may take to be ready")
     ap.add_argument("--server-warmup", type=int, default=2, help="short requests sent to each server before "
                     "its first level (not measured)")
     ap.add_argument("--prompts", default=DEFAULT_PROMPTS, help="evaluation set names or JSONL paths")
     ap.add_argument("--prompt-seed", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=positive_int, default=128)
     ap.add_argument("--max-tokens-range-ratio", type=float, default=0.0,
                     help="each request's max_tokens uniform in --max-tokens x [1 - r, 1 + r], the same sequence for "
                          "every policy (0: all the same; answers of one length make closed-loop users arrive in "
@@ -113,12 +123,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.policies is None:  # with --url there is one server, whatever policy it runs: one series
         args.policies = ["server"] if args.url else ["none", "mtp1", "dspark"]
-    if args.duration <= 0 or args.warmup < 0:
-        ap.error("--duration must be > 0 and --warmup >= 0")
+    if args.server_warmup < 0:
+        ap.error(f"--server-warmup must be >= 0, got {args.server_warmup}")
+    if not args.url and not args.config.is_file():
+        ap.error(f"--config {args.config}: no such file")
     if not 0 <= args.max_tokens_range_ratio < 1:
         ap.error(f"--max-tokens-range-ratio must be in [0, 1), got {args.max_tokens_range_ratio}")
-    # fail now, not inside the first Locust process; each level gets its slice of the lines (level_offsets)
-    args.prompt_lines = len(load_prompt_spec(args.prompts))
+    try:  # fail now, not inside the first Locust process; each level gets its slice of the lines (level_offsets)
+        args.prompt_lines = len(load_prompt_spec(args.prompts))
+    except (ValueError, FileNotFoundError) as err:
+        ap.error(str(err))
     args.system_prompt = ""
     if args.system_prompt_file is not None:
         try:
@@ -132,7 +146,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--out {args.out} is a file, not a folder")
     if earlier := earlier_run(args.out):
         ap.error(f"--out {args.out} holds an earlier run ({', '.join(earlier)}): choose another folder or remove it")
+    if not args.url and (refused := check_configs(args)):
+        ap.error(f"{refused} (nothing started)")
     return args
+
+
+def check_configs(args: argparse.Namespace) -> str | None:
+    """What the builder refuses in the application the sweep would start for each policy (``--config``, ``--set``,
+    the policy), one line; None when it accepts them all. Runs ``python -m loadtest.server --check`` (the builder
+    imports Ray, which this process does not)."""
+    cmd = [sys.executable, "-m", "loadtest.server", "--config", str(args.config), "--check", ",".join(args.policies)]
+    cmd += [a for o in args.overrides for a in ("--set", o)]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    if done.returncode == 0:
+        return None
+    lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+    if done.returncode == 2:  # a usage error: its last line, without the program's name
+        return lines[-1].partition("error: ")[2] or lines[-1] if lines else f"{cmd} exited with 2"
+    return "; ".join(lines) or f"{cmd} exited with {done.returncode}"
 
 
 def earlier_run(out: Path) -> list[str]:

@@ -33,6 +33,7 @@ class FakeServer:
 def fake_server(monkeypatch):
     FakeServer.started = []
     monkeypatch.setattr(sweep, "ManagedServer", FakeServer)
+    monkeypatch.setattr(sweep, "check_configs", lambda args: None)
     monkeypatch.setattr(sweep, "warm_up", lambda *a, **k: None)
     monkeypatch.setattr(sweep, "settled_counters", lambda *a, **k: None)  # a server without /metrics
     return FakeServer
@@ -128,3 +129,26 @@ def test_out_must_be_a_new_or_empty_folder(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_info:
             sweep.parse_args([*url, "--out", str(out)])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--policies", "none,bogus"], "error: policy bogus: ValidationError: policy: Value error, unknown policy 'bogus'"),
+    (["--policies", "none", "--set", "gamma=0"], "error: policy none: ValidationError: gamma: Input should be greater"),
+    (["--set", "gamma"], "error: --set: override 'gamma' is not KEY=VALUE (nothing started)"),
+    (["--config", "/nonexistent.yaml"], "error: --config /nonexistent.yaml: no such file"),
+    (["--prompts", "nosuchset"], "error: prompts: 'nosuchset' is neither an evaluation set"),
+    (["--max-tokens", "0"], "error: argument --max-tokens: expected an integer >= 1, got 0"),
+    (["--policies", "none,mtp1,none"], "error: argument --policies: none given more than once"),
+    (["--concurrency", "1,2,1"], "error: argument --concurrency: 1 given more than once"),
+    (["--duration", "0"], "error: argument --duration: expected a number > 0, got 0"),
+])
+def test_bad_flags_are_usage_errors_before_any_server_starts(tmp_path, monkeypatch, capsys, flags, message):
+    def server_starts(**kwargs):
+        raise AssertionError("a server would start")
+
+    monkeypatch.setattr(sweep, "ManagedServer", server_starts)
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main([*flags, "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

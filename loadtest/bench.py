@@ -52,7 +52,7 @@ from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
 from app.serving.local_ray import SERVE_ENV, init_local_ray
 from loadtest.prompts import load_prompt_spec
-from loadtest.server import DEFAULT_CONFIG, app_args, free_port, parse_overrides
+from loadtest.server import DEFAULT_CONFIG, app_args, free_port, parse_overrides, refusal
 from loadtest.stream import RequestRecord, StreamObserver, observe_stream
 
 APP_NAME = "bench"
@@ -235,8 +235,17 @@ def main(argv: list[str] | None = None) -> dict:
     if opts.requests < 1 or opts.max_tokens < 2 or opts.temperature < 0:
         ap.error("--requests must be >= 1, --max-tokens >= 2 and --temperature >= 0")
     policies = [p.strip() for p in opts.policies.split(",") if p.strip()]
-    prompts = load_prompt_spec(opts.prompts)[: opts.requests]
-    base = app_args(opts.config, parse_overrides(opts.overrides))
+    if not policies or len(set(policies)) < len(policies):
+        ap.error(f"--policies {opts.policies}: need distinct policy names")
+    if not opts.config.is_file():
+        ap.error(f"--config {opts.config}: no such file")
+    try:
+        prompts = load_prompt_spec(opts.prompts)[: opts.requests]
+        base = app_args(opts.config, parse_overrides(opts.overrides))
+    except (ValueError, FileNotFoundError) as err:
+        ap.error(str(err))
+    if refused := [f"policy {p}: {why}" for p in policies if (why := refusal({**base, "policy": p}))]:
+        ap.error("; ".join(refused))
     configs = {p: AppConfig.model_validate({**base, "policy": p}) for p in policies}
     first = configs[policies[0]]
     if first.torch_threads:

@@ -27,3 +27,20 @@ def test_drafter_alone_drafts_at_the_requests_temperature(monkeypatch, temperatu
     ms = bench.drafter_alone(config, ["What is 12 times 7?"], SamplingParams(max_tokens=16, temperature=temperature),
                              calls=3)
     assert ms > 0 and sampled and set(sampled) == {temperature > 0}
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--policies", "none,bogus"], "error: policy bogus: ValidationError: policy: Value error, unknown policy 'bogus'"),
+    (["--config", "/nonexistent.yaml"], "error: --config /nonexistent.yaml: no such file"),
+    (["--policies", "none,none"], "error: --policies none,none: need distinct policy names"),
+    (["--prompts", "nosuchset"], "error: prompts: 'nosuchset' is neither an evaluation set"),
+])
+def test_bad_flags_are_usage_errors_before_anything_runs(monkeypatch, capsys, flags, message):
+    def runs(*args, **kwargs):
+        raise AssertionError("the bench would run")
+
+    monkeypatch.setattr(bench, "engine_alone", runs)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(flags)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err, err

@@ -29,7 +29,7 @@ SCHEMA = "loadtest.sweep/1"
 LEVEL_SCHEMA = "loadtest.level/1"
 REQUIRED = ("policy", "concurrency", "output_throughput", "median_user_tok_s", "request_throughput")
 CSV_FIELDS = (
-    "series", "policy", "concurrency", "duration", "completed", "failed", "total_output_tokens",
+    "series", "policy", "concurrency", "temperature", "duration", "completed", "failed", "total_output_tokens",
     "output_throughput", "request_throughput", "request_goodput", "median_user_tok_s", "mean_user_tok_s",
     "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p90_tpot_ms", "p99_tpot_ms",
     "p50_itl_ms", "p90_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms",
@@ -41,7 +41,8 @@ CSV_FIELDS = (
 SETTINGS = ("label", "prompts", "prompt_seed", "max_tokens", "max_tokens_range_ratio", "temperature", "ignore_eos",
             "multi_turn", "system_prompt_file", "overrides")
 TABLE = (  # header, key, format
-    ("policy", "series", "{}"), ("conc", "concurrency", "{}"), ("done", "completed", "{}"),
+    ("policy", "series", "{}"), ("conc", "concurrency", "{}"), ("T", "temperature", "{:g}"),
+    ("done", "completed", "{}"),
     ("fail", "failed", "{}"), ("out tok/s", "output_throughput", "{:.1f}"),
     ("req/s", "request_throughput", "{:.2f}"), ("goodput", "request_goodput", "{:.2f}"),
     ("user tok/s", "median_user_tok_s", "{:.1f}"), ("ttft p50", "p50_ttft_ms", "{:.0f}"),
@@ -109,22 +110,17 @@ def load_results(path: Path) -> dict:
 
 
 def merge_results(paths: list[Path]) -> tuple[list[dict], dict]:
-    """All levels of several runs with a ``series`` name each, and the first run's SLO.
+    """All levels of several runs with a ``series`` name and the run's ``temperature`` each, and the first run's SLO.
 
-    A policy name that occurs in more than one run is prefixed with its run's label (``--label``, else the
-    results folder's name), so every curve stays distinct.
+    With more than one run, every series is its policy prefixed with its run's label (``--label``, else the results
+    folder's name), so every curve says which run it is; one run's series are its policies.
     """
     runs = [(Path(p), load_results(p)) for p in paths]
-    seen: dict[str, int] = {}
-    for _, data in runs:
-        for policy in {lv["policy"] for lv in data["levels"]}:
-            seen[policy] = seen.get(policy, 0) + 1
     levels = []
     for path, data in runs:
         label = data.get("config", {}).get("label") or path.parent.name
-        for level in data["levels"]:
-            series = level["policy"] if seen[level["policy"]] == 1 else f"{label}/{level['policy']}"
-            levels.append({**level, "series": series})
+        for level in with_temperature(data):
+            levels.append({**level, "series": f"{label}/{level['policy']}" if len(runs) > 1 else level["policy"]})
     return levels, (runs[0][1].get("slo") or {}) if runs else {}
 
 
@@ -143,7 +139,7 @@ def median_levels(paths: list[Path]) -> tuple[list[dict], dict]:
     check_same_settings(list(zip(map(Path, paths), runs)))
     groups: dict[tuple[str, int], list[dict]] = {}
     for data in runs:
-        for lv in data["levels"]:
+        for lv in with_temperature(data):
             groups.setdefault((lv["policy"], lv["concurrency"]), []).append(lv)
     levels = []
     for group in groups.values():
@@ -152,6 +148,12 @@ def median_levels(paths: list[Path]) -> tuple[list[dict], dict]:
                        "runs_median_user_tok_s": [lv["median_user_tok_s"] for lv in group],
                        "runs_output_throughput": sorted(lv["output_throughput"] for lv in group)})
     return levels, (runs[0].get("slo") or {}) if runs else {}
+
+
+def with_temperature(data: dict) -> list[dict]:
+    """A run's levels, each with its ``temperature`` (the run's setting where a level does not record it)."""
+    temperature = (data.get("config") or {}).get("temperature")
+    return [{"temperature": temperature, **level} for level in data["levels"]]
 
 
 def check_same_settings(runs: list[tuple[Path, dict]]) -> None:

@@ -261,7 +261,7 @@ def run_level(args: argparse.Namespace, *, url: str, model: str, policy: str, us
                                                prompt_offset=prompt_offset))
     window = measurement_window(markers, warmup_s=args.warmup, duration_s=args.duration)
     after = settled_counters(url, headers=auth(args.api_key))
-    level = {"policy": policy, "concurrency": users, **summarize(records, window, slo), **round_split(counters, after),
+    level = {"policy": policy, "concurrency": users, "temperature": args.temperature, **summarize(records, window, slo), **round_split(counters, after),
              "prompt_offset": prompt_offset, "first_error": first_error(records)}
     if level["first_error"] is not None:
         progress.write(f"{name}: {level['completed']} requests succeeded, {level['failed']} failed; the first "

@@ -59,19 +59,24 @@ def test_load_results_rejects_other_schemas_and_missing_fields(tmp_path):
         report.load_results(bad)
 
 
-def test_merge_keeps_distinct_names_and_prefixes_clashes(tmp_path):
-    ours = write_run(tmp_path, "ours", LEVELS)
+def test_merge_labels_every_series_with_its_run_and_keeps_the_temperature(tmp_path, capsys):
+    ours = write_run(tmp_path, "ours", LEVELS, config={"temperature": 0.0})
     vllm = write_run(tmp_path, "vllm", [level("vllm-cpu", c, 18 * c, 18 / c ** 0.1) for c in (1, 4)])
-    again = write_run(tmp_path, "again", [level("dspark", 1, 29.0, 29.0)], label="rerun")
+    again = write_run(tmp_path, "again", [level("dspark", 1, 29.0, 29.0)], label="T0.7", config={"temperature": 0.7})
     levels, slo = report.merge_results([ours, vllm, again])
     series = {lv["series"] for lv in levels}
-    assert series == {"none", "ours/dspark", "vllm-cpu", "rerun/dspark"} and slo == SLO
+    assert series == {"ours/none", "ours/dspark", "vllm/vllm-cpu", "T0.7/dspark"} and slo == SLO
+    assert {lv["series"]: lv["temperature"] for lv in levels}["T0.7/dspark"] == 0.7
+    assert {lv["series"] for lv in report.merge_results([ours])[0]} == {"none", "dspark"}  # one run: its policies
+    report.main([str(ours), str(again), "--out", str(tmp_path / "m.png")])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:-1]]
+    assert ["ours/none", "1", "0"] == rows[0][:3] and ["T0.7/dspark", "1", "0.7"] == rows[-1][:3]
 
 
 def test_table_formats_missing_values():
     table = report.format_table([level("none", 1, 15.0, None)])
     header, rule, row = table.splitlines()
-    assert header.split()[:3] == ["policy", "conc", "done"] and set(rule) <= {"-", " "}
+    assert header.split()[:4] == ["policy", "conc", "T", "done"] and set(rule) <= {"-", " "}
     assert row.split()[0] == "none" and " - " in row
     header, _, row = report.format_table([level("dspark", 4, 80.0, 10.0, prefix_cache_hit_rate=0.8914)]).splitlines()
     assert header.endswith("cached  ttft p50 later turns  batch  round ms  verify ms  drafter ms  cpu wait ms")
@@ -89,7 +94,7 @@ def test_report_cli_merges_and_plots(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(lines[-1])
     assert summary["levels"] == 10 and (tmp_path / "merged.png").is_file() and (tmp_path / "merged.csv").is_file()
-    assert any(line.startswith("vllm-cpu") for line in lines)
+    assert any(line.startswith("vllm/vllm-cpu") for line in lines)  # merged: labelled by its run
 
 
 @pytest.mark.parametrize(("throughput", "expected"), [

@@ -6,9 +6,9 @@ Usage: ``python -m loadtest.bench [--policies none,dspark] [--requests 5] [--max
 Measures in one run, on the same prompts (the first ``--requests`` first turns of ``--prompts``, chat template,
 greedy or, with ``--temperature`` > 0, sampled with seed ``--seed + i`` for prompt i, ``max_tokens`` each):
 
-1. the engine alone in this process: plain greedy decoding, one request at a time (ms per verify round = per
-   token), and, when a policy speculates, the configured drafter offline (ms per steady drafter round at batch 1:
-   ``propose``, then ``update`` with the verified step);
+1. the engine alone in this process: plain decoding (greedy, or sampled with the served requests' settings and
+   seeds), one request at a time (ms per verify round = per token), and, when a policy speculates, the configured
+   drafter offline (ms per steady drafter round at batch 1: ``propose``, then ``update`` with the verified step);
 2. for each policy, the application (``deployments/dspark.yaml``'s args with ``policy`` and ``--set`` applied)
    on a fresh local Ray, driven over HTTP with sequential streamed requests after one warm-up request.
 
@@ -32,12 +32,14 @@ then one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -186,7 +188,18 @@ def served(
 ) -> dict:
     """The application with ``args`` on a fresh local Ray: one warm-up request, then one request per prompt; the
     prompts whose streamed text differs from ``reference`` (plain decoding's) are asked again non-streamed for
-    their token ids (``token_ids``: prompt index -> ids)."""
+    their token ids (``token_ids``: prompt index -> ids).
+
+    While Ray runs, this process's stdout goes to stderr: Ray's driver prints the errors its workers report (such as
+    ``(raylet) Task ServeController.graceful_shutdown failed ... killed by ray.kill`` at shutdown) on stdout, which
+    holds the bench's table and JSON line."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return _served(args, prompts, params=params, num_cpus=num_cpus, reference=reference)
+
+
+def _served(
+    args: dict, prompts: list[str], *, params: list[SamplingParams], num_cpus: float | None, reference: list[str]
+) -> dict:
     import ray
     from ray import serve
 

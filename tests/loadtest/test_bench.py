@@ -44,3 +44,16 @@ def test_bad_flags_are_usage_errors_before_anything_runs(monkeypatch, capsys, fl
         bench.main(flags)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err, err
+
+
+def test_rays_log_lines_go_to_stderr_while_a_policy_is_served(monkeypatch, capsys):
+    """Ray's driver prints its workers' reported errors on stdout; the bench's stdout holds only its table and JSON."""
+
+    def ray_prints(*args, **kwargs):
+        print("(raylet) Task ServeController.graceful_shutdown failed")
+        return {"tpot_ms": 10.0}
+
+    monkeypatch.setattr(bench, "_served", ray_prints)
+    assert bench.served({}, ["q"], params=[], num_cpus=None, reference=[""]) == {"tpot_ms": 10.0}
+    out, err = capsys.readouterr()
+    assert out == "" and "(raylet) Task ServeController.graceful_shutdown failed" in err

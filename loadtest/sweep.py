@@ -31,6 +31,7 @@ import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Callable
 
 import httpx
 from tqdm import tqdm
@@ -94,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="override an application args field for every policy (repeatable)")
     ap.add_argument("--num-cpus", type=positive_float, default=None, help="CPUs of each local Ray (default: all)")
     ap.add_argument("--port", type=int, default=None, help="HTTP port of the started servers (default: free)")
-    ap.add_argument("--server-timeout", type=positive_float, default=600.0, help="seconds a server may take to be ready")
+    ap.add_argument("--server-timeout", type=positive_float, default=600.0,
+                    help="seconds a server may take to be ready")
     ap.add_argument("--server-warmup", type=int, default=2, help="short requests sent to each server before "
                     "its first level (not measured)")
     ap.add_argument("--prompts", default=DEFAULT_PROMPTS, help="evaluation set names or JSONL paths")
@@ -191,9 +193,31 @@ def locust_env(args: argparse.Namespace, *, model: str, records: Path, prompt_of
     return env
 
 
-def run_locust(args: argparse.Namespace, *, url: str, model: str, users: int, name: str, prompt_offset: int) -> Path:
+def level_seconds(args: argparse.Namespace) -> int:
+    """Locust's run time per level: ramp-up, warm-up and measured seconds (the window starts once all users are
+    spawned, within the first second)."""
+    return math.ceil(args.warmup + args.duration) + 1
+
+
+def wait_ticking(process: subprocess.Popen, *, timeout_s: float, tick: Callable[[float], None]) -> int | None:
+    """``process``'s exit status, calling ``tick(seconds since the wait began)`` about once a second meanwhile;
+    None when it has not ended after ``timeout_s``."""
+    start = time.monotonic()
+    while True:
+        try:
+            return process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            elapsed = time.monotonic() - start
+            if elapsed > timeout_s:
+                return None
+            tick(elapsed)
+
+
+def run_locust(args: argparse.Namespace, *, url: str, model: str, users: int, name: str, prompt_offset: int,
+               tick: Callable[[float], None] = lambda elapsed: None) -> Path:
     """One headless Locust run at ``users`` users, its prompts from line ``prompt_offset`` of the seeded order on;
-    returns its records file.
+    returns its records file. ``tick(seconds since it started)`` runs about once a second while it runs; Locust is
+    killed when this ends otherwise (a KeyboardInterrupt).
 
     Raises:
         RuntimeError: Locust failed or hung (with its output's tail).
@@ -202,7 +226,7 @@ def run_locust(args: argparse.Namespace, *, url: str, model: str, users: int, na
     records.parent.mkdir(parents=True, exist_ok=True)
     records.unlink(missing_ok=True)
     (args.out / "locust").mkdir(parents=True, exist_ok=True)
-    run_time = math.ceil(args.warmup + args.duration) + 1  # the window starts once all users are spawned
+    run_time = level_seconds(args)
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--users", str(users),
            "--spawn-rate", str(users), "--run-time", f"{run_time}s", "--stop-timeout", f"{args.drain_timeout:g}",
            "--host", url, "--csv", str(args.out / "locust" / name), "--only-summary", "--loglevel", "WARNING",
@@ -210,14 +234,18 @@ def run_locust(args: argparse.Namespace, *, url: str, model: str, users: int, na
     log = args.out / "locust" / f"{name}.log"
     env = locust_env(args, model=model, records=records, prompt_offset=prompt_offset)
     with log.open("w") as f:
+        process = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
         try:
-            done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, check=False,
-                                  timeout=run_time + args.drain_timeout + LOCUST_GRACE_S)
-        except subprocess.TimeoutExpired as err:
-            raise RuntimeError(f"Locust hung at {name}; see {log}") from err
-    if done.returncode != 0:
+            returncode = wait_ticking(process, timeout_s=run_time + args.drain_timeout + LOCUST_GRACE_S, tick=tick)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    if returncode is None:
+        raise RuntimeError(f"Locust hung at {name}; see {log}")
+    if returncode != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        raise RuntimeError(f"Locust exited with {done.returncode} at {name}:\n{tail}")
+        raise RuntimeError(f"Locust exited with {returncode} at {name}:\n{tail}")
     return records
 
 
@@ -256,13 +284,22 @@ def run_level(args: argparse.Namespace, *, url: str, model: str, policy: str, us
               counters: dict, progress: tqdm) -> tuple[dict, dict]:
     """One level: Locust at ``users`` users, its prompts from ``prompt_offset`` on; returns its results and the server's
     round counters after it (``counters``: those before it)."""
-    slo, name = slo_of(args), level_name(policy, users)
-    records, markers = read_records(run_locust(args, url=url, model=model, users=users, name=name,
-                                               prompt_offset=prompt_offset))
+    slo, name, seconds, shown = slo_of(args), level_name(policy, users), level_seconds(args), [0]
+
+    def tick(elapsed: float) -> None:  # the bar moves by the level's seconds (the drain's shown at its end)
+        step = min(int(elapsed), seconds) - shown[0]
+        shown[0] += step
+        progress.update(step)
+
+    try:
+        records, markers = read_records(run_locust(args, url=url, model=model, users=users, name=name,
+                                                   prompt_offset=prompt_offset, tick=tick))
+    finally:
+        tick(seconds)
     window = measurement_window(markers, warmup_s=args.warmup, duration_s=args.duration)
     after = settled_counters(url, headers=auth(args.api_key))
-    level = {"policy": policy, "concurrency": users, "temperature": args.temperature, **summarize(records, window, slo), **round_split(counters, after),
-             "prompt_offset": prompt_offset, "first_error": first_error(records)}
+    level = {"policy": policy, "concurrency": users, "temperature": args.temperature, **summarize(records, window, slo),
+             **round_split(counters, after), "prompt_offset": prompt_offset, "first_error": first_error(records)}
     if level["first_error"] is not None:
         progress.write(f"{name}: {level['completed']} requests succeeded, {level['failed']} failed; the first "
                        f"failure: {level['first_error']}", file=sys.stderr)
@@ -279,9 +316,10 @@ def run_sweep(args: argparse.Namespace, config: dict, levels: list[dict], errors
     policy sends the prompt lines from ``level_offsets(...)[i]`` on."""
     slo = slo_of(args)
     offsets = level_offsets(args.prompt_lines, len(args.concurrency))
-    progress = tqdm(total=len(args.policies) * len(args.concurrency), desc="sweep", unit="level", file=sys.stderr)
+    progress = tqdm(total=len(args.policies) * len(args.concurrency) * level_seconds(args), desc="sweep", unit="s",
+                    file=sys.stderr)
     try:
-        for policy in args.policies:
+        for i, policy in enumerate(args.policies):
             progress.set_description(f"{policy}: starting")
             server = nullcontext() if args.url else ManagedServer(
                 config=args.config, overrides=[*args.overrides, f"policy={policy}"], port=args.port,
@@ -305,11 +343,10 @@ def run_sweep(args: argparse.Namespace, config: dict, levels: list[dict], errors
                         write_results(args.out, config=config, slo=slo.to_json(), levels=levels)
                         progress.set_postfix(tok_s=f"{level['output_throughput']:.1f}",
                                              user_tok_s=f"{level['median_user_tok_s'] or 0:.1f}")
-                        progress.update()
             except (RuntimeError, ValueError, httpx.HTTPError) as err:
                 errors.append({"policy": policy, "error": str(err)})
                 progress.write(f"policy {policy} failed: {err}", file=sys.stderr)
-                progress.update(len(args.concurrency) - sum(lv["policy"] == policy for lv in levels))
+                progress.update((i + 1) * len(args.concurrency) * level_seconds(args) - progress.n)  # its levels
     finally:
         progress.close()
 
@@ -359,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                        title=f"Throughput vs interactivity{' - ' + args.label if args.label else ''}")
     print(format_table(levels))
     keep = ("policy", "concurrency", "completed", "failed", "output_throughput", "median_user_tok_s", "p90_tpot_ms",
-            "request_goodput", "mean_accepted_length", "mean_verify_length", "prefix_cache_hit_rate", "p50_ttft_ms_later_turns")
+            "request_goodput", "mean_accepted_length", "mean_verify_length", "prefix_cache_hit_rate",
+            "p50_ttft_ms_later_turns")
     failed_requests = sum(lv["failed"] for lv in levels)
     print(json.dumps({"results": str(json_path), "csv": str(csv_path), "plot": str(plot),
                       "errors": len(errors) + failed_requests, "failed_requests": failed_requests,

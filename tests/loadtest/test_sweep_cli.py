@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 
 import pytest
 
@@ -68,11 +69,14 @@ def test_url_takes_the_openai_base_url(tmp_path):
     assert args.url == "http://127.0.0.1:8300"
 
 
-def fake_locust(calls: list, *, lines_sent: int = 1):
-    """A ``run_locust`` that records its call and writes a records file: ``lines_sent`` successful first turns."""
+def fake_locust(calls: list, *, lines_sent: int = 1, ticks: tuple[float, ...] = ()):
+    """A ``run_locust`` that records its call, ticks at each of ``ticks`` seconds and writes a records file:
+    ``lines_sent`` successful first turns."""
 
-    def run(args, *, url, model, users, name, prompt_offset):
+    def run(args, *, url, model, users, name, prompt_offset, tick=lambda elapsed: None):
         calls.append((name, prompt_offset))
+        for elapsed in ticks:
+            tick(elapsed)
         path = args.out / "records" / f"{name}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         rows = [{"kind": "spawning_complete", "t": 1000.0, "user_count": users}]
@@ -152,3 +156,50 @@ def test_bad_flags_are_usage_errors_before_any_server_starts(tmp_path, monkeypat
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+class FakeProcess:
+    """A ``subprocess.Popen`` whose ``wait`` times out ``waits`` times, then returns 0."""
+
+    def __init__(self, waits: int) -> None:
+        self.waits = waits
+
+    def wait(self, timeout=None) -> int:
+        if self.waits:
+            self.waits -= 1
+            raise subprocess.TimeoutExpired("locust", timeout)
+        return 0
+
+
+def test_wait_ticking_ticks_while_the_process_runs():
+    ticks = []
+    assert sweep.wait_ticking(FakeProcess(3), timeout_s=600, tick=ticks.append) == 0
+    assert len(ticks) == 3 and ticks == sorted(ticks)
+    assert sweep.wait_ticking(FakeProcess(3), timeout_s=0, tick=ticks.append) is None  # hung: no exit status
+
+
+class FakeBar:
+    """Records the progress bar's updates."""
+
+    def __init__(self, total, **kwargs) -> None:
+        self.total, self.n, self.updates = total, 0, []
+
+    def update(self, n=1) -> None:
+        self.n += n
+        self.updates.append(n)
+
+    def set_description(self, *args, **kwargs) -> None:
+        pass
+
+    set_postfix = write = close = set_description
+
+
+def test_the_progress_bar_moves_within_a_level(tmp_path, monkeypatch, fake_server):
+    bars = []
+    monkeypatch.setattr(sweep, "tqdm", lambda **kwargs: bars.append(FakeBar(**kwargs)) or bars[-1])
+    monkeypatch.setattr(sweep, "run_locust", fake_locust([], ticks=(1.5, 3.2, 99.0)))
+    sweep.main(["--policies", "none", "--concurrency", "1,2", "--duration", "5", "--warmup", "1",
+                "--out", str(tmp_path / "run")])
+    (bar,) = bars
+    assert bar.total == 2 * 7  # two levels of 1 + 5 s and a second to spawn
+    assert bar.updates == [1, 2, 4, 0] * 2 and bar.n == bar.total

@@ -291,11 +291,9 @@ def run_level(args: argparse.Namespace, *, url: str, model: str, policy: str, us
         shown[0] += step
         progress.update(step)
 
-    try:
-        records, markers = read_records(run_locust(args, url=url, model=model, users=users, name=name,
-                                                   prompt_offset=prompt_offset, tick=tick))
-    finally:
-        tick(seconds)
+    records, markers = read_records(run_locust(args, url=url, model=model, users=users, name=name,
+                                               prompt_offset=prompt_offset, tick=tick))
+    tick(seconds)
     window = measurement_window(markers, warmup_s=args.warmup, duration_s=args.duration)
     after = settled_counters(url, headers=auth(args.api_key))
     level = {"policy": policy, "concurrency": users, "temperature": args.temperature, **summarize(records, window, slo),
@@ -317,7 +315,8 @@ def run_sweep(args: argparse.Namespace, config: dict, levels: list[dict], errors
     slo = slo_of(args)
     offsets = level_offsets(args.prompt_lines, len(args.concurrency))
     progress = tqdm(total=len(args.policies) * len(args.concurrency) * level_seconds(args), desc="sweep", unit="s",
-                    file=sys.stderr)
+                    file=sys.stderr, bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} s "
+                    "[{elapsed}<{remaining}{postfix}]")
     try:
         for i, policy in enumerate(args.policies):
             progress.set_description(f"{policy}: starting")

@@ -21,7 +21,8 @@ from app.engine.errors import InvalidRequestError
 from app.engine.types import MAX_LOGPROBS, GuidedDecoding, SamplingParams
 from app.serving.protocol import ErrorItem, SpecStats, TokenLogprobText
 
-DEFAULT_MAX_TOKENS = 256  # when the client sends neither max_tokens nor max_completion_tokens
+DEFAULT_MAX_TOKENS = 256  # a chat request's without max_tokens or max_completion_tokens
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # a completions request's without max_tokens (OpenAI's legacy default, vLLM's)
 MAX_CHOICES = 16  # most choices (n x prompts) one request may ask for
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' integer logprobs
 
@@ -225,7 +226,7 @@ class _Common(BaseModel):
         """The field that sets the engine's max_tokens, which errors about it name."""
         return "max_tokens"
 
-    def _params(self, max_tokens: int | None, *, logprobs: int | None, guided: GuidedDecoding | None,
+    def _params(self, max_tokens: int, *, logprobs: int | None, guided: GuidedDecoding | None,
                 choice: int) -> SamplingParams:
         """The engine's settings for choice ``choice`` (``seed + choice`` with a seed, so choices differ).
 
@@ -235,7 +236,7 @@ class _Common(BaseModel):
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         seed = None if self.seed is None else (self.seed + choice + 2**63) % 2**64 - 2**63
         return SamplingParams(
-            max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+            max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, seed=seed, stop=stops, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
@@ -317,8 +318,8 @@ class ChatCompletionRequest(_Common):
         """Raises: ValueError (``SamplingParams``)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         guided = self.response_format.guided() if self.response_format is not None else None
-        return self._params(self.max_completion_tokens or self.max_tokens, logprobs=logprobs, guided=guided,
-                            choice=choice)
+        max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
+        return self._params(max_tokens, logprobs=logprobs, guided=guided, choice=choice)
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text} for m in self.messages]
@@ -378,7 +379,8 @@ class CompletionRequest(_Common):
 
     def params(self, choice: int = 0) -> SamplingParams:
         """Raises: ValueError (``SamplingParams``)."""
-        return self._params(self.max_tokens, logprobs=self.logprobs, guided=None, choice=choice)
+        return self._params(self.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, logprobs=self.logprobs, guided=None,
+                            choice=choice)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

@@ -63,6 +63,7 @@ def test_defaults_seeds_per_choice_and_completion_logprobs():
     assert [req.params(j).seed for j in range(3)] == [2**63 - 1, -(2**63), -(2**63) + 1]  # wraps within int64
     req = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "logprobs": 3, "n": 2})
     assert req.prompts == ["a", "b"] and req.params().logprobs == 3 and req.num_choices == 2
+    assert req.params().max_tokens == 16  # completions: OpenAI's (and vLLM's) default
 
 
 REFUSED = [  # request -> the field the 400 must name

@@ -91,10 +91,15 @@ class ReplicaStats:
             self.acceptance = _ema(accepted / verified, self.acceptance, seed_with_first=False)
 
     def drafted(self, draft_ms: float, drafter_ms: float, *, steady: bool) -> None:
-        """Count a round that called the drafter; only a steady call (``TargetReplica._round``) moves the EMAs."""
+        """Count a round that called the drafter; a steady call (``TargetReplica._round``) moves the EMAs, and any
+        call faster than ``draft_ms`` caps it: a steady call costs no more than one that also catches up, so an
+        estimate above it is stale (one slow call, e.g. to a replica being replaced, would otherwise keep the draft
+        gate closed for good: a closed gate makes no steady call)."""
         self.drafted_rounds += 1
         if steady:
             self.draft_ms, self.drafter_ms = _ema(draft_ms, self.draft_ms), _ema(drafter_ms, self.drafter_ms)
+        elif self.draft_ms and draft_ms < self.draft_ms:
+            self.draft_ms = draft_ms
 
     def failed_over(self, cause: str, requests: int) -> bool:
         """Count ``requests`` moved to plain decoding for ``cause``; True the first time that cause is seen."""
@@ -514,8 +519,8 @@ class TargetReplica:
             t_draft, drafter_called = time.perf_counter(), True
             drafted = await self._call_drafter(call)
             draft_ms = (time.perf_counter() - t_draft) * 1000
-            if drafted is not None:
-                self.stats.drafted(draft_ms, drafted.drafter_ms, steady=steady)
+            if drafted is not None:  # an answer without some requests' state came from a replaced replica: not steady
+                self.stats.drafted(draft_ms, drafted.drafter_ms, steady=steady and not drafted.missing)
         self._drafted_last_round = drafter_called
         result, verify_cpu = await self._run(self._step, drafted, speculate)
         for out in result.outputs:

@@ -142,6 +142,19 @@ def test_draft_gate_weighs_steady_drafter_calls_only(replica, monkeypatch):
     assert replica.stats.draft_ms - replica.stats.drafter_ms >= steady_ms, replica.stats
 
 
+def test_one_slow_drafter_call_does_not_keep_the_draft_gate_closed():
+    """A steady call that waited seconds (a replica being replaced) lifts the estimate; a closed gate then makes only
+    catch-up calls, which never move the EMA: a catch-up call faster than the estimate caps it."""
+    stats = target_module.ReplicaStats()
+    for ms in (10.0, 10.0, 4000.0):
+        stats.drafted(ms, 5.0, steady=True)
+    assert stats.draft_ms > 500
+    stats.drafted(30.0, 5.0, steady=False)  # a probe after closed rounds: catches up, costs more than steady
+    assert stats.draft_ms == 30.0
+    stats.drafted(60.0, 5.0, steady=False)  # slower than the estimate: no evidence about a steady call
+    assert stats.draft_ms == 30.0 and stats.drafted_rounds == 5
+
+
 def test_prompt_lookup_drafts_in_rounds_that_skip_the_drafter(monkeypatch):
     """Vocabulary 16: the mock model's sequence from token 1 loops with period 4 (1, 10, 9, 2), so lookup matches
     once a loop has been committed; the gate stays closed, so every draft is a lookup draft."""

@@ -166,10 +166,11 @@ class AppConfig(BaseModel):
         "it to forget them. A live target with speculating requests calls far more often.",
     )
     step_timeout_s: float = Field(
-        120.0, gt=0, description="A replica whose torch thread has been in one call (a round, a prefill piece, a "
+        120.0, ge=1.0, description="A replica whose torch thread has been in one call (a round, a prefill piece, a "
         "drafter call) for longer than this is stuck: it fails Serve's health check, so Serve replaces it, and a "
         "Target stops reporting its load, so the Router sends it no new request (vLLM's engine iteration timeout is "
-        "the same idea). Keep it above the slowest legitimate step, e.g. a first step that compiles.",
+        "the same idea). At least 1 s; keep it well above the slowest legitimate step (a long prompt's prefill "
+        "piece, a first step that compiles): a replica that trips it under load is replaced again and again.",
     )
 
     # ------------------------------------------------------------------ placement

@@ -81,7 +81,7 @@ def stuck_thread(thread: TorchThread, name: str, timeout_s: float) -> str | None
     busy = thread.busy_s()
     if busy <= timeout_s:
         return None
-    return f"the {name} thread has been in one call for {busy:.0f} s (step_timeout_s {timeout_s:g})"
+    return f"the {name} thread has been in one call for {busy:.1f} s (step_timeout_s {timeout_s:g})"
 
 
 @contextlib.contextmanager

@@ -25,6 +25,8 @@ from tests.conftest import TINY_LLAMA, write_model_dir
     ({"target": {"gpus": 1}}, "target.gpus"),
     ({"drafter": "eagle"}, "drafter"),
     ({"drafter_placement": "remote"}, "drafter_placement"),
+    ({"step_timeout_s": 0.001}, "step_timeout_s"),  # every step would trip it: the replica replaced again and again
+    ({"drafter_state_ttl_s": 0}, "drafter_state_ttl_s"),
 ])
 def test_bad_config_names_the_field(args, field):
     with pytest.raises(ValidationError) as info:

@@ -356,8 +356,8 @@ def test_a_stuck_step_fails_the_health_check_and_stops_load_reports_until_it_mov
                         lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="target-0")))
 
     async def main() -> None:
-        replica = target_module.TargetReplica(AppConfig(**MOCK_FIELDS, stats_interval_s=0.02, step_timeout_s=0.3),
-                                              drafter=None, router=Router())
+        config = AppConfig(**MOCK_FIELDS, stats_interval_s=0.02).model_copy(update={"step_timeout_s": 0.3})
+        replica = target_module.TargetReplica(config, drafter=None, router=Router())  # (a floor of 1 s in YAML)
         verify = replica.engine.verify
         monkeypatch.setattr(replica.engine, "verify", lambda blocks: release.wait(10) and verify(blocks))
         request = GenerateRequest(request_id="r0", messages=[{"role": "user", "content": "hi"}],
@@ -367,7 +367,7 @@ def test_a_stuck_step_fails_the_health_check_and_stops_load_reports_until_it_mov
             await asyncio.sleep(0.2)
             replica.check_health()  # slow, not yet stuck
             await asyncio.sleep(0.4)
-            stuck = r"engine thread has been in one call for \d+ s \(step_timeout_s 0.3\)"
+            stuck = r"engine thread has been in one call for \d+\.\d s \(step_timeout_s 0.3\)"
             with pytest.raises(RuntimeError, match=stuck):
                 replica.check_health()
             stuck_at = time.monotonic()

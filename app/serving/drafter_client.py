@@ -84,6 +84,13 @@ def fallback_cause(err: BaseException) -> str:
     return "drafter_error"
 
 
+def failure_text(err: BaseException, *, timeout_s: float) -> str:
+    """A failed drafter call's error for a log line (a timeout's own message is empty)."""
+    if isinstance(err, asyncio.TimeoutError) and not str(err):
+        return f"no answer within {timeout_s:g} s (drafter_timeout_s)"
+    return f"{type(err).__name__}: {err}"
+
+
 class DrafterClient:
     """A target replica's drafter (module docstring): exactly one of ``handle`` and ``colocated``.
 
@@ -151,8 +158,9 @@ class DrafterClient:
         if cause not in BACKOFF_CAUSES:
             return
         self.backoff_cause = cause
-        log.warning("Drafter replica does not answer (%s: %s: %s); requests decode without it until a probe gets an "
-                    "answer (counted as drafter_backoff in dspark_fallbacks)", cause, type(err).__name__, err)
+        log.warning("Drafter replica does not answer (%s: %s); requests decode without it until a probe gets an "
+                    "answer (counted as drafter_backoff in dspark_fallbacks)", cause,
+                    failure_text(err, timeout_s=self._timeout_s))
         self._probe = asyncio.get_running_loop().create_task(self._probe_until_answered())
 
     async def _probe_until_answered(self) -> None:

@@ -49,7 +49,7 @@ from app.serving.config import AppConfig
 from app.serving.profiles import serving_profile
 from app.serving.drafter import DrafterCore
 from app.serving.drafter_client import (
-    DRAFTER_FAILURES, ColocatedDrafterError, DrafterClient, RemoteDrafterError, fallback_cause,
+    DRAFTER_FAILURES, ColocatedDrafterError, DrafterClient, RemoteDrafterError, failure_text, fallback_cause,
 )
 from app.serving.protocol import ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText, strip_for_drafter
 from app.serving.router import TargetLoad
@@ -584,9 +584,9 @@ class TargetReplica:
         if first:  # later failures of the same cause are counted, not logged again
             # a colocated drafter's exception is a bug in this process: keep its traceback in the log
             trace = err if isinstance(err, ColocatedDrafterError) else None
-            log.warning("%d requests continue with plain decoding (cause %s: %s: %s; later fallbacks of this cause "
-                        "are counted in dspark_fallbacks, not logged)", len(moved), cause, type(err).__name__, err,
-                        exc_info=trace)
+            log.warning("%d requests continue with plain decoding (cause %s: %s; later fallbacks of this cause are "
+                        "counted in dspark_fallbacks, not logged)", len(moved), cause,
+                        failure_text(err, timeout_s=self.config.drafter_timeout_s), exc_info=trace)
         return moved
 
     def _emit(self, stream: _Stream, out: StepOutput) -> None:

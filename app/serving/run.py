@@ -38,6 +38,7 @@ BUILDER = "app.serving.builder:build_app"  # the import path of this project's a
 SHUTDOWN_TIMEOUT_S = 60.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # Kubernetes' default grace period between SIGTERM and SIGKILL
 DRAIN_POLL_S = 0.25  # how often a drain reads the requests still in flight
+DRAIN_CALL_TIMEOUT_S = 5.0  # a drain's wait for one answer from Serve
 
 
 def http_host(config: dict) -> str:
@@ -48,6 +49,28 @@ def http_host(config: dict) -> str:
 def http_port(config: dict) -> int:
     """The HTTP port of a Serve YAML (``http_options.port``, else Serve's default)."""
     return (config.get("http_options") or {}).get("port", SERVE_DEFAULT_PORT)
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0-65535 (raises ``argparse.ArgumentTypeError``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text}")
+    return value
+
+
+def port_errors(config: dict, metrics_port: int) -> str | None:
+    """What is wrong with the ports a Serve YAML and ``--metrics-port`` ask for (None: nothing): an HTTP port that
+    is not one, or the same port for both."""
+    port = http_port(config)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        return f"http_options.port must be a port number 1-65535, got {port!r}"
+    if port == metrics_port:
+        return f"http_options.port and --metrics-port are both {port}: pick two ports"
+    return None
 
 
 def busy_ports(config: dict, metrics_port: int) -> list[str]:
@@ -145,11 +168,40 @@ def shutdown(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
     return not thread.is_alive()
 
 
+def _answer(fn, timeout_s: float):
+    """``fn()`` run on a daemon thread, waited for at most ``timeout_s`` seconds (Ray calls that have no timeout of
+    their own block for a minute once Ray's processes are gone).
+
+    Raises:
+        TimeoutError: no answer in time (the thread is left behind).
+        Whatever ``fn`` raises.
+    """
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn()))
+        except BaseException as err:  # handed to the caller
+            result.append((False, err))
+
+    thread = threading.Thread(target=run, name="drain-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not result:
+        raise TimeoutError(f"no answer from Serve within {timeout_s:g} s (Ray's processes gone?)")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
+
+
 def drain(config: dict, timeout_s: float) -> bool:
     """Drain the applications this project builds (``BUILDER``): their Routers refuse new requests (the Ingress
     answers 503, ``/health`` 503), then wait, at most ``timeout_s`` seconds, until no request is in flight: the
     Routers' ``in_flight`` reads 0 over two load-report intervals (a report may miss a request sent just before it).
-    A KeyboardInterrupt (a second Ctrl-C or SIGTERM) ends the wait. Returns whether every request finished."""
+    Every poll tells the Routers to drain again (a Router that Serve restarted starts without the flag). A
+    KeyboardInterrupt (a second Ctrl-C or SIGTERM) ends the wait; Serve not answering within ``DRAIN_CALL_TIMEOUT_S``
+    ends the drain. Returns whether every request finished."""
     from ray import serve
     from ray.exceptions import RayError
 
@@ -160,14 +212,19 @@ def drain(config: dict, timeout_s: float) -> bool:
         return False
     default_interval = AppConfig.model_fields["stats_interval_s"].default  # the args were checked at start
     settle_s = 2 * max(float((app.get("args") or {}).get("stats_interval_s", default_interval)) for app in apps)
+
+    def poll(routers) -> int:
+        for router in routers:
+            router.drain.remote().result(timeout_s=DRAIN_CALL_TIMEOUT_S)
+        return sum(router.in_flight.remote().result(timeout_s=DRAIN_CALL_TIMEOUT_S) for router in routers)
+
     left = None
     try:
-        routers = [serve.get_deployment_handle("Router", app["name"]) for app in apps]
-        for router in routers:
-            router.drain.remote().result(timeout_s=timeout_s)
+        routers = _answer(lambda: [serve.get_deployment_handle("Router", app["name"]) for app in apps],
+                          DRAIN_CALL_TIMEOUT_S)
         deadline, idle_since = time.monotonic() + timeout_s, None
         while time.monotonic() < deadline:
-            left = sum(router.in_flight.remote().result(timeout_s=timeout_s) for router in routers)
+            left = _answer(lambda: poll(routers), 2 * DRAIN_CALL_TIMEOUT_S)
             now = time.monotonic()
             if left:
                 idle_since = None
@@ -193,7 +250,7 @@ def _interrupt(signum: int, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Serve a Serve YAML on a fresh local Ray.")
     parser.add_argument("config", type=Path, help="Serve YAML (deployments/*.yaml)")
-    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+    parser.add_argument("--metrics-port", type=port_number, default=DEFAULT_METRICS_PORT,
                         help=f"Ray's Prometheus metrics export port (default {DEFAULT_METRICS_PORT}; 0: a free one)")
     parser.add_argument("--drain-timeout", type=non_negative_float, default=DEFAULT_DRAIN_TIMEOUT_S,
                         help="on Ctrl-C or SIGTERM, refuse new requests and wait at most this many seconds for those "
@@ -206,12 +263,17 @@ def main(argv: list[str] | None = None) -> int:
         log.error("application %r: bad args in %s (nothing started):\n%s", name, args.config, error)
     if refused:
         return 1
+    if (bad := port_errors(config, args.metrics_port)):
+        log.error("%s (nothing started)", bad)
+        return 1
     busy = busy_ports(config, args.metrics_port)
     if busy:
         log.error("port in use, nothing started: %s (another server running? stop it, or pick other ports: "
                   "http_options.port in the YAML, --metrics-port here)", ", ".join(busy))
         return 1
 
+    import click
+    import ray
     from ray.serve.scripts import cli
 
     # as `serve run` starts Ray: the replicas' logs in this terminal, Ray's default dashboard (it writes the metrics
@@ -229,15 +291,19 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         for line in ready_lines(config):
             log.info(line)
+        log.info("Ray: this server's cluster is at %s (RAY_AUTH_MODE=token; README)",
+                 ray.get_runtime_context().gcs_address)
         ready = True
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, click.exceptions.Abort):  # Serve's CLI turns one during its start into an Abort
         if ready and args.drain_timeout > 0:
-            log.info("draining: new requests answer 503 while those in flight finish (at most %g s; Ctrl-C again "
-                     "to stop now)", args.drain_timeout)
+            log.info("draining: new requests answer 503 while those in flight finish (at most %g s; Ctrl-C or "
+                     "SIGTERM again to stop now)", args.drain_timeout)
             drain(config, args.drain_timeout)
-        log.info("shutting down")
+        elif ready:
+            log.info("no drain (--drain-timeout 0): requests in flight lose their connection")
+        log.info("shutting down%s", "" if ready else " (stopped before the application was ready)")
         return 0
     finally:
         if not shutdown():

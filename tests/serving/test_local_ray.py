@@ -164,3 +164,53 @@ def test_the_launcher_names_a_port_in_use_before_starting_ray(tmp_path, monkeypa
         with caplog.at_level("ERROR", logger="dspark.serve"):
             assert run.main([str(path), "--metrics-port", "0"]) == 1
     assert f"127.0.0.1:{port} (http_options.port)" in caplog.text and "nothing started" in caplog.text
+
+
+def test_the_launcher_refuses_ports_that_are_not_ports_or_collide(tmp_path, monkeypatch, caplog, capsys):
+    from app.serving import run
+
+    monkeypatch.setattr(run, "init_local_ray", lambda **kw: pytest.fail("Ray started"))
+    config = yaml.safe_load((REPO_ROOT / "deployments" / "dspark.yaml").read_text())
+    path = tmp_path / "ports.yaml"
+    for port, metrics, message in ((70000, "0", "http_options.port must be a port number 1-65535, got 70000"),
+                                   (8123, "8123", "http_options.port and --metrics-port are both 8123")):
+        path.write_text(yaml.safe_dump({**config, "http_options": {**config["http_options"], "port": port}}))
+        with caplog.at_level("ERROR", logger="dspark.serve"):
+            assert run.main([str(path), "--metrics-port", metrics]) == 1
+        assert message in caplog.text and "nothing started" in caplog.text
+    for bad in ("-1", "70000", "x"):
+        with pytest.raises(SystemExit) as exc:
+            run.main([str(path), "--metrics-port", bad])
+        assert exc.value.code == 2 and "expected a port number 0-65535" in capsys.readouterr().err
+
+
+def test_a_drain_tells_a_restarted_router_again_and_gives_up_on_a_serve_that_does_not_answer(monkeypatch, caplog):
+    """Serve may restart the Router mid-drain (it is soft state): every poll tells the Routers to drain again. With
+    Ray's processes gone, handle lookups block for a minute: the drain stops waiting after DRAIN_CALL_TIMEOUT_S."""
+    from ray import serve
+
+    from app.serving import run
+
+    router = _FakeRouter([1, 1, 0])
+    monkeypatch.setattr(serve, "get_deployment_handle", lambda name, app: router)
+    apps = {"applications": [{"name": "a", "import_path": BUILDER, "args": {"stats_interval_s": 0.05}}]}
+    drained = []
+    original = _FakeRouter.__getattr__
+
+    def counting(self, method):
+        if method == "drain":
+            drained.append(method)
+        return original(self, method)
+
+    monkeypatch.setattr(_FakeRouter, "__getattr__", counting)
+    assert drain(apps, timeout_s=10) is True and len(drained) >= 3  # once per poll
+    release = threading.Event()
+    monkeypatch.setattr(serve, "get_deployment_handle", lambda name, app: release.wait(30))
+    monkeypatch.setattr(run, "DRAIN_CALL_TIMEOUT_S", 0.2)
+    t0 = time.perf_counter()
+    try:
+        assert drain(apps, timeout_s=10) is False
+        assert time.perf_counter() - t0 < 5 and "drain failed, shutting down without it: no answer from Serve" \
+            in caplog.text
+    finally:
+        release.set()

@@ -309,8 +309,10 @@ def test_drafter_failure_falls_back_to_plain_decoding(url):
         return stats["fallback"] is False
 
     wait_until(speculates, timeout_s=60, interval_s=0.5)
-    backed_off = [seconds for cause, seconds in causes if cause == "drafter_backoff"]
-    assert backed_off and max(backed_off) < ARGS["drafter_timeout_s"], causes
+    # backing off (drafter_backoff) or served by the replacement already, none waits out a timeout (the backoff
+    # itself is tested deterministically in test_target_replica.py)
+    assert all(cause in (None, "drafter_backoff") and seconds < ARGS["drafter_timeout_s"]
+               for cause, seconds in causes), causes
     assert target_state()["drafter_backoff"] is None
     wait_until(lambda: drafter_states() == 0)
 

@@ -261,10 +261,11 @@ def first_model(url: str, api_key: str) -> str:
 
 
 def warm_up(url: str, *, model: str, api_key: str, requests: int) -> None:
-    """A few short unmeasured requests (first-call costs: allocation, lazy initialisation)."""
-    for prompt in load_prompt_spec(DEFAULT_PROMPTS)[:requests]:
-        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 16,
-                "temperature": 0}
+    """A few short unmeasured requests (first-call costs: allocation, lazy initialisation), on prompts of their own:
+    one from a prompt set could sit in the prefix cache when a level sends it."""
+    for i in range(requests):
+        body = {"model": model, "max_tokens": 16, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Warm-up request {i + 1}: count from one to ten."}]}
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth(api_key), timeout=300)
         if r.status_code != 200:
             raise RuntimeError(f"warm-up request failed: HTTP {r.status_code}: {r.text[:300]}")

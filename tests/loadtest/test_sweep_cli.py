@@ -203,3 +203,15 @@ def test_the_progress_bar_moves_within_a_level(tmp_path, monkeypatch, fake_serve
     (bar,) = bars
     assert bar.total == 2 * 7  # two levels of 1 + 5 s and a second to spawn
     assert bar.updates == [1, 2, 4, 0] * 2 and bar.n == bar.total
+
+
+def test_the_server_warm_up_sends_none_of_the_prompt_sets_prompts(monkeypatch):
+    """A warm-up prompt from a set would sit in the prefix cache when a level sends it (its TTFT measured cached)."""
+    from types import SimpleNamespace
+
+    sent = []
+    monkeypatch.setattr(sweep.httpx, "post", lambda url, json, **kw: sent.append(json) or SimpleNamespace(
+        status_code=200, text=""))
+    sweep.warm_up("http://x", model="m", api_key="", requests=3)
+    prompts = [body["messages"][0]["content"] for body in sent]
+    assert len(set(prompts)) == 3 and not set(prompts) & set(load_prompt_spec("gsm8k-eval,humaneval,mt-bench"))

@@ -279,8 +279,8 @@ class StepOutput:
     Attributes:
         request_id: the request.
         new_token_ids: committed tokens of this step (accepted drafts + recovered/bonus), truncated at
-            EOS, a stop string or max_tokens; the EOS token itself is included, stop strings are not
-            (their tokens are withheld from ``new_token_ids`` and ``text`` alike).
+            EOS, a stop string or max_tokens; the EOS token and the token that completes a stop string are
+            included (as in vLLM), the stop string's text is not (``text`` ends where it starts).
         num_draft: draft tokens verified this step (l_r).
         num_accepted: draft tokens accepted this step (<= num_draft).
         finished: whether the request ended in this step; its cache is released by the engine.

@@ -678,12 +678,15 @@ def generate(
         Per-prompt results in input order, and timing stats.
 
     Raises:
-        ValueError: not one params per prompt. The engine's errors for bad prompts or params (then no request of
-            the call is left in the engine).
+        ValueError: not one params per prompt, or ``max_batch`` / ``max_prefill_tokens`` below 1. The engine's errors
+            for bad prompts or params (then no request of the call is left in the engine).
     """
     params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(params_list) != len(prompts):
         raise ValueError(f"{len(params_list)} params for {len(prompts)} prompts")
+    for name, value in (("max_batch", max_batch), ("max_prefill_tokens", max_prefill_tokens)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     host = ProposerHost(proposer, gamma=int(getattr(proposer, "gamma", 0))) if proposer is not None else None
     loop = SpecLoop(engine, gamma=None, speculates=host is not None, max_prefill_tokens=max_prefill_tokens,
                     chunked_prefill=chunked_prefill)

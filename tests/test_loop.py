@@ -309,3 +309,12 @@ def test_generate_with_chunked_prefill_gives_the_same_results(budget):
     assert [r.token_ids for r in pieces] == [r.token_ids for r in whole]
     assert [r.request_id for r in pieces] == [r.request_id for r in whole]
     assert all(log.updated[r.request_id] == r.token_ids for r in pieces) and engine.num_active == 0
+
+
+def test_generate_refuses_batch_limits_below_one_and_takes_a_stop_string_whole():
+    """``max_batch=-1`` waited for ever (no request could start); ``stop="w5"`` was the stops "w" and "5"."""
+    engine = mock_engine()
+    for kwargs in ({"max_batch": -1}, {"max_batch": 0}, {"max_prefill_tokens": 0}):
+        with pytest.raises(ValueError, match=f"{next(iter(kwargs))} must be an integer >= 1"):
+            generate(engine, [[3]], SamplingParams(max_tokens=4), **kwargs)
+    assert SamplingParams(max_tokens=4, stop="three").stop == ("three",)

@@ -91,7 +91,8 @@ class SamplingParams:
             tokens whatever the batch, the drafts, the verify lengths or the placement (exactly with
             ``batch_invariant``; otherwise up to near-ties of the logits). None: unseeded, verified by rejection
             sampling with a generator seeded from the OS.
-        stop: stop strings; the output ends before the first occurrence (excluded, as OpenAI does).
+        stop: stop strings (one string: that one); the output ends before the first occurrence (excluded, as
+            OpenAI does).
         ignore_eos: keep generating past EOS (benchmarks).
         presence_penalty: subtracted once from the logit of every token already in the output, in [-2, 2]
             (OpenAI's definition; the prompt does not count).
@@ -130,7 +131,7 @@ class SamplingParams:
     guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
                                       param="max_tokens")
         if not self.temperature >= 0.0:
@@ -141,6 +142,8 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be a signed 64-bit integer, got {self.seed!r}", param="seed")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        if isinstance(self.stop, str):  # one stop string, as the OpenAI API takes it (not its characters)
+            object.__setattr__(self, "stop", (self.stop,))
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise InvalidRequestError(f"stop strings must be non-empty strings, got {self.stop!r}", param="stop")
         object.__setattr__(self, "stop", tuple(self.stop))

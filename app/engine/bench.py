@@ -18,6 +18,7 @@ import json
 import statistics
 from typing import get_args
 
+from app.argtypes import positive_int
 from app.loop import generate
 from app.engine.config import EngineConfig, VerifyStep
 from app.engine import model
@@ -27,6 +28,7 @@ from app.engine.timing import time_mixed_step, time_prefill, time_verify_step
 from app.engine.types import SamplingParams
 
 # 16 requests: contexts spread over 100-350 tokens (fixed draw), and fifteen at 200 beside one at 1,700
+MIN_PREFILL_CONTEXT = 64  # the prefill timings' cached prefixes: 0, half, all but 32, all but 1 token
 MIXED_CONTEXTS = {
     "spread 100-350": [305, 149, 269, 188, 133, 212, 341, 101, 250, 327, 176, 120, 290, 231, 158, 199],
     "one long (15 x 200, 1 x 1700)": [200] * 7 + [1700] + [200] * 8,
@@ -80,23 +82,43 @@ def one_attention_call(on: bool):
         model.attention_chunks = chunks
 
 
+def cached_prefixes(context: int) -> list[int]:
+    """The cached prefix lengths the prefill timings of a ``context``-token prompt use: none, half, all but 32 and
+    all but 1 token, each once (a length timed twice would find its prompt cached whole)."""
+    return sorted({0, context // 2, context - 32, context - 1})
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--runs", type=int, default=3, help="decode runs per figure (median)")
-    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per request in decode runs")
-    ap.add_argument("--context", type=int, default=200, help="KV cache length per request for verify timings")
+    ap.add_argument("--runs", type=positive_int, default=3, help="decode runs per figure (median)")
+    ap.add_argument("--tokens", type=positive_int, default=128, help="tokens generated per request in decode runs")
+    ap.add_argument("--context", type=positive_int, default=200,
+                    help="KV cache length per request for verify timings")
     ap.add_argument("--verify-step", choices=get_args(VerifyStep), default="ragged",
                     help="verify steps in exact shapes, bucketed static shapes, or bucketed CUDA graphs "
                     "(EngineConfig.verify_step)")
-    ap.add_argument("--prefill-context", type=int, default=1024, help="prompt tokens of the prefill timings")
+    ap.add_argument("--prefill-context", type=positive_int, default=1024,
+                    help=f"prompt tokens of the prefill timings (at least {MIN_PREFILL_CONTEXT})")
     ap.add_argument("--prepack", action=argparse.BooleanOptionalAction, default=True,
                     help="oneDNN-prepacked linear layers on the CPU (EngineConfig.prepack)")
     args = ap.parse_args(argv)
+    try:
+        config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=16, max_draft_len=127,
+                              prepack=args.prepack, verify_step=args.verify_step)
+    except ValueError as err:  # pydantic's, naming the field
+        ap.error(str(err).splitlines()[0] + ": " + " ".join(str(err).splitlines()[1:])[:300])
+    longest = config.max_model_len - config.max_draft_len - 1  # a prompt, its first token and a draft block
+    if not MIN_PREFILL_CONTEXT <= args.prefill_context <= longest:
+        ap.error(f"--prefill-context must be in [{MIN_PREFILL_CONTEXT}, {longest}], got {args.prefill_context}")
+    if args.context > longest:
+        ap.error(f"--context must be at most {longest}, got {args.context}")
 
-    engine = TargetEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=16, max_draft_len=127,
-                                       prepack=args.prepack, verify_step=args.verify_step))
+    try:
+        engine = TargetEngine(config)
+    except (FileNotFoundError, ValueError) as err:  # a model that is not there, a dtype or step this device lacks
+        ap.error(str(err))
     single = decode_speed(engine, batch=1, tokens=args.tokens, runs=args.runs)
     batch16 = decode_speed(engine, batch=16, tokens=args.tokens, runs=max(1, args.runs // 2))
     print(f"plain greedy decode: {single:.1f} tok/s single stream, {batch16:.1f} tok/s with 16 requests")
@@ -121,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{c:>32}" + "".join(f"{f'{mixed[(c, t)]:.1f} ({one_call[(c, t)]:.1f})':>30}" for t in MIXED_TOKENS))
 
     n = args.prefill_context
-    prefill = {shared: time_prefill(engine, context=n, shared=shared) for shared in (0, n // 2, n - 32, n - 1)}
+    prefill = {shared: time_prefill(engine, context=n, shared=shared) for shared in cached_prefixes(n)}
     print(f"\nprefill and first token, a {n}-token prompt, its first tokens in the prefix cache:\n"
           f"{'cached':>8} {'ms':>8}")
     for shared, ms in prefill.items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -111,9 +112,14 @@ def summarize(records: list[RoundRecord], gamma: int) -> dict:
     return {
         "accept_rate_per_position": [round(a / n, 4) if n else None for a, n in zip(accepted, reached)],
         "ece_before": ece(raw, hit.float()), "ece_after": ece(cal, hit.float()),
-        "auc_before": auc(raw, hit), "auc_after": auc(cal, hit),
+        # AUC is undefined (nan) when every draft was accepted, or none: JSON's null, not NaN (no JSON at all)
+        "auc_before": _finite(auc(raw, hit)), "auc_after": _finite(auc(cal, hit)),
         "mean_survival_after": float(cal.mean()), "observed_survival": float(hit.float().mean()),
     }
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def evaluate_set(

@@ -56,3 +56,13 @@ def test_evaluator_rejects_a_malformed_checkpoint_config(text, tmp_path, capsys)
     with pytest.raises(SystemExit) as exc:
         main(["--checkpoint", str(tmp_path)])
     assert exc.value.code == 2 and f"{tmp_path / 'config.json'}" in capsys.readouterr().err
+
+
+def test_a_run_whose_every_draft_was_accepted_reports_auc_as_null_not_nan():
+    """AUC needs both outcomes; NaN in report.json is not JSON (strict parsers refuse the file)."""
+    import json as json_module
+
+    records = [RoundRecord(torch.full((4,), 0.9), torch.full((4,), 0.8), 4, 4) for _ in range(3)]
+    stats = summarize(records, gamma=4)
+    assert stats["auc_before"] is None and stats["auc_after"] is None
+    json_module.loads(json_module.dumps(stats, allow_nan=False))

@@ -53,8 +53,9 @@ from app.engine.near_tie import first_divergence
 from app.engine.types import SamplingParams
 from app.serving.config import AppConfig
 from app.serving.local_ray import SERVE_ENV, init_local_ray
+from app.serving.run import refusal
 from loadtest.prompts import load_prompt_spec
-from loadtest.server import DEFAULT_CONFIG, app_args, free_port, parse_overrides, refusal
+from loadtest.server import DEFAULT_CONFIG, app_args, free_port, parse_overrides
 from loadtest.stream import RequestRecord, StreamObserver, observe_stream
 
 APP_NAME = "bench"

@@ -29,6 +29,8 @@ from typing import Self
 import httpx
 import yaml
 
+from app.serving.run import refusal
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "deployments" / "dspark.yaml"
 
@@ -197,23 +199,6 @@ def wait_ready(url: str, *, headers: dict | None = None, timeout_s: float = 600.
             raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s ({url}/health and {url}/v1/models must "
                                "answer 200)")
         time.sleep(0.5)
-
-
-def refusal(args: dict) -> str | None:
-    """What the builder refuses in the application ``args`` (``builder.checked_config``), in one line; None when it
-    accepts them. Imports Ray (through the builder): not for the sweep's own process."""
-    from pydantic import ValidationError
-
-    from app.serving.builder import checked_config
-
-    try:
-        checked_config(args)
-    except ValidationError as err:
-        return "ValidationError: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'args'}: {e['msg']}"
-                                               for e in err.errors())
-    except (ValueError, OSError) as err:  # the files checked, a profile or drafter that does not fit the target
-        return f"{type(err).__name__}: {err}"
-    return None
 
 
 def serve_until_signalled(

@@ -108,19 +108,30 @@ def ready_lines(config: dict) -> list[str]:
     return lines
 
 
-def check_applications(config: dict) -> dict[str, str]:
-    """``builder.checked_config`` of each application of a Serve YAML that this project builds (``BUILDER``); returns
-    {name: error} for those whose args it refuses (other import paths are not checked here)."""
+def refusal(args: dict) -> str | None:
+    """What ``builder.checked_config`` refuses in an application's ``args``, in one line (each field a pydantic error
+    names: ``field: message``); None when it accepts them. Imports Ray (through the builder)."""
+    from pydantic import ValidationError
+
     from app.serving.builder import checked_config
 
+    try:
+        checked_config(args)
+    except ValidationError as err:
+        return "ValidationError: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'args'}: {e['msg']}"
+                                               for e in err.errors())
+    except (ValueError, OSError) as err:  # the files checked, a profile or drafter that does not fit the target
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def check_applications(config: dict) -> dict[str, str]:
+    """``refusal`` of each application of a Serve YAML that this project builds (``BUILDER``); returns {name: error}
+    for those whose args are refused (other import paths are not checked here)."""
     errors = {}
     for app in config.get("applications", []):
-        if app.get("import_path") != BUILDER:
-            continue
-        try:
-            checked_config(app.get("args") or {})
-        except (ValueError, OSError) as err:  # pydantic's ValidationError, the mismatch errors and missing files
-            errors[app.get("name", "?")] = f"{type(err).__name__}: {err}"
+        if app.get("import_path") == BUILDER and (why := refusal(app.get("args") or {})) is not None:
+            errors[app.get("name", "?")] = why
     return errors
 
 

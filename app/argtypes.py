@@ -49,3 +49,21 @@ def fraction(most: float) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0-65535 (raises ``argparse.ArgumentTypeError``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text}")
+    return value
+
+
+def base_url(text: str) -> str:
+    """A server's base URL as ``--url`` takes it: ``http://host:port``, also given with a trailing ``/`` or ``/v1``
+    (the OpenAI base URL a server's ready line prints); the paths ``/health`` and ``/v1/...`` are added to it."""
+    url = text.strip().rstrip("/")
+    return url.removesuffix("/v1").rstrip("/")

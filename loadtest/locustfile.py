@@ -37,7 +37,7 @@ from locust import User, constant, events, task
 from loadtest.prompts import (
     DEFAULT_PROMPTS, chat_messages, load_conversation_spec, max_tokens_plan, rotated, shuffled,
 )
-from loadtest.server import base_url
+from app.argtypes import base_url
 from loadtest.stream import StreamObserver, observe_stream
 
 ROUTE = "/v1/chat/completions"

@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 
 from loadtest.metrics import distribution
-from loadtest.server import DEFAULT_CONFIG, ManagedServer, base_url
+from app.argtypes import base_url
+from loadtest.server import DEFAULT_CONFIG, ManagedServer
 
 
 async def _burst(url: str, n: int, method: str, path: str, **kwargs) -> list[tuple[int, float, httpx.Headers, str]]:

@@ -35,13 +35,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "deployments" / "dspark.yaml"
 
 
-def base_url(text: str) -> str:
-    """A server's base URL as ``--url`` takes it: ``http://host:port``, also given with a trailing ``/`` or ``/v1``
-    (the OpenAI base URL a server's ready line prints); the paths ``/health`` and ``/v1/...`` are added to it."""
-    url = text.strip().rstrip("/")
-    return url.removesuffix("/v1").rstrip("/")
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     with contextlib.closing(socket.socket()) as s:
         s.bind((host, 0))

@@ -36,12 +36,12 @@ from typing import Callable
 import httpx
 from tqdm import tqdm
 
-from app.argtypes import non_negative_float, positive_float, positive_int
+from app.argtypes import base_url, non_negative_float, positive_float, positive_int
 from loadtest.metrics import Slo, measurement_window, read_records, summarize
 from loadtest.prompts import DEFAULT_PROMPTS, level_offsets, load_prompt_spec
 from loadtest.report import format_table, level_name, pareto_plot, write_level, write_results
 from loadtest.rounds import round_split, settled_counters
-from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, base_url, wait_ready
+from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, wait_ready
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LOCUST_GRACE_S = 60  # beyond run time + drain before a Locust process is considered hung

@@ -17,7 +17,7 @@ import time
 import httpx
 import openai
 
-from app.argtypes import non_negative_float, positive_int
+from app.argtypes import base_url, non_negative_float, positive_int
 from app.serving.config import API_KEY_ENV
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"
@@ -29,10 +29,9 @@ def api_base(url: str) -> str:
     Raises:
         ValueError: not an http(s) URL.
     """
-    url = url.rstrip("/")
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"--url must be an http:// or https:// URL, got {url!r}")
-    return url if url.endswith("/v1") else f"{url}/v1"
+        raise ValueError(f"--url must be an http:// or https:// URL, got {url.rstrip('/')!r}")
+    return f"{base_url(url)}/v1"
 
 
 def stream_chat(

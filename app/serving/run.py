@@ -24,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from app.argtypes import non_negative_float
+from app.argtypes import non_negative_float, port_number
 from app.serving.local_ray import init_local_ray, is_loopback
 
 log = logging.getLogger("dspark.serve")
@@ -49,17 +49,6 @@ def http_host(config: dict) -> str:
 def http_port(config: dict) -> int:
     """The HTTP port of a Serve YAML (``http_options.port``, else Serve's default)."""
     return (config.get("http_options") or {}).get("port", SERVE_DEFAULT_PORT)
-
-
-def port_number(text: str) -> int:
-    """A TCP port, 0-65535 (raises ``argparse.ArgumentTypeError``)."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text}")
-    return value
 
 
 def port_errors(config: dict, metrics_port: int) -> str | None:

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from app.argtypes import base_url
 from loadtest import server
 
 
@@ -27,7 +28,7 @@ def test_bad_args_exit_with_one_line_before_ray_starts(monkeypatch, override, me
 @pytest.mark.parametrize("given", ["http://127.0.0.1:8300", "http://127.0.0.1:8300/", "http://127.0.0.1:8300/v1",
                                    "http://127.0.0.1:8300/v1/", " http://127.0.0.1:8300/v1 "])
 def test_base_url_drops_a_trailing_slash_and_v1(given):
-    assert server.base_url(given) == "http://127.0.0.1:8300"
+    assert base_url(given) == "http://127.0.0.1:8300"
 
 
 def test_wait_ready_names_the_urls_it_waited_for():

@@ -67,3 +67,34 @@ def base_url(text: str) -> str:
     (the OpenAI base URL a server's ready line prints); the paths ``/health`` and ``/v1/...`` are added to it."""
     url = text.strip().rstrip("/")
     return url.removesuffix("/v1").rstrip("/")
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated distinct integers >= 1 (raises ``argparse.ArgumentTypeError``)."""
+    values = [positive_int(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
+    return no_repeats(values)
+
+
+def float_list(text: str) -> list[float]:
+    """Comma-separated distinct finite numbers > 0 (raises ``argparse.ArgumentTypeError``)."""
+    values = [positive_float(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"need positive numbers, got {text!r}")
+    return no_repeats(values)
+
+
+def name_list(text: str) -> list[str]:
+    """Comma-separated distinct names (raises ``argparse.ArgumentTypeError``)."""
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("need at least one name")
+    return no_repeats(values)
+
+
+def no_repeats(values: list) -> list:
+    """``values`` when none repeats (a repeated level or policy would overwrite the other's records)."""
+    if repeated := sorted({str(v) for v in values if values.count(v) > 1}):
+        raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given more than once")
+    return values

@@ -36,7 +36,7 @@ from typing import Callable
 import httpx
 from tqdm import tqdm
 
-from app.argtypes import base_url, non_negative_float, positive_float, positive_int
+from app.argtypes import base_url, int_list, name_list, non_negative_float, positive_float, positive_int
 from loadtest.metrics import Slo, measurement_window, read_records, summarize
 from loadtest.prompts import DEFAULT_PROMPTS, level_offsets, load_prompt_spec
 from loadtest.report import format_table, level_name, pareto_plot, write_level, write_results
@@ -46,29 +46,6 @@ from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, wait_ready
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LOCUST_GRACE_S = 60  # beyond run time + drain before a Locust process is considered hung
 RUN_FILES = ("results.json", "results.csv", "pareto.png", "levels", "records", "locust", "server-*.log")
-
-
-def int_list(text: str) -> list[int]:
-    """Comma-separated distinct integers >= 1 (raises ``argparse.ArgumentTypeError``)."""
-    values = [positive_int(v) for v in text.split(",") if v.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
-    return no_repeats(values)
-
-
-def name_list(text: str) -> list[str]:
-    """Comma-separated distinct names (raises ``argparse.ArgumentTypeError``)."""
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError("need at least one name")
-    return no_repeats(values)
-
-
-def no_repeats(values: list) -> list:
-    """``values`` when none repeats (a repeated level or policy would overwrite the other's records)."""
-    if repeated := sorted({str(v) for v in values if values.count(v) > 1}):
-        raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given more than once")
-    return values
 
 
 def optional_ms(text: str) -> float | None:

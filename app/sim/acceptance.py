@@ -17,9 +17,13 @@ mu_j is solved so that the mean of p_{r,j} over requests and rounds equals ``per
 (Gauss-Hermite quadrature, then bisection). The measured conditional rate at deep positions is a little
 higher than that mean, because requests that reach them are easier than average (selection on delta_r).
 
-Evaluator statistics file (the minimal format read here; other keys are ignored):
+Acceptance statistics files read here (other keys are ignored):
     {"per_position_acceptance": [alpha_1, ..., alpha_K], ...}
     alpha_j = P(draft token j accepted | tokens 1..j-1 accepted), each in (0, 1); its length sets K.
+or the offline evaluator's ``report.json`` (``python -m app.eval.evaluate``), one measurement per row:
+    {"rows": [{"set": ..., "temperature": ..., "rule": ..., "accept_rate_per_position": [alpha_1, ...]}, ...]}
+    where alpha_j is null at positions no round reached (K ends before the first) and may be exactly 0 or 1 on a
+    finite sample (clipped into [RATE_FLOOR, 1 - RATE_FLOOR]).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_ACCEPTANCE = (0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)  # synthetic alpha_j for K = 7
 _HERMITE_POINTS = 40  # quadrature points for E[sigma(mu + s Z)], Z ~ N(0, 1)
+RATE_FLOOR = 1e-3  # a measured rate of 0 or 1 (finite sample) is taken as RATE_FLOOR or 1 - RATE_FLOOR
 
 
 class AcceptanceModel(BaseModel):
@@ -105,16 +110,53 @@ class AcceptanceModel(BaseModel):
         return conf.astype(np.float32), run
 
 
-def load_acceptance_stats(path: str | Path, **noise: float) -> AcceptanceModel:
-    """Acceptance model whose alpha_j come from an evaluator statistics file (format in the module docstring).
+def load_acceptance_stats(path: str | Path, row: str | None = None, **noise: float) -> AcceptanceModel:
+    """Acceptance model whose alpha_j come from a statistics file (formats in the module docstring).
 
     Args:
+        path: a ``{"per_position_acceptance": [...]}`` file or the evaluator's ``report.json``.
+        row: which row of a report, named as the evaluator's JSON line names it: ``SET/T<temperature>/<rule>``,
+            e.g. ``gsm8k-eval/T0/greedy``; may be left out when the report has a single row.
         noise: optional ``request_noise``, ``slot_noise``, ``confidence_noise`` overrides.
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file lacks ``per_position_acceptance`` or its values are invalid.
+        ValueError: not JSON, neither format, ``row`` names no row of the report (or is needed and missing), a
+            report row with no reached position, or invalid values.
     """
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("rows"), list):
+        return AcceptanceModel(per_position_acceptance=_report_rates(data["rows"], row, path), **noise)
     if not isinstance(data, dict) or "per_position_acceptance" not in data:
-        raise ValueError(f"{path}: expected a JSON object with a 'per_position_acceptance' list")
+        raise ValueError(f"{path}: expected an evaluator report (rows) or an object with 'per_position_acceptance'")
+    if row is not None:
+        raise ValueError(f"{path}: row {row!r} given, but the file is not an evaluator report (it has no rows)")
     return AcceptanceModel(per_position_acceptance=data["per_position_acceptance"], **noise)
+
+
+def row_name(row: dict) -> str:
+    """An evaluator report row's name, as its JSON line prints it: ``SET/T<temperature>/<rule>``."""
+    return f"{row['set']}/T{row['temperature']:g}/{row['rule']}"
+
+
+def _report_rates(rows: list[dict], row: str | None, path: str | Path) -> list[float]:
+    try:
+        by_name = {row_name(r): r["accept_rate_per_position"] for r in rows}
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{path}: its rows are not the evaluator's (set, temperature, rule, "
+                         "accept_rate_per_position)") from None
+    if row is None and len(by_name) != 1:
+        raise ValueError(f"{path}: {len(by_name)} rows; name one with row: {', '.join(by_name) or 'none'}")
+    name = row if row is not None else next(iter(by_name))
+    if name not in by_name:
+        raise ValueError(f"{path}: no row {name!r}; rows: {', '.join(by_name)}")
+    rates = []
+    for rate in by_name[name]:
+        if rate is None:
+            break
+        rates.append(min(max(float(rate), RATE_FLOOR), 1.0 - RATE_FLOOR))
+    if not rates:
+        raise ValueError(f"{path}: row {name!r} reached no draft position (no acceptance measured)")
+    return rates

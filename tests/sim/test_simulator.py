@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 
 from app.scheduling.profile import load_profile
 from app.sim.__main__ import main
-from app.sim.acceptance import AcceptanceModel, load_acceptance_stats
+from app.sim.acceptance import RATE_FLOOR, AcceptanceModel, load_acceptance_stats
 from app.sim.report import pareto_front, speedup_at_matched_throughput
 from app.sim.simulator import SimConfig, SimResult, simulate
 
@@ -72,6 +73,80 @@ def test_acceptance_stats_file(tmp_path):
     path.write_text(json.dumps({"per_position_acceptance": [1.2]}))
     with pytest.raises(pydantic.ValidationError, match="\\(0, 1\\)"):
         load_acceptance_stats(path)
+
+
+def _report(path: Path, rows: list[dict]) -> Path:
+    """An evaluator report.json as app/eval/evaluate.py writes it (only the keys read here)."""
+    path.write_text(json.dumps({"checkpoint": "x.safetensors", "gamma": 4, "rows": [
+        {"set": s, "temperature": t, "rule": rule, "tau": 2.0, "accept_rate_per_position": rates}
+        for s, t, rule, rates in rows
+    ]}))
+    return path
+
+
+def test_an_evaluator_report_is_read_row_by_row(tmp_path):
+    report = _report(tmp_path / "report.json", [
+        ("gsm8k-eval", 0.0, "greedy", [0.8, 1.0, 0.5, None]),
+        ("gsm8k-eval", 0.7, "coupling", [0.0, 0.4, 0.3, 0.2]),
+    ])
+    greedy = load_acceptance_stats(report, "gsm8k-eval/T0/greedy").per_position_acceptance
+    assert greedy == [0.8, 1 - RATE_FLOOR, 0.5]  # ends at the first unreached position; 1.0 clipped
+    assert load_acceptance_stats(report, "gsm8k-eval/T0.7/coupling").per_position_acceptance[0] == RATE_FLOOR
+    with pytest.raises(ValueError, match="2 rows; name one with row: gsm8k-eval/T0/greedy, gsm8k-eval/T0.7/coupling"):
+        load_acceptance_stats(report)
+    with pytest.raises(ValueError, match="no row 'mt-bench/T0/greedy'"):
+        load_acceptance_stats(report, "mt-bench/T0/greedy")
+    single = _report(tmp_path / "single.json", [("humaneval", 1.0, "rejection", [0.6, 0.5])])
+    assert load_acceptance_stats(single).per_position_acceptance == [0.6, 0.5]
+    unreached = _report(tmp_path / "unreached.json", [("humaneval", 0.0, "greedy", [None, None])])
+    with pytest.raises(ValueError, match="reached no draft position"):
+        load_acceptance_stats(unreached)
+    with pytest.raises(ValueError, match="not an evaluator report"):
+        load_acceptance_stats(_stats(tmp_path, [0.8]), "humaneval/T0/greedy")
+
+
+def _stats(tmp_path: Path, rates: list[float]) -> Path:
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({"per_position_acceptance": rates}))
+    return path
+
+
+def test_cli_simulates_with_an_evaluator_report(tmp_path, capsys):
+    report = _report(tmp_path / "report.json", [("gsm8k-eval", 0.0, "greedy", [0.9, 0.8, 0.7, 0.6, 0.5, 0.5, 0.5])])
+    summary = main([
+        "--profile", str(PROFILES / "roofline-llama-3.1-8b-h200.json"), "--policies", "none,dspark",
+        "--concurrency", "1", "--rounds", "40", "--acceptance-stats", str(report), "--out", str(tmp_path / "out"),
+    ])
+    assert {r["policy"] for r in summary["results"]} == {"none", "dspark"}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gamma", "0"], "--gamma: expected an integer >= 1, got 0"),
+    (["--concurrency", "1,0"], "--concurrency: expected an integer >= 1, got 0"),
+    (["--rates", "2,-1"], "--rates: expected a number > 0, got -1"),
+    (["--policies", "dspark,dspark"], "--policies: dspark given more than once"),
+    (["--policies", "fast"], "unknown policy"),
+    (["--rounds", "5"], "rounds"),
+    (["--gamma", "3", "--acceptance-stats", "STATS"], "--gamma 3: the acceptance statistics cover 2 draft positions"),
+    (["--acceptance-stats", "REPORT"], "--acceptance-stats: .* 2 rows; name one"),
+    (["--acceptance-row", "gsm8k-eval/T0/greedy"], "--acceptance-row: names a row of --acceptance-stats"),
+    (["--acceptance-stats", "MISSING"], "--acceptance-stats: .*No such file"),
+    (["--profile", "MISSING"], "--profile: .*No such file"),
+    (["--out", "FILE/sub"], "--out: "),
+])
+def test_cli_refuses_bad_flags_with_a_usage_error(tmp_path, capsys, flags, message):
+    stats = _stats(tmp_path, [0.8, 0.6])
+    report = _report(tmp_path / "report.json", [("a", 0.0, "greedy", [0.8]), ("b", 0.0, "greedy", [0.7])])
+    (tmp_path / "file").write_text("")
+    paths = {"STATS": str(stats), "REPORT": str(report), "MISSING": str(tmp_path / "missing.json"),
+             "FILE/sub": str(tmp_path / "file" / "sub")}
+    argv = ["--profile", str(PROFILES / "roofline-llama-3.1-8b-h200.json"), "--out", str(tmp_path / "out"),
+            *[paths.get(f, f) for f in flags]]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 def _result(policy: str, thr: float, user: float) -> SimResult:

@@ -13,8 +13,8 @@ import time
 
 import torch
 
+from app.argtypes import positive_int
 from app.engine.config import EngineConfig
-
 from app.engine.engine import TargetEngine
 from app.engine.types import DraftBlock, SamplingParams
 
@@ -26,13 +26,18 @@ DEFAULT_PROMPT = (
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap = argparse.ArgumentParser(prog="python -m app.demo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
+    ap.add_argument("--max-tokens", type=positive_int, default=200, help="tokens to generate at most")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="embedded model name, local directory, .gguf file or cached model id")
     args = ap.parse_args(argv)
 
-    engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=1))
+    try:
+        engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=1))
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(f"--model: {e}")
     prompt = engine.encode_chat([{"role": "user", "content": args.prompt}])
     print(f"> {args.prompt}\n")
     start = time.perf_counter()

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from app.argtypes import positive_int
 from app.scheduling.policies import ScheduleInput, make_policy
-from app.scheduling.profile import load_profile
+from app.scheduling.profile import ProfileRangeError, load_profile
 
 POLICIES = ("none", "mtp1", "fixed-7", "threshold-0.5", "dspark", "dspark-async")
 WARMUP = 20
@@ -36,14 +37,22 @@ def time_policy(name: str, inputs: ScheduleInput, profile, *, repeats: int) -> l
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profile", type=Path, default=Path("profiles/roofline-llama-3.1-8b-h200.json"))
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--gamma", type=int, default=7)
-    parser.add_argument("--repeats", type=int, default=500)
-    args = parser.parse_args()
-    profile = load_profile(args.profile)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m app.scheduling.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--profile", type=Path, default=Path("profiles/roofline-llama-3.1-8b-h200.json"),
+                        help="throughput profile JSON the policies read")
+    parser.add_argument("--batch", type=positive_int, default=256, help="requests in the decision B")
+    parser.add_argument("--gamma", type=positive_int, default=7, help="draft tokens per request K")
+    parser.add_argument("--repeats", type=positive_int, default=500, help="timed calls per policy (after warm-up)")
+    args = parser.parse_args(argv)
+    try:
+        profile = load_profile(args.profile)
+    except (OSError, ValueError) as e:
+        parser.error(f"--profile: {e}")
+    try:
+        profile.ensure_covers(max_batch=args.batch, gamma=args.gamma)
+    except ProfileRangeError as e:
+        parser.error(f"--batch {args.batch} / --gamma {args.gamma}: {args.profile}: {e}")
     inputs = ScheduleInput.make_dummy(batch=args.batch, gamma=args.gamma, seed=0)
     rows = {}
     print(f"{'policy':<14} {'median ms':>10} {'p90 ms':>8}   (B={args.batch}, K={args.gamma}, "

@@ -76,6 +76,11 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first, len = SamplingParams.logprobs
 
 
+_REAL_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
+_INT_FIELDS = ("max_tokens", "seed", "top_k", "min_tokens", "logprobs")
+_OPTIONAL = ("seed", "logprobs")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings, validated on construction.
@@ -131,14 +136,22 @@ class SamplingParams:
     guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        for name in _REAL_FIELDS:  # type first: a string or a bool here would fail deep in a step, or pass as 0/1
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int) or value is None and name in _OPTIONAL):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
+        if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
                                       param="max_tokens")
         if not self.temperature >= 0.0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}", param="temperature")
         if self.temperature < GREEDY_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
-        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63):
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be a signed 64-bit integer, got {self.seed!r}", param="seed")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
@@ -159,18 +172,18 @@ class SamplingParams:
             raise InvalidRequestError("logit_bias needs token ids >= 0 and biases in [-100, 100], "
                                       f"got {self.logit_bias!r}", param="logit_bias")
         object.__setattr__(self, "logit_bias", bias)
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}", param="top_k")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}", param="min_p")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}",
                                       param="min_tokens")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}",
                                       param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
                                       param="logprobs")
 

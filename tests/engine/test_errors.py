@@ -24,6 +24,17 @@ from app.engine.types import DraftBlock, GuidedDecoding, SamplingParams
         ({"max_tokens": 8, "min_tokens": 50}, "min_tokens"),
         ({"frequency_penalty": 3.0}, "frequency_penalty"),
         ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+        ({"temperature": "0.7"}, "temperature"),
+        ({"top_p": None}, "top_p"),
+        ({"presence_penalty": True}, "presence_penalty"),
+        ({"max_tokens": 8.0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"seed": True}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"min_tokens": "1"}, "min_tokens"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 1.0}, "logprobs"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):

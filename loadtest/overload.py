@@ -18,9 +18,9 @@ from pathlib import Path
 
 import httpx
 
+from app.argtypes import base_url, positive_int
 from loadtest.metrics import distribution
-from app.argtypes import base_url
-from loadtest.server import DEFAULT_CONFIG, ManagedServer
+from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, started_server_flags
 
 
 async def _burst(url: str, n: int, method: str, path: str, **kwargs) -> list[tuple[int, float, httpx.Headers, str]]:
@@ -65,14 +65,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--url", type=base_url,
                     help="a running server, http://HOST:PORT (a trailing /v1 is dropped; otherwise one is started "
                     "from --config)")
-    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
-    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--config", type=Path, default=None,
+                    help=f"Serve config YAML of the server to start (default: {DEFAULT_CONFIG.relative_to(REPO_ROOT)})")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override an application args field of the started server (repeatable)")
     ap.add_argument("--model", default=None, help="model name to send (default: the config's)")
-    ap.add_argument("--requests", type=int, default=200, help="concurrent requests per burst")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=positive_int, default=200, help="concurrent requests per burst")
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
+    ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--api-key", default=None)
     args = ap.parse_args(argv)
+    if args.url and (unused := started_server_flags(args)):
+        ap.error(f"{', '.join(unused)}: for a server this starts only; with --url none is started")
+    args.config = args.config or DEFAULT_CONFIG
+    if not args.url and not args.config.is_file():
+        ap.error(f"--config {args.config}: no such file")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
     def rounds(url: str, model: str) -> list[dict]:

@@ -29,10 +29,19 @@ from typing import Self
 import httpx
 import yaml
 
+from app.argtypes import port_number, positive_float
 from app.serving.run import refusal
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "deployments" / "dspark.yaml"
+
+
+def started_server_flags(args: argparse.Namespace) -> list[str]:
+    """The flags of ``args`` (``--config``, ``--set``, ``--num-cpus``, ``--port``, where a tool has them) that
+    shape a server the tool starts; given with ``--url`` (no server started) they would do nothing, so the tools
+    refuse them. ``--config`` counts when given at all (its default is None, read as ``DEFAULT_CONFIG``)."""
+    named = {"--config": "config", "--set": "overrides", "--num-cpus": "num_cpus", "--port": "port"}
+    return [flag for flag, field in named.items() if getattr(args, field, None) not in (None, [])]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -224,9 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override an args field (repeatable; dotted keys for nested fields)")
     ap.add_argument("--host", default=None, help="HTTP host (default: the config's http_options.host)")
-    ap.add_argument("--port", type=int, default=None,
+    ap.add_argument("--port", type=port_number, default=None,
                     help="HTTP port (default: $DSPARK_SERVE_PORT, else the config's http_options.port)")
-    ap.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray (default: all)")
+    ap.add_argument("--num-cpus", type=positive_float, default=None, help="CPUs of the local Ray (default: all)")
     ap.add_argument("--check", default=None, metavar="POLICY,...",
                     help="start nothing: check the args with each of these policies (as the sweep does before it "
                     "starts a server); a line for each refused one, exit 1")

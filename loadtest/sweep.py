@@ -36,12 +36,12 @@ from typing import Callable
 import httpx
 from tqdm import tqdm
 
-from app.argtypes import base_url, int_list, name_list, non_negative_float, positive_float, positive_int
+from app.argtypes import base_url, int_list, name_list, non_negative_float, port_number, positive_float, positive_int
 from loadtest.metrics import Slo, measurement_window, read_records, summarize
 from loadtest.prompts import DEFAULT_PROMPTS, level_offsets, load_prompt_spec
 from loadtest.report import format_table, level_name, pareto_plot, write_level, write_results
 from loadtest.rounds import round_split, settled_counters
-from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, wait_ready
+from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, started_server_flags, wait_ready
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LOCUST_GRACE_S = 60  # beyond run time + drain before a Locust process is considered hung
@@ -67,11 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "server is started)")
     ap.add_argument("--model", default=None, help="served model name (default: the config's served_model_name for a "
                     "started server; with --url the first model the server lists)")
-    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML to start per policy")
+    ap.add_argument("--config", type=Path, default=None,
+                    help=f"Serve config YAML to start per policy (default: {DEFAULT_CONFIG.relative_to(REPO_ROOT)})")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override an application args field for every policy (repeatable)")
     ap.add_argument("--num-cpus", type=positive_float, default=None, help="CPUs of each local Ray (default: all)")
-    ap.add_argument("--port", type=int, default=None, help="HTTP port of the started servers (default: free)")
+    ap.add_argument("--port", type=port_number, default=None,
+                    help="HTTP port of the started servers (default: free)")
     ap.add_argument("--server-timeout", type=positive_float, default=600.0,
                     help="seconds a server may take to be ready")
     ap.add_argument("--server-warmup", type=int, default=2, help="short requests sent to each server before "
@@ -104,6 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.policies = ["server"] if args.url else ["none", "mtp1", "dspark"]
     if args.server_warmup < 0:
         ap.error(f"--server-warmup must be >= 0, got {args.server_warmup}")
+    if args.url and (unused := started_server_flags(args)):
+        ap.error(f"{', '.join(unused)}: for the servers the sweep starts only; with --url none is started")
+    args.config = args.config or DEFAULT_CONFIG
     if not args.url and not args.config.is_file():
         ap.error(f"--config {args.config}: no such file")
     if not 0 <= args.max_tokens_range_ratio < 1:

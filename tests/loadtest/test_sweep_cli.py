@@ -145,6 +145,11 @@ def test_out_must_be_a_new_or_empty_folder(tmp_path, capsys):
     (["--policies", "none,mtp1,none"], "error: argument --policies: none given more than once"),
     (["--concurrency", "1,2,1"], "error: argument --concurrency: 1 given more than once"),
     (["--duration", "0"], "error: argument --duration: expected a number > 0, got 0"),
+    (["--url", "http://127.0.0.1:1", "--set", "gamma=3", "--port", "8123"],
+     "error: --set, --port: for the servers the sweep starts only; with --url none is started"),
+    (["--url", "http://127.0.0.1:1", "--config", "deployments/dspark.yaml"],
+     "error: --config: for the servers the sweep starts only"),
+    (["--port", "70000"], "error: argument --port: expected a port number 0-65535, got 70000"),
 ])
 def test_bad_flags_are_usage_errors_before_any_server_starts(tmp_path, monkeypatch, capsys, flags, message):
     def server_starts(**kwargs):

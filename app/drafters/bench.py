@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from app.argtypes import positive_int
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.dspark import DSparkDrafter
 from app.drafters.proposer import DSparkProposer, draw, make_proposal, round_sampling
@@ -142,15 +143,18 @@ def table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8], help="requests per round B")
     ap.add_argument("--draft-vocab", type=int, nargs="+", default=[0], help="V' sizes to time (0: full vocabulary)")
-    ap.add_argument("--context", type=int, default=256, help="prompt tokens per request")
-    ap.add_argument("--repeats", type=int, default=15, help="timed rounds per figure (median)")
+    ap.add_argument("--context", type=positive_int, default=256, help="prompt tokens per request")
+    ap.add_argument("--repeats", type=positive_int, default=15, help="timed rounds per figure (median)")
     args = ap.parse_args(argv)
     if not (args.checkpoint / "config.json").is_file():
         ap.error(f"--checkpoint: no checkpoint (config.json) in {args.checkpoint}")
     torch.manual_seed(0)
     engine = TargetEngine(EngineConfig(max_num_seqs=max(args.batches), max_draft_len=8))
+    if (need := args.context + 8 * (args.repeats + 2)) > engine.config.max_model_len:  # profile's max_tokens
+        ap.error(f"--context {args.context} / --repeats {args.repeats}: a request would reach {need} tokens, over "
+                 f"the target's max_model_len {engine.config.max_model_len}")
     drafters = {}
     for size in args.draft_vocab:  # one drafter (its own weight copies) per size, so no size reuses another's cache
         drafter, calibration, _ = load_checkpoint(args.checkpoint, engine.model.embed_tokens.weight)

@@ -21,6 +21,7 @@ import json
 
 import jsonschema
 
+from app.argtypes import non_negative_float, positive_int
 from app.drafters.ngram import NgramProposer
 from app.loop import RequestResult, generate
 from app.engine.config import EngineConfig
@@ -102,13 +103,20 @@ def _validity(results: list[RequestResult]) -> str:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--tokens", type=int, default=48, help="max_tokens per request")
-    ap.add_argument("--gamma", type=int, default=5, help="n-gram drafter block size")
-    ap.add_argument("--prompts", type=int, default=6, help="prompts per control (at most 6)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled, seeded per prompt")
+    ap.add_argument("--tokens", type=positive_int, default=48, help="max_tokens per request")
+    ap.add_argument("--gamma", type=positive_int, default=5, help="n-gram drafter block size")
+    ap.add_argument("--prompts", type=positive_int, default=len(PROMPTS),
+                    help=f"prompts per control (at most {len(PROMPTS)})")
+    ap.add_argument("--temperature", type=non_negative_float, default=0.0,
+                    help="0: greedy; > 0: sampled, seeded per prompt")
     args = ap.parse_args(argv)
+    if args.prompts > min(len(PROMPTS), len(JSON_PROMPTS)):
+        ap.error(f"--prompts {args.prompts}: there are {min(len(PROMPTS), len(JSON_PROMPTS))} prompts per control")
 
-    engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=8, max_draft_len=args.gamma))
+    try:
+        engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=8, max_draft_len=args.gamma))
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(f"the engine refuses these flags: {e}")
     rows = {}
     print(f"{'control':>20} {'identical':>10} {'near-tie':>9} {'bugs':>5} {'tau':>6} {'proposed':>9} {'verified':>9} "
           f"{'valid off':>10} {'valid on':>9}")

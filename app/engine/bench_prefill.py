@@ -24,6 +24,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from app.argtypes import int_list, non_negative_float, positive_int
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
 from app.engine.hardware import hardware_name
@@ -92,17 +93,28 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--prompt-tokens", type=int, default=1500, help="tokens of the arriving prompt")
-    ap.add_argument("--budgets", default="512,256", help="max_prefill_tokens of the chunked configurations")
-    ap.add_argument("--tokens", type=int, default=48, help="tokens each decoding request generates")
-    ap.add_argument("--arrive-after", type=int, default=8, help="rounds before the long prompt arrives")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (unseeded)")
+    ap.add_argument("--prompt-tokens", type=positive_int, default=1500, help="tokens of the arriving prompt")
+    ap.add_argument("--budgets", type=int_list, default=[512, 256],
+                    help="max_prefill_tokens of the chunked configurations (comma-separated)")
+    ap.add_argument("--tokens", type=positive_int, default=48, help="tokens each decoding request generates")
+    ap.add_argument("--arrive-after", type=positive_int, default=8,
+                    help="rounds before the long prompt arrives (below --tokens)")
+    ap.add_argument("--runs", type=positive_int, default=3)
+    ap.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy; > 0: sampled (unseeded)")
     args = ap.parse_args(argv)
+    if args.arrive_after >= args.tokens:  # the decoding requests take --tokens - 1 rounds after their prefill
+        ap.error(f"--arrive-after {args.arrive_after}: the decoding requests end after {args.tokens - 1} rounds "
+                 f"(--tokens {args.tokens})")
 
-    engine = TargetEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=NUM_DECODING + 1,
-                                       max_model_len=2048))
-    configs = [("whole", False, 2048)] + [(f"chunked {b}", True, b) for b in map(int, args.budgets.split(","))]
+    try:
+        engine = TargetEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=NUM_DECODING + 1,
+                                           max_model_len=2048))
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(f"the engine refuses these flags: {e}")
+    short = len(engine.encode_chat([{"role": "user", "content": SHORT}]))
+    if too_small := [b for b in args.budgets if b < short]:
+        ap.error(f"--budgets {too_small}: a budget admits the {short}-token prompts of the decoding requests whole")
+    configs = [("whole", False, 2048)] + [(f"chunked {b}", True, b) for b in args.budgets]
     figures: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
     for run in tqdm(range(args.runs + 1), desc="runs (the first warms up)"):
         order = configs if run % 2 else configs[::-1]

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from app.argtypes import int_list, positive_int
 from app.drafters.checkpoint import load_checkpoint
 from app.drafters.config import DrafterConfig, target_shape
 from app.drafters.dspark import DSparkDrafter
@@ -146,25 +147,31 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--compile-elementwise", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.compile the decoder's elementwise work (EngineConfig.compile_elementwise; default: "
                     "where Triton runs)")
-    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32")
-    ap.add_argument("--tokens-per-request", default="1,2,3,4,5,6,7,8,10,12,16")
-    ap.add_argument("--context", type=int, default=200, help="KV cache tokens per request while timing")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--batch-sizes", type=int_list, default=[1, 2, 4, 8, 16, 32],
+                    help="the profile's batch sizes B (comma-separated)")
+    ap.add_argument("--tokens-per-request", type=int_list, default=[1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16],
+                    help="the profile's tokens verified per request (comma-separated)")
+    ap.add_argument("--context", type=positive_int, default=200, help="KV cache tokens per request while timing")
+    ap.add_argument("--repeats", type=positive_int, default=5, help="timed steps per cell (median)")
     ap.add_argument("--sampled", action=argparse.BooleanOptionalAction, default=True,
                     help="also time every request sampled (sampled_verify_ms; --no-sampled: greedy only)")
     ap.add_argument("--out", default="profiles")
     args = ap.parse_args(argv)
-    batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    tokens = [int(x) for x in args.tokens_per_request.split(",")]
-
-    engine = TargetEngine(EngineConfig(
-        model=args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=max(batch_sizes),
-        max_draft_len=max(tokens) - 1, verify_step=args.verify_step, attention=args.attention,
-        compile_elementwise=args.compile_elementwise,
-    ))
+    batch_sizes, tokens = sorted(args.batch_sizes), sorted(args.tokens_per_request)  # the grid's order
+    try:
+        engine = TargetEngine(EngineConfig(
+            model=args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=max(batch_sizes),
+            max_draft_len=max(tokens) - 1, verify_step=args.verify_step, attention=args.attention,
+            compile_elementwise=args.compile_elementwise,
+        ))
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(f"the engine refuses these flags: {e}")
     proposer = None
     if args.drafter:
-        drafter, calibration, _ = load_checkpoint(args.drafter, engine.model.embed_tokens.weight)
+        try:
+            drafter, calibration, _ = load_checkpoint(args.drafter, engine.model.embed_tokens.weight)
+        except (FileNotFoundError, ValueError) as e:
+            ap.error(f"--drafter: {e}")
         proposer = DSparkProposer(drafter, calibration=calibration)
     elif args.dummy_drafter:
         proposer = dummy_proposer(engine)

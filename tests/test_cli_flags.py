@@ -20,6 +20,8 @@ CASES = [
     ("app.engine.bench_controls", ["--prompts", "7"], "--prompts 7: there are 6 prompts per control"),
     ("app.drafters.bench", ["--batches", "1", "0"], "argument --batches: expected an integer >= 1, got 0"),
     ("app.drafters.bench", ["--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
+    ("app.eval.compare", ["--ngram", "--ngram-min", "5", "--ngram-max", "2"], "--ngram-min 5 is above --ngram-max 2"),
+    ("app.eval.compare", ["--ngram", "--model", "no-such-model"], "--model: model 'no-such-model' is neither"),
 ]
 
 

@@ -160,7 +160,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     names = [n for n, _ in args.drafter] + (["ngram"] if args.ngram else [])
     if len(set(names)) != len(names):
         ap.error(f"drafter names must be distinct, got {names}")
-    engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch, max_draft_len=max(8, args.gamma)))
+    if args.ngram_min > args.ngram_max:
+        ap.error(f"--ngram-min {args.ngram_min} is above --ngram-max {args.ngram_max}")
+    try:
+        engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch,
+                                           max_draft_len=max(8, args.gamma)))
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(f"--model: {e}")
     embed = engine.model.embed_tokens.weight
     drafters = {name: load_checkpoint(path, embed)[:2] for name, path in args.drafter}
 

@@ -106,6 +106,15 @@ def _target_lost(err: Exception, message: str) -> ErrorItem:
     return ErrorItem(503, message, type="server_error", code="unavailable")
 
 
+def _own_serve_context(request_id: str) -> None:
+    """Give the calls this task makes from now on Serve request ids of their own (``request_id``, a fresh internal
+    id): Serve keys a handle call's bookkeeping by the caller's request id, and concurrent calls of one HTTP request
+    sharing it sometimes never got their answer (n = 2 on the mock engine: about 1 request in 6 hung)."""
+    context = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(dataclasses.replace(
+        context, request_id=request_id, _internal_request_id=uuid.uuid4().hex))
+
+
 @dataclass
 class _Choice:
     """One choice of an HTTP request: its target stream and what it has produced."""
@@ -293,14 +302,11 @@ class Ingress:
     async def _start(self, generate: GenerateRequest, *, own_context: bool):
         """Place one target request (the Router's choice) and await its first chunk; returns (stream, first).
 
-        ``own_context``: one of several choices (run as its own task): its calls get their own Serve request ids.
-        Serve keys a handle call's bookkeeping by the caller's request id, and concurrent calls sharing one
-        sometimes never got their first chunk (n = 2 on the mock engine: about 1 request in 6 hung).
+        ``own_context``: one of several choices (run as its own task): its calls get their own Serve request ids
+        (``_own_serve_context``).
         """
         if own_context:
-            context = serve_context._get_serve_request_context()
-            serve_context._serve_request_context.set(dataclasses.replace(
-                context, request_id=generate.request_id, _internal_request_id=uuid.uuid4().hex))
+            _own_serve_context(generate.request_id)
         try:
             key = await self.router.choose_target.remote()
         except (RayActorError, RayTaskError) as err:  # balance is lost, not the request: any replica will do
@@ -321,6 +327,21 @@ class Ingress:
                                      type="server_overloaded", code="overloaded")
         except (RayActorError, RayTaskError) as err:
             return stream, _target_lost(err, "target replica unavailable, retry")
+
+    async def _check_prompts(self, generates: list[tuple[int, GenerateRequest, str]], req) -> ErrorItem | None:
+        """The first refusal (``Target.check``) among the prompts of a completions request with several, checked
+        before any starts: started together, a prompt over the context would be answered after the others had been
+        admitted and prefilled, then cancelled."""
+        async def check(generate: GenerateRequest) -> ErrorItem | None:
+            _own_serve_context(generate.request_id)  # run as its own task (gather): as in _start
+            return await self.target.check.remote(generate)
+
+        firsts = [g for index, g, _ in generates if index % req.num_choices == 0]  # one choice per prompt
+        try:
+            refusals = await asyncio.gather(*[check(g) for g in firsts])
+        except (RayActorError, RayTaskError) as err:
+            return _target_lost(err, "target replica unavailable, retry")
+        return next((r for r in refusals if r is not None), None)
 
     def _overloaded(self, needed: int) -> JSONResponse | None:
         """The 503 answer when ``needed`` more target requests would pass the admission limit (None: room)."""
@@ -348,6 +369,8 @@ class Ingress:
             return error_response(ErrorItem(400, str(err), param=param))
         if (full := self._overloaded(len(generates))) is not None:
             return full
+        if not chat and len(req.prompts) > 1 and (refused := await self._check_prompts(generates, req)) is not None:
+            return error_response(refused, self.config.retry_after_s)
         flight = _InFlight(self, len(generates))
         self._inflight += len(generates)
         streaming = False

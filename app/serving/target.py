@@ -286,6 +286,16 @@ class TargetReplica:
                 self._cancelled.add(request.request_id)
                 self._wakeup.set()
 
+    async def check(self, request: GenerateRequest) -> ErrorItem | None:
+        """The 400 that ``generate`` would answer at once for ``request`` (a prompt that does not fit the context with
+        its max_tokens, messages the chat template refuses), or None; nothing is queued. The ingress checks every
+        prompt of a request with several before it starts any, so that a refused one costs the others no work."""
+        try:
+            await self._run(self._encode, request)
+        except InvalidRequestError as err:
+            return invalid_request(request, err)
+        return None
+
     def _encode(self, request: GenerateRequest) -> list[int]:
         """The request's prompt token ids, once they are known to fit the context with its max_tokens.
 

@@ -181,6 +181,20 @@ def test_context_length_errors_name_the_field_to_change(url):
         assert (r.status_code, err["code"], err["param"]) == (400, "context_length_exceeded", param), r.text
 
 
+def test_a_prompt_list_with_one_over_the_context_is_refused_before_any_prompt_runs(url):
+    """A completions request with several prompts, one over the context: the 400 comes before the others are admitted
+    (started together, they were prefilled, decoded and then cancelled)."""
+    rounds = target_state()["rounds"]
+    for prompts in (["hi", "x " * (MAX_MODEL_LEN + 10)], ["x " * (MAX_MODEL_LEN + 10), "hi", "ho"]):
+        for stream in (False, True):
+            r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
+                           json={"model": MODEL, "prompt": prompts, "max_tokens": 50, "stream": stream})
+            err = r.json()["error"]
+            assert (r.status_code, err["code"], err["param"]) == (400, "context_length_exceeded", "prompt"), r.text
+    time.sleep(0.3)  # a round or more at mock_step_ms, had any prompt started
+    assert target_state()["rounds"] == rounds and target_state()["cancelled_pending"] == 0
+
+
 def test_oversized_chunked_body_and_unknown_routes_are_openai_errors(url):
     def chunks():  # no Content-Length: the limit must hold while reading
         yield b'{"model": "mock-model", "messages": [{"role": "user", "content": "'

@@ -36,7 +36,7 @@ from app.loop import DraftCall, DraftRound, ProposerHost
 from app.serving.config import AppConfig
 from app.serving.metrics import DrafterMetrics
 from app.serving.protocol import check_reply
-from app.serving.torch_thread import TorchThread, intra_op_threads, stuck_thread
+from app.serving.torch_thread import HeapTrimmer, TorchThread, intra_op_threads, stuck_thread
 
 log = logging.getLogger("ray.serve")
 
@@ -137,6 +137,7 @@ class DrafterReplica:
         self.core = self._torch.call(lambda: DrafterCore(config, replica=replica))
         self._owned: dict[str, set[str]] = {}  # replica_key -> ids of the requests its calls started
         self._heard: dict[str, float] = {}  # replica_key -> time.monotonic() of its last call or probe
+        self._trimmer = HeapTrimmer()
 
     async def draft(self, call: DraftCall, replica_key: str | None = None) -> DraftRound:
         """``DrafterCore.draft`` on the replica's torch thread (calls applied one at a time, in arrival order).
@@ -152,8 +153,16 @@ class DrafterReplica:
         owned.update(start.request_id for start in call.starts)
         owned.difference_update(call.finished)
         await self._heard_from(replica_key)
-        reply = await self._torch.run(self.core.draft, call)
+        reply = await self._torch.run(self._draft, call)
         return check_reply(reply, gamma=self.core.config.gamma)
+
+    def _draft(self, call: DraftCall) -> DraftRound:
+        """``DrafterCore.draft`` on the torch thread; once requests end, their freed memory goes back to the OS
+        (``HeapTrimmer``)."""
+        reply = self.core.draft(call)
+        if call.finished:
+            self._trimmer.maybe_trim()
+        return reply
 
     async def _heard_from(self, replica_key: str | None) -> None:
         """Note a call or probe from ``replica_key``; drop the state of targets silent for ``drafter_state_ttl_s``."""

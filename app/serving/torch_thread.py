@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -100,3 +101,30 @@ def intra_op_threads(num_threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+class HeapTrimmer:
+    """Hands the C heap's free pages back to the OS (glibc's ``malloc_trim(0)``, every arena) at most once per
+    ``interval_s``; a no-op where the C library is not glibc.
+
+    Tensors of many sizes allocated and freed round after round (a drafter's per-request context buffers and padded
+    batch contexts, call payloads unpickled on another thread than the one that frees them) leave glibc's arenas
+    fragmented: freed, the memory stays resident. Under a long mixed load a Drafter replica's resident memory grew by
+    hundreds of MiB while it held no request state; trimming after requests end keeps it near its working set. A trim
+    takes about a millisecond.
+    """
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        try:
+            self._trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim with
+            self._trim = None
+        self.interval_s, self._last, self.trims = interval_s, time.monotonic(), 0
+
+    def maybe_trim(self) -> bool:
+        """Trim if ``interval_s`` has passed since the last trim (or construction); returns whether it did."""
+        if self._trim is None or time.monotonic() - self._last < self.interval_s:
+            return False
+        self._trim(0)
+        self._last, self.trims = time.monotonic(), self.trims + 1
+        return True

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from app.serving import torch_thread
-from app.serving.torch_thread import TorchThread, stuck_thread, thread_cpu_ms
+from app.serving.torch_thread import HeapTrimmer, TorchThread, stuck_thread, thread_cpu_ms
 
 pytestmark = pytest.mark.serial  # conftest.py: runs alone, after the parallel phase
 
@@ -53,3 +53,13 @@ def test_busy_s_times_the_call_now_running_and_stuck_thread_names_the_limit():
     release.set()
     assert future.result() is True and thread.busy_s() == 0.0
     assert thread.call(lambda: 7) == 7 and thread.busy_s() == 0.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
+def test_the_heap_trimmer_trims_at_most_once_an_interval(monkeypatch):
+    every_time, hourly = HeapTrimmer(interval_s=0.0), HeapTrimmer(interval_s=3600.0)
+    assert every_time.maybe_trim() and every_time.maybe_trim() and every_time.trims == 2
+    assert not hourly.maybe_trim() and hourly.trims == 0  # the interval runs from construction
+    monkeypatch.setattr(torch_thread.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
+    not_glibc = HeapTrimmer(interval_s=0.0)
+    assert not not_glibc.maybe_trim() and not_glibc.trims == 0

@@ -58,9 +58,11 @@ def test_profiler_drafter_options_exclude_each_other():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="both settings run on CUDA")
-def test_profiler_refuses_engine_settings_the_device_cannot_run(tmp_path, tiny_llama_dir):
+def test_profiler_refuses_engine_settings_the_device_cannot_run(tmp_path, tiny_llama_dir, capsys):
     common = ["--model", str(tiny_llama_dir), "--load-format", "dummy", "--out", str(tmp_path)]
     for flag, match in ((["--attention", "flash"], "attention 'flash' cannot run here"),
                         (["--compile-elementwise"], "compile_elementwise cannot run here")):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(SystemExit) as exit_:  # a usage error naming the setting, before any timing
             main(common + flag)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "the engine refuses these flags: " in err and match in err, err

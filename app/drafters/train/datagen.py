@@ -198,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ap.error(f"--first-shard {args.first_shard}: these flags give only "
                  f"{math.ceil(len(ids) / args.shard_size)} shards of {args.shard_size} answers")
     def running(seconds: float) -> None:  # sequences None: still running; seconds so far, resumed runs' included
-        meta_path.write_text(json.dumps({**plan, "sequences": None, "seconds": round(seconds, 1)}, indent=2))
+        meta_path.write_text(json.dumps({**plan, "sequences": None, "seconds": round(seconds, 3)}, indent=2))
 
     running(earlier_s)
     bar = tqdm(total=len(ids) - first, desc="datagen", unit="answer")
@@ -228,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         bar.set_postfix(tok_s=f"{run_tokens / (time.perf_counter() - start):.0f}")
     bar.close()
     meta = {**plan, "sequences": done, "new_tokens": new_tokens, "feature_layers": list(engine.model.feature_layers),
-            "verify_step": args.verify_step, "seconds": round(earlier_s + time.perf_counter() - start, 1)}
+            "verify_step": args.verify_step, "seconds": round(earlier_s + time.perf_counter() - start, 3)}
     meta_path.write_text(json.dumps(meta, indent=2))
     print(json.dumps(meta))
 

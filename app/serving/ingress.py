@@ -106,6 +106,10 @@ def _target_lost(err: Exception, message: str) -> ErrorItem:
     return ErrorItem(503, message, type="server_error", code="unavailable")
 
 
+_OVERLOADED = ErrorItem(503, "server overloaded: the target replicas' request queues are full",
+                        type="server_overloaded", code="overloaded")  # Serve's back pressure on a Target call
+
+
 def _own_serve_context(request_id: str) -> None:
     """Give the calls this task makes from now on Serve request ids of their own (``request_id``, a fresh internal
     id): Serve keys a handle call's bookkeeping by the caller's request id, and concurrent calls of one HTTP request
@@ -323,8 +327,7 @@ class Ingress:
             raise
         except BackPressureError:
             stream.cancel()
-            return stream, ErrorItem(503, "server overloaded: the target replicas' request queues are full",
-                                     type="server_overloaded", code="overloaded")
+            return stream, _OVERLOADED
         except (RayActorError, RayTaskError) as err:
             return stream, _target_lost(err, "target replica unavailable, retry")
 
@@ -339,6 +342,8 @@ class Ingress:
         firsts = [g for index, g, _ in generates if index % req.num_choices == 0]  # one choice per prompt
         try:
             refusals = await asyncio.gather(*[check(g) for g in firsts])
+        except BackPressureError:
+            return _OVERLOADED
         except (RayActorError, RayTaskError) as err:
             return _target_lost(err, "target replica unavailable, retry")
         return next((r for r in refusals if r is not None), None)
@@ -369,12 +374,13 @@ class Ingress:
             return error_response(ErrorItem(400, str(err), param=param))
         if (full := self._overloaded(len(generates))) is not None:
             return full
-        if not chat and len(req.prompts) > 1 and (refused := await self._check_prompts(generates, req)) is not None:
-            return error_response(refused, self.config.retry_after_s)
-        flight = _InFlight(self, len(generates))
+        flight = _InFlight(self, len(generates))  # counted from here: the checks below wait, other requests go on
         self._inflight += len(generates)
         streaming = False
         try:
+            refused = await self._check_prompts(generates, req) if not chat and len(req.prompts) > 1 else None
+            if refused is not None:
+                return error_response(refused, self.config.retry_after_s)
             started = await asyncio.gather(*[self._start(g, own_context=len(generates) > 1)
                                              for _, g, _ in generates])
             flight.choices = [_Choice(index, stream, first, echo)

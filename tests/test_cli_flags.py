@@ -13,15 +13,17 @@ CASES = [
     ("app.scheduling.profiler", ["--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
     ("app.scheduling.profiler", ["--model", "no-such-model"], "the engine refuses these flags: model 'no-such-model'"),
     ("app.engine.bench_prefill", ["--budgets", "0"], "argument --budgets: expected an integer >= 1, got 0"),
-    ("app.engine.bench_prefill", ["--arrive-after", "48"], "--arrive-after 48: the decoding requests end after 47"),
+    ("app.engine.bench_prefill", ["--arrive-after", "47"], "--arrive-after 47: the long prompt must arrive while"),
     ("app.engine.bench_prefill", ["--temperature", "-1"], "argument --temperature: expected a number >= 0"),
-    ("app.engine.bench_prefill", ["--budgets", "10"], "--budgets [10]: a budget admits the"),
+    ("app.engine.bench_prefill", ["--budgets", "10,512"], "--budgets 10: each budget must admit the"),
+    ("app.scheduling.profiler", ["--tokens-per-request", "2,4"], "--tokens-per-request must include 1"),
+    ("app.drafters.bench", ["--context", "1910", "--batches", "1"], "--context 1910 / --repeats 15: prompt of 1910"),
     ("app.engine.bench_controls", ["--prompts", "0"], "argument --prompts: expected an integer >= 1, got 0"),
     ("app.engine.bench_controls", ["--prompts", "7"], "--prompts 7: there are 6 prompts per control"),
     ("app.drafters.bench", ["--batches", "1", "0"], "argument --batches: expected an integer >= 1, got 0"),
     ("app.drafters.bench", ["--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
     ("app.eval.compare", ["--ngram", "--ngram-min", "5", "--ngram-max", "2"], "--ngram-min 5 is above --ngram-max 2"),
-    ("app.eval.compare", ["--ngram", "--model", "no-such-model"], "--model: model 'no-such-model' is neither"),
+    ("app.eval.compare", ["--ngram", "--model", "no-such-model"], "refuses these flags: model 'no-such-model' is"),
 ]
 
 

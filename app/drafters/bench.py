@@ -42,6 +42,7 @@ from app.drafters.dspark import DSparkDrafter
 from app.drafters.proposer import DSparkProposer, draw, make_proposal, round_sampling
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
+from app.engine.errors import ContextLengthError
 from app.engine.types import DraftBlock, SamplingParams
 from app.drafters.checkpoint import DEFAULT_CHECKPOINT
 
@@ -152,9 +153,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(f"--checkpoint: no checkpoint (config.json) in {args.checkpoint}")
     torch.manual_seed(0)
     engine = TargetEngine(EngineConfig(max_num_seqs=max(args.batches), max_draft_len=8))
-    if (need := args.context + 8 * (args.repeats + 2)) > engine.config.max_model_len:  # profile's max_tokens
-        ap.error(f"--context {args.context} / --repeats {args.repeats}: a request would reach {need} tokens, over "
-                 f"the target's max_model_len {engine.config.max_model_len}")
+    try:  # the requests ``profile`` adds: --context prompt tokens, max_tokens 8 a round
+        engine.check_context(args.context, 8 * (args.repeats + 2))
+    except ContextLengthError as e:
+        ap.error(f"--context {args.context} / --repeats {args.repeats}: {e}")
     drafters = {}
     for size in args.draft_vocab:  # one drafter (its own weight copies) per size, so no size reuses another's cache
         drafter, calibration, _ = load_checkpoint(args.checkpoint, engine.model.embed_tokens.weight)

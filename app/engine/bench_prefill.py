@@ -98,13 +98,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="max_prefill_tokens of the chunked configurations (comma-separated)")
     ap.add_argument("--tokens", type=positive_int, default=48, help="tokens each decoding request generates")
     ap.add_argument("--arrive-after", type=positive_int, default=8,
-                    help="rounds before the long prompt arrives (below --tokens)")
+                    help="rounds before the long prompt arrives (below --tokens - 1)")
     ap.add_argument("--runs", type=positive_int, default=3)
     ap.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy; > 0: sampled (unseeded)")
     args = ap.parse_args(argv)
-    if args.arrive_after >= args.tokens:  # the decoding requests take --tokens - 1 rounds after their prefill
-        ap.error(f"--arrive-after {args.arrive_after}: the decoding requests end after {args.tokens - 1} rounds "
-                 f"(--tokens {args.tokens})")
+    if args.arrive_after >= args.tokens - 1:  # the decoding requests take --tokens - 1 rounds after their prefill
+        ap.error(f"--arrive-after {args.arrive_after}: the long prompt must arrive while the others decode, before "
+                 f"their last round ({args.tokens - 1} with --tokens {args.tokens})")
 
     try:
         engine = TargetEngine(EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=NUM_DECODING + 1,
@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"the engine refuses these flags: {e}")
     short = len(engine.encode_chat([{"role": "user", "content": SHORT}]))
     if too_small := [b for b in args.budgets if b < short]:
-        ap.error(f"--budgets {too_small}: a budget admits the {short}-token prompts of the decoding requests whole")
+        ap.error(f"--budgets {','.join(map(str, too_small))}: each budget must admit the {short}-token prompts of "
+                 "the decoding requests whole")
     configs = [("whole", False, 2048)] + [(f"chunked {b}", True, b) for b in args.budgets]
     figures: dict[str, list[dict]] = {name: [] for name, _, _ in configs}
     for run in tqdm(range(args.runs + 1), desc="runs (the first warms up)"):

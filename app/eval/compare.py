@@ -166,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         engine = TargetEngine(EngineConfig(model=args.model, max_num_seqs=args.max_batch,
                                            max_draft_len=max(8, args.gamma)))
     except (FileNotFoundError, ValueError) as e:
-        ap.error(f"--model: {e}")
+        ap.error(f"the engine refuses these flags: {e}")
     embed = engine.model.embed_tokens.weight
     drafters = {name: load_checkpoint(path, embed)[:2] for name, path in args.drafter}
 

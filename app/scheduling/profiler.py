@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--out", default="profiles")
     args = ap.parse_args(argv)
     batch_sizes, tokens = sorted(args.batch_sizes), sorted(args.tokens_per_request)  # the grid's order
+    if tokens[0] != 1:  # ThroughputProfile's grid starts at plain decoding
+        ap.error(f"--tokens-per-request must include 1 (plain decoding), got {','.join(map(str, tokens))}")
     try:
         engine = TargetEngine(EngineConfig(
             model=args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=max(batch_sizes),

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from app.argtypes import float_list, int_list, name_list, positive_float, positive_int
-from app.scheduling.profile import load_profile
+from app.scheduling.profile import ProfileRangeError, load_profile
 from app.sim.acceptance import AcceptanceModel, load_acceptance_stats
 from app.sim.report import format_table, plot_pareto, speedup_at_matched_throughput
 from app.sim.simulator import SimConfig, simulate
@@ -63,7 +63,12 @@ def main(argv: list[str] | None = None) -> dict:
     except (OSError, ValueError) as e:
         usage.error(f"--acceptance-stats: {e}")
     if acceptance.gamma < args.gamma:
-        usage.error(f"--gamma {args.gamma}: the acceptance statistics cover {acceptance.gamma} draft positions")
+        source = "the acceptance statistics cover" if args.acceptance_stats else "the synthetic acceptance model has"
+        usage.error(f"--gamma {args.gamma}: {source} {acceptance.gamma} draft positions")
+    try:
+        profile.ensure_covers(max_batch=args.max_batch or profile.max_batch_size, gamma=args.gamma)
+    except ProfileRangeError as e:
+        usage.error(f"--max-batch / --gamma: {args.profile}: {e}")
     loads = (
         [{"concurrency": c} for c in args.concurrency] if args.load == "closed" else [{"rate": r} for r in args.rates]
     )
@@ -76,7 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
             for load in loads
         ]
     except ValidationError as e:
-        usage.error("; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors()))
+        usage.error("; ".join(("--" + "-".join(map(str, err["loc"])).replace("_", "-") + ": " if err["loc"] else "")
+                              + err["msg"].removeprefix("Value error, ") for err in e.errors()))
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -143,12 +143,17 @@ def row_name(row: dict) -> str:
 
 def _report_rates(rows: list[dict], row: str | None, path: str | Path) -> list[float]:
     try:
-        by_name = {row_name(r): r["accept_rate_per_position"] for r in rows}
+        names = [row_name(r) for r in rows]
+        by_name = {name: r["accept_rate_per_position"] for name, r in zip(names, rows)}
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"{path}: its rows are not the evaluator's (set, temperature, rule, "
                          "accept_rate_per_position)") from None
+    if not by_name:
+        raise ValueError(f"{path}: the report has no rows")
+    if len(by_name) < len(names):
+        raise ValueError(f"{path}: rows repeat a name ({', '.join(sorted({n for n in names if names.count(n) > 1}))})")
     if row is None and len(by_name) != 1:
-        raise ValueError(f"{path}: {len(by_name)} rows; name one with row: {', '.join(by_name) or 'none'}")
+        raise ValueError(f"{path}: {len(by_name)} rows; name one: {', '.join(by_name)}")
     name = row if row is not None else next(iter(by_name))
     if name not in by_name:
         raise ValueError(f"{path}: no row {name!r}; rows: {', '.join(by_name)}")

@@ -92,7 +92,7 @@ def test_an_evaluator_report_is_read_row_by_row(tmp_path):
     greedy = load_acceptance_stats(report, "gsm8k-eval/T0/greedy").per_position_acceptance
     assert greedy == [0.8, 1 - RATE_FLOOR, 0.5]  # ends at the first unreached position; 1.0 clipped
     assert load_acceptance_stats(report, "gsm8k-eval/T0.7/coupling").per_position_acceptance[0] == RATE_FLOOR
-    with pytest.raises(ValueError, match="2 rows; name one with row: gsm8k-eval/T0/greedy, gsm8k-eval/T0.7/coupling"):
+    with pytest.raises(ValueError, match="2 rows; name one: gsm8k-eval/T0/greedy, gsm8k-eval/T0.7/coupling"):
         load_acceptance_stats(report)
     with pytest.raises(ValueError, match="no row 'mt-bench/T0/greedy'"):
         load_acceptance_stats(report, "mt-bench/T0/greedy")
@@ -101,6 +101,10 @@ def test_an_evaluator_report_is_read_row_by_row(tmp_path):
     unreached = _report(tmp_path / "unreached.json", [("humaneval", 0.0, "greedy", [None, None])])
     with pytest.raises(ValueError, match="reached no draft position"):
         load_acceptance_stats(unreached)
+    with pytest.raises(ValueError, match="no rows"):
+        load_acceptance_stats(_report(tmp_path / "empty.json", []))
+    with pytest.raises(ValueError, match="rows repeat a name \\(a/T0/greedy\\)"):
+        load_acceptance_stats(_report(tmp_path / "twice.json", [("a", 0.0, "greedy", [0.5])] * 2), "a/T0/greedy")
     with pytest.raises(ValueError, match="not an evaluator report"):
         load_acceptance_stats(_stats(tmp_path, [0.8]), "humaneval/T0/greedy")
 
@@ -125,8 +129,10 @@ def test_cli_simulates_with_an_evaluator_report(tmp_path, capsys):
     (["--concurrency", "1,0"], "--concurrency: expected an integer >= 1, got 0"),
     (["--rates", "2,-1"], "--rates: expected a number > 0, got -1"),
     (["--policies", "dspark,dspark"], "--policies: dspark given more than once"),
-    (["--policies", "fast"], "unknown policy"),
-    (["--rounds", "5"], "rounds"),
+    (["--policies", "fast"], "error: unknown policy"),
+    (["--rounds", "5"], "error: --rounds: Input should be greater than or equal to 10"),
+    (["--policies", "dspark", "--max-batch", "1024"], "--max-batch / --gamma: .*outside the profile grid"),
+    (["--gamma", "8"], "--gamma 8: the synthetic acceptance model has 7 draft positions"),
     (["--gamma", "3", "--acceptance-stats", "STATS"], "--gamma 3: the acceptance statistics cover 2 draft positions"),
     (["--acceptance-stats", "REPORT"], "--acceptance-stats: .* 2 rows; name one"),
     (["--acceptance-row", "gsm8k-eval/T0/greedy"], "--acceptance-row: names a row of --acceptance-stats"),

@@ -81,6 +81,14 @@ _INT_FIELDS = ("max_tokens", "seed", "top_k", "min_tokens", "logprobs")
 _OPTIONAL = ("seed", "logprobs")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request decoding settings, validated on construction.
@@ -115,7 +123,8 @@ class SamplingParams:
         guided: structured output (``GuidedDecoding``) the output must follow, or None.
 
     Raises:
-        InvalidRequestError: (a ValueError) on any out-of-range value, naming it; its ``param`` is the field.
+        InvalidRequestError: (a ValueError) on a value of the wrong type or out of range, naming it; its ``param``
+            is the field.
     """
 
     max_tokens: int = 256
@@ -138,11 +147,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for name in _REAL_FIELDS:  # type first: a string or a bool here would fail deep in a step, or pass as 0/1
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not _is_number(value):
                 raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not (isinstance(value, int) or value is None and name in _OPTIONAL):
+            if not (_is_int(value) or value is None and name in _OPTIONAL):
                 raise InvalidRequestError(f"{name} must be an integer, got {value!r}", param=name)
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
@@ -166,12 +177,11 @@ class SamplingParams:
         if not self.repetition_penalty > 0.0:
             raise InvalidRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
                                       param="repetition_penalty")
-        bias = tuple((int(t), float(b)) for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict)
-                                                    else self.logit_bias))
-        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in bias):
+        bias = tuple(self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
+        if any(not _is_int(t) or t < 0 or not _is_number(b) or not -100.0 <= b <= 100.0 for t, b in bias):
             raise InvalidRequestError("logit_bias needs token ids >= 0 and biases in [-100, 100], "
                                       f"got {self.logit_bias!r}", param="logit_bias")
-        object.__setattr__(self, "logit_bias", bias)
+        object.__setattr__(self, "logit_bias", tuple((t, float(b)) for t, b in bias))
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}", param="top_k")
         if not 0.0 <= self.min_p <= 1.0:
@@ -179,7 +189,7 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}",
                                       param="min_tokens")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}",
                                       param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))

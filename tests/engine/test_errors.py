@@ -35,6 +35,10 @@ from app.engine.types import DraftBlock, GuidedDecoding, SamplingParams
         ({"min_tokens": "1"}, "min_tokens"),
         ({"logprobs": True}, "logprobs"),
         ({"logprobs": 1.0}, "logprobs"),
+        ({"ignore_eos": "false"}, "ignore_eos"),
+        ({"stop_token_ids": (True,)}, "stop_token_ids"),
+        ({"logit_bias": ((1.7, 1.0),)}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import sys
 import threading
 import time
@@ -55,7 +56,7 @@ def test_busy_s_times_the_call_now_running_and_stuck_thread_names_the_limit():
     assert thread.call(lambda: 7) == 7 and thread.busy_s() == 0.0
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc_trim is glibc's")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_the_heap_trimmer_trims_at_most_once_an_interval(monkeypatch):
     every_time, hourly = HeapTrimmer(interval_s=0.0), HeapTrimmer(interval_s=3600.0)
     assert every_time.maybe_trim() and every_time.maybe_trim() and every_time.trims == 2

@@ -126,10 +126,7 @@ class ThroughputProfile(BaseModel):
 
     @model_validator(mode="after")
     def _check_grid(self) -> ThroughputProfile:
-        _check_increasing("batch_sizes", self.batch_sizes, minimum=1)
-        _check_increasing("tokens_per_request", self.tokens_per_request, minimum=1)
-        if self.tokens_per_request[0] != 1:
-            raise ValueError(f"tokens_per_request must start at 1 (plain decoding), got {self.tokens_per_request[0]}")
+        check_grid(self.batch_sizes, self.tokens_per_request)
         n_b, n_t = len(self.batch_sizes), len(self.tokens_per_request)
         tables = [("verify_ms", self.verify_ms)]
         if self.sampled_verify_ms is not None:
@@ -315,6 +312,15 @@ class ThroughputProfile(BaseModel):
                     f"profile {field} {shown_have!r} does not match the running {field} {shown_want!r}; "
                     "measure a profile for this setup with the profiler CLI"
                 )
+
+
+def check_grid(batch_sizes: list[int], tokens_per_request: list[int]) -> None:
+    """Raise ValueError unless ``batch_sizes`` and ``tokens_per_request`` make a profile's grid: strictly increasing
+    integers >= 1, the tokens starting at 1 (plain decoding)."""
+    _check_increasing("batch_sizes", batch_sizes, minimum=1)
+    _check_increasing("tokens_per_request", tokens_per_request, minimum=1)
+    if tokens_per_request[0] != 1:
+        raise ValueError(f"tokens_per_request must start at 1 (plain decoding), got {tokens_per_request[0]}")
 
 
 def _check_increasing(name: str, values: list[int], *, minimum: int) -> None:

@@ -48,7 +48,7 @@ from app.engine.engine import TargetEngine
 from app.engine.hardware import hardware_name
 from app.engine.timing import time_draft_step, time_verify_step
 from app.engine.contract import Proposer
-from app.scheduling.profile import DUMMY_SUFFIX, Provenance, ThroughputProfile, write_profile
+from app.scheduling.profile import DUMMY_SUFFIX, Provenance, ThroughputProfile, check_grid, write_profile
 
 ENGINE_NAME = "dspark-engine"
 SAMPLED_TEMPERATURE = 1.0  # of the sampled table's requests (a sampled row's cost does not depend on it)
@@ -158,8 +158,10 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--out", default="profiles")
     args = ap.parse_args(argv)
     batch_sizes, tokens = sorted(args.batch_sizes), sorted(args.tokens_per_request)  # the grid's order
-    if tokens[0] != 1:  # ThroughputProfile's grid starts at plain decoding
-        ap.error(f"--tokens-per-request must include 1 (plain decoding), got {','.join(map(str, tokens))}")
+    try:
+        check_grid(batch_sizes, tokens)
+    except ValueError as e:
+        ap.error(f"--batch-sizes / --tokens-per-request: {e}")
     try:
         engine = TargetEngine(EngineConfig(
             model=args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=max(batch_sizes),

@@ -1,4 +1,4 @@
-"""The benchmark and profiling command lines refuse bad flags with a usage error naming them (exit 2), before any
+"""The demo, benchmark and profiling command lines refuse bad flags with a usage error naming them (exit 2), before any
 timing: no traceback from inside a run, no run over nothing."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import importlib
 import pytest
 
 CASES = [
+    ("app.demo", ["--max-tokens", "0"], "argument --max-tokens: expected an integer >= 1, got 0"),
+    ("app.demo", ["--model", "no-such-model"], "--model: model 'no-such-model' is neither an embedded model"),
     ("app.scheduling.profiler", ["--batch-sizes", "1,x"], "argument --batch-sizes: expected an integer, got 'x'"),
     ("app.scheduling.profiler", ["--tokens-per-request", "2,2"], "argument --tokens-per-request: 2 given more"),
     ("app.scheduling.profiler", ["--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),

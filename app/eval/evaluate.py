@@ -41,6 +41,7 @@ from app.engine.engine import TargetEngine
 from app.engine.loader import check_target
 from app.engine.types import DraftBlock, SamplingParams, StepOutput, batch_accepted_length
 from app.datasets import DEFAULT_DATASETS_DIR, EVAL_SETS, load_prompts
+from app.sim.acceptance import row_name
 
 
 
@@ -237,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     table = markdown(rows, gamma)
     (args.out / "report.md").write_text(table)
     print(table)
-    print(json.dumps({f"tau/{r['set']}/T{r['temperature']:g}/{r['rule']}": round(r["tau"], 3) for r in rows}))
+    print(json.dumps({f"tau/{row_name(r)}": round(r["tau"], 3) for r in rows}))  # the simulator reads rows by name
 
 
 if __name__ == "__main__":

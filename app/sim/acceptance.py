@@ -137,7 +137,8 @@ def load_acceptance_stats(path: str | Path, row: str | None = None, **noise: flo
 
 
 def row_name(row: dict) -> str:
-    """An evaluator report row's name, as its JSON line prints it: ``SET/T<temperature>/<rule>``."""
+    """An evaluator report row's name, as its JSON line prints it (``app/eval/evaluate.py``):
+    ``SET/T<temperature>/<rule>``."""
     return f"{row['set']}/T{row['temperature']:g}/{row['rule']}"
 
 

@@ -20,7 +20,7 @@ import httpx
 
 from app.argtypes import base_url, positive_int
 from loadtest.metrics import distribution
-from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, started_server_flags
+from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, check_server_flags
 
 
 async def _burst(url: str, n: int, method: str, path: str, **kwargs) -> list[tuple[int, float, httpx.Headers, str]]:
@@ -75,11 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--api-key", default=None)
     args = ap.parse_args(argv)
-    if args.url and (unused := started_server_flags(args)):
-        ap.error(f"{', '.join(unused)}: for a server this starts only; with --url none is started")
-    args.config = args.config or DEFAULT_CONFIG
-    if not args.url and not args.config.is_file():
-        ap.error(f"--config {args.config}: no such file")
+    check_server_flags(ap, args, started="a server this starts")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
     def rounds(url: str, model: str) -> list[dict]:

@@ -36,12 +36,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "deployments" / "dspark.yaml"
 
 
-def started_server_flags(args: argparse.Namespace) -> list[str]:
-    """The flags of ``args`` (``--config``, ``--set``, ``--num-cpus``, ``--port``, where a tool has them) that
-    shape a server the tool starts; given with ``--url`` (no server started) they would do nothing, so the tools
-    refuse them. ``--config`` counts when given at all (its default is None, read as ``DEFAULT_CONFIG``)."""
+def check_server_flags(ap: argparse.ArgumentParser, args: argparse.Namespace, *, started: str) -> None:
+    """The checks of a tool that runs against ``--url`` or a server it starts (``started`` names that server in the
+    message): with ``--url`` the flags that shape a started server (``--config``, ``--set``, ``--num-cpus``,
+    ``--port``, where the tool has them) would do nothing, so they are a usage error; ``--config`` counts when
+    given at all (its default is None, read as ``DEFAULT_CONFIG``, which this sets); without ``--url`` the config
+    file must exist."""
     named = {"--config": "config", "--set": "overrides", "--num-cpus": "num_cpus", "--port": "port"}
-    return [flag for flag, field in named.items() if getattr(args, field, None) not in (None, [])]
+    if args.url and (unused := [flag for flag, field in named.items() if getattr(args, field, None) not in (None, [])]):
+        ap.error(f"{', '.join(unused)}: for {started} only; with --url none is started")
+    args.config = args.config or DEFAULT_CONFIG
+    if not args.url and not args.config.is_file():
+        ap.error(f"--config {args.config}: no such file")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -41,7 +41,7 @@ from loadtest.metrics import Slo, measurement_window, read_records, summarize
 from loadtest.prompts import DEFAULT_PROMPTS, level_offsets, load_prompt_spec
 from loadtest.report import format_table, level_name, pareto_plot, write_level, write_results
 from loadtest.rounds import round_split, settled_counters
-from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, started_server_flags, wait_ready
+from loadtest.server import DEFAULT_CONFIG, REPO_ROOT, ManagedServer, check_server_flags, wait_ready
 
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 LOCUST_GRACE_S = 60  # beyond run time + drain before a Locust process is considered hung
@@ -106,11 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.policies = ["server"] if args.url else ["none", "mtp1", "dspark"]
     if args.server_warmup < 0:
         ap.error(f"--server-warmup must be >= 0, got {args.server_warmup}")
-    if args.url and (unused := started_server_flags(args)):
-        ap.error(f"{', '.join(unused)}: for the servers the sweep starts only; with --url none is started")
-    args.config = args.config or DEFAULT_CONFIG
-    if not args.url and not args.config.is_file():
-        ap.error(f"--config {args.config}: no such file")
+    check_server_flags(ap, args, started="the servers the sweep starts")
     if not 0 <= args.max_tokens_range_ratio < 1:
         ap.error(f"--max-tokens-range-ratio must be in [0, 1), got {args.max_tokens_range_ratio}")
     try:  # fail now, not inside the first Locust process; each level gets its slice of the lines (level_offsets)

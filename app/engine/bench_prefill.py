@@ -27,6 +27,7 @@ from tqdm import tqdm
 from app.argtypes import int_list, non_negative_float, positive_int
 from app.engine.config import EngineConfig
 from app.engine.engine import TargetEngine
+from app.engine.errors import ContextLengthError
 from app.engine.hardware import hardware_name
 from app.engine.types import NewRequest, SamplingParams
 from app.loop import SpecLoop
@@ -37,6 +38,7 @@ LONG = "Summarise the following notes in three sentences.\n\n" + " ".join(
     f"Note {i}: the quarterly review of the northern warehouse found {i * 7 % 97} misplaced pallets, "
     f"{i * 13 % 41} late deliveries and a backlog of {i * 29 % 113} orders." for i in range(400))
 NUM_DECODING = 15
+LONG_MAX_TOKENS = 8  # tokens the arriving prompt generates
 
 
 def run_once(engine: TargetEngine, *, chunked: bool, budget: int, long_prompt: list[int], tokens: int,
@@ -82,8 +84,8 @@ def run_once(engine: TargetEngine, *, chunked: bool, budget: int, long_prompt: l
                 last_token[out.request_id] = now
         if rounds == arrive_after and arrived is None:
             arrived = time.perf_counter()
-            waiting.append(NewRequest("long", long_prompt,
-                                      SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True)))
+            long_params = SamplingParams(max_tokens=LONG_MAX_TOKENS, temperature=temperature, ignore_eos=True)
+            waiting.append(NewRequest("long", long_prompt, long_params))
     wall = time.perf_counter() - start
     return {"max_gap_ms": max(gaps) * 1000, "p99_gap_ms": float(np.percentile(gaps, 99)) * 1000,
             "ttft_ms": (long_first - arrived) * 1000, "tok_s": committed / wall}
@@ -111,6 +113,10 @@ def main(argv: list[str] | None = None) -> dict:
                                            max_model_len=2048))
     except (FileNotFoundError, ValueError) as e:
         ap.error(f"the engine refuses these flags: {e}")
+    try:
+        engine.check_context(args.prompt_tokens, LONG_MAX_TOKENS)
+    except ContextLengthError as e:
+        ap.error(f"--prompt-tokens {args.prompt_tokens}: {e}")
     short = len(engine.encode_chat([{"role": "user", "content": SHORT}]))
     if too_small := [b for b in args.budgets if b < short]:
         ap.error(f"--budgets {','.join(map(str, too_small))}: each budget must admit the {short}-token prompts of "

@@ -32,7 +32,8 @@ class EngineConfig(BaseModel):
         "float32 on other CPUs), bfloat16, float16, float32.",
     )
     device: str = Field("auto", description="auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
-    max_model_len: int = Field(2048, ge=16, description="Per-request context limit in tokens (KV slot capacity).")
+    max_model_len: int = Field(2048, ge=16, description="Per-request context limit in tokens: prompt + max_tokens "
+                               "(a KV slot holds max_draft_len positions more, for draft blocks).")
     max_num_seqs: int = Field(32, ge=1, description="Concurrent requests (KV cache slots).")
     max_draft_len: int = Field(8, ge=0, le=256, description="Most draft tokens verified per request per step.")
     fp32_lm_head: bool = Field(

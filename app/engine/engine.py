@@ -119,10 +119,12 @@ class TargetEngine(Engine):
         self.feature_dim = self.model.feature_dim
         self.device = self.model.embed_tokens.weight.device
         self.attention = self._attention_backend()
+        # a slot holds a draft block past the context limit: the padding of a verify step's last rows lands there
         self.cache = KVCache(
-            args, num_slots=c.max_num_seqs, max_len=c.max_model_len, dtype=self.model.embed_tokens.weight.dtype,
-            device=self.device, token_major=self.attention == "flash",
+            args, num_slots=c.max_num_seqs, max_len=c.max_model_len + c.max_draft_len,
+            dtype=self.model.embed_tokens.weight.dtype, device=self.device, token_major=self.attention == "flash",
         )
+        self.model.cover_positions(self.cache.max_len)
         self._groups = args.num_heads // args.num_kv_heads
         self._ops = self._elementwise()
         self.compile_elementwise = self._ops is not EAGER
@@ -275,7 +277,7 @@ class TargetEngine(Engine):
             InvalidRequestError: duplicate id (held, or twice in the batch), empty prompt, token id outside [0, V)
                 (prompt, ``logit_bias`` or ``stop_token_ids``); a grammar (``guided``) whose schema llguidance
                 rejects, or combined with ``ignore_eos`` or ``min_tokens``.
-            ContextLengthError: T + max_tokens + max_draft_len > max_model_len.
+            ContextLengthError: T + max_tokens > max_model_len.
             CapacityError: fewer free slots than requests.
             ValueError: ``limits`` not one positive count per request, or given in batch-invariant mode.
             Validation errors name the first bad request; nothing is changed then.
@@ -417,8 +419,7 @@ class TargetEngine(Engine):
         return ids, self._grammar(p)
 
     def check_context(self, prompt_tokens: int, max_tokens: int) -> None:
-        ContextLengthError.check(prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                                 draft_room=self.config.max_draft_len, limit=self.config.max_model_len)
+        ContextLengthError.check(prompt_tokens=prompt_tokens, max_tokens=max_tokens, limit=self.config.max_model_len)
 
     def _grammar(self, params: SamplingParams) -> RequestGrammar | None:
         """A fresh grammar state for a structured-output request (None without ``guided``)."""
@@ -593,7 +594,7 @@ class TargetEngine(Engine):
         with torch.inference_mode():
             layout = StepLayout.build(
                 slots=[r.slot for r in reqs], starts=starts, lengths=rows, groups=self._groups, device=self.device,
-                dtype=self.cache.k.dtype, key_len=self.config.max_model_len if fixed else None,
+                dtype=self.cache.k.dtype, key_len=self.cache.max_len if fixed else None,
                 slot_len=self.cache.slot_len,
             )
             flat = torch.cat(tokens).to(self.device)

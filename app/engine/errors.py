@@ -15,22 +15,22 @@ class InvalidRequestError(EngineError, ValueError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """Prompt + max_tokens + draft room exceeds the engine's context limit (HTTP 400); ``param`` is ``max_tokens``
+    """Prompt + max_tokens exceeds the engine's context limit (HTTP 400); ``param`` is ``max_tokens``
     when a smaller max_tokens would fit, else ``prompt`` (the serving layer names the request's own field:
     ``max_completion_tokens`` where a chat request set that, a chat's ``messages``)."""
 
     @classmethod
-    def check(cls, *, prompt_tokens: int, max_tokens: int, draft_room: int, limit: int) -> None:
-        """Raise the error if ``prompt_tokens + max_tokens + draft_room`` exceeds ``limit`` (tokens).
+    def check(cls, *, prompt_tokens: int, max_tokens: int, limit: int) -> None:
+        """Raise the error if ``prompt_tokens + max_tokens`` exceeds ``limit`` (tokens; vLLM's rule for
+        ``max_model_len``: draft blocks do not count, the engine's cache holds their room past the limit).
 
         Raises:
             ContextLengthError: it does (the message gives each term and the limit).
         """
-        need = prompt_tokens + max_tokens + draft_room
+        need = prompt_tokens + max_tokens
         if need > limit:
-            raise cls(f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} + draft room {draft_room} = {need} "
-                      f"exceeds the context limit of {limit} tokens",
-                      param="max_tokens" if prompt_tokens + 1 + draft_room <= limit else "prompt")
+            raise cls(f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = {need} exceeds the context limit "
+                      f"of {limit} tokens", param="max_tokens" if prompt_tokens < limit else "prompt")
 
 
 class UnknownRequestError(EngineError, KeyError):

@@ -885,6 +885,16 @@ class TargetModel(nn.Module):
     def feature_dim(self) -> int:
         return len(self.feature_layers) * self.args.hidden_size
 
+    def cover_positions(self, count: int) -> None:
+        """Extend the rotary tables (``rope_cos``/``rope_sin``, [max_position_embeddings, Dh]) to ``count`` positions
+        where they are shorter, on their device: a KV slot longer than the context limit (a draft block's room past
+        it) runs padding rows there, whose outputs are dropped. Positions inside the context keep their values."""
+        if count <= self.rope_cos.shape[0]:
+            return
+        a = self.args
+        cos, sin = rope_tables(head_dim=a.head_dim, theta=a.rope_theta, max_positions=count, scaling=a.rope_scaling)
+        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+
     def forward(
         self, tokens: torch.Tensor, *, cache: KVCache, layout: StepLayout, logits_index: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

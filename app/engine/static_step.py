@@ -7,8 +7,8 @@ row bucket above the highest slot of the step, t the next token bucket above its
 drafts), attending over the next key-length bucket Tk. Two small tensors cross to the device: the [R, t] token grid
 and the [R] cache lengths; positions, slots and the mask are computed from them there. Padding (rows of slots outside
 the step, tokens past a request's run) writes keys/values past each row's real run, where nothing committed lies
-(a row outside the step writes at its slot's tail: admission leaves ``max_draft_len`` free positions past any
-request's last committed token), and its outputs are dropped: a request's rows see exactly what a ragged step shows
+(a row outside the step writes at its slot's tail: a slot holds ``max_draft_len`` positions past the context limit,
+where nothing is ever committed), and its outputs are dropped: a request's rows see exactly what a ragged step shows
 them, so padding changes no output beyond floating-point rounding of a differently shaped step.
 
 With ``cuda_graphs`` every (R, t, Tk) shape is captured as a CUDA graph once, at construction (largest first), and

@@ -156,8 +156,7 @@ class MockEngine(Engine):
         self.check_context(len(request.prompt_ids), request.params.max_tokens)
 
     def check_context(self, prompt_tokens: int, max_tokens: int) -> None:
-        ContextLengthError.check(prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-                                 draft_room=self.config.max_draft_len, limit=self.config.max_model_len)
+        ContextLengthError.check(prompt_tokens=prompt_tokens, max_tokens=max_tokens, limit=self.config.max_model_len)
 
     def release(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is None:

@@ -188,3 +188,11 @@ def test_a_prepacked_drafter_drafts_as_the_plain_one():
         drafts.append(torch.stack([b.tokens for b in p.propose(["a", "b"])]))
     assert torch.equal(drafts[0], drafts[1])
     assert type(plain.layers[0].qkv) is torch.nn.Linear and plain.draft_head is None
+
+
+def test_drafts_past_a_context_of_max_positions_tokens():
+    """A request may fill the target's whole context (prompt + max_tokens = max_model_len <= max_positions): the block
+    drafted after max_positions context tokens lies past the rotary range the checkpoint names, and drafts."""
+    p = DSparkProposer(tiny("markov"))
+    _start(p, "full", p.drafter.config.max_positions, 0)
+    assert p.propose(["full"])[0].tokens.shape == (K,)

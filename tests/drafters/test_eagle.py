@@ -165,3 +165,12 @@ def test_a_prepacked_drafter_drafts_as_the_plain_one(fused):
     assert torch.equal(drafts[0][0], drafts[1][0])
     torch.testing.assert_close(drafts[0][1], drafts[1][1], rtol=0, atol=1e-5)
     assert type(plain.layer.qkv) is torch.nn.Linear and plain.packed_head is None
+
+
+def test_drafts_past_a_context_of_max_positions_tokens():
+    """As the DSpark drafter: a context of max_positions tokens (a full target context) still drafts a block."""
+    d = tiny()
+    p = EagleProposer(d)
+    n = d.config.max_positions
+    _start(p, "full", [i % V for i in range(n + 1)], torch.randn(n, d.config.feature_dim))
+    assert p.propose(["full"])[0].tokens.shape == (K,)

@@ -112,18 +112,19 @@ def test_prompt_token_outside_vocab(engine):
         engine.add_request("v", [1, engine.vocab_size], SamplingParams())
 
 
-def test_prompt_over_context_limit_counts_max_tokens_and_draft_room(engine):
+def test_prompt_over_context_limit_counts_max_tokens_not_the_draft_block(engine):
+    """vLLM's rule: prompt + max_tokens <= max_model_len (the cache holds the draft block's room past the limit)."""
     free = engine.num_free_slots
     limit = engine.config.max_model_len
-    fits = limit - engine.config.max_draft_len - 10
-    with pytest.raises(ContextLengthError, match="context limit") as err:
-        engine.add_request("long", [1] * fits, SamplingParams(max_tokens=11))
+    with pytest.raises(ContextLengthError, match=f"prompt of {limit - 10} tokens \\+ max_tokens 11 = {limit + 1} "
+                                                 f"exceeds the context limit of {limit} tokens") as err:
+        engine.add_request("long", [1] * (limit - 10), SamplingParams(max_tokens=11))
     assert err.value.param == "max_tokens"  # a smaller max_tokens fits
     with pytest.raises(ContextLengthError) as err:
         engine.add_request("long", [1] * (limit + 1), SamplingParams(max_tokens=1))
     assert err.value.param == "prompt"
     assert engine.num_free_slots == free
-    engine.add_request("long", [1] * fits, SamplingParams(max_tokens=10))
+    engine.add_request("long", [1] * (limit - 10), SamplingParams(max_tokens=10))  # fills the context exactly
     engine.release("long")
 
 

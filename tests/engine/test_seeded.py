@@ -30,7 +30,8 @@ GREEDY = SamplingParams(max_tokens=8)
 
 @pytest.fixture(scope="module")
 def invariant(engine):
-    # a short context: a batch-invariant step attends over the whole slot (max_model_len keys) for every request
+    # a short context: a batch-invariant step attends over the whole slot (max_model_len + max_draft_len keys) for
+    # every request
     return TargetEngine(EngineConfig(max_num_seqs=8, max_model_len=320, batch_invariant=True), loaded=engine.target)
 
 

@@ -186,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                        verify_step=args.verify_step))
     args.out.mkdir(parents=True, exist_ok=True)
     ids = [engine.encode_chat([{"role": "user", "content": p}]) for _, p in picked]
-    ids = [x for x in ids if len(x) + args.max_tokens + engine.config.max_draft_len <= engine.config.max_model_len]
+    ids = [x for x in ids if len(x) + args.max_tokens <= engine.config.max_model_len]
     ids = [x for x in ids for _ in range(args.samples)]
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                              seed=None if args.temperature == 0 else args.seed * 1_000_003 + j)

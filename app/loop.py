@@ -31,6 +31,7 @@ import torch
 from app.drafters.lookup import PromptLookup, prefer_lookup
 from app.engine.admission import first_deferred, prefill_batch_size
 from app.engine.contract import Engine, Proposer
+from app.engine.errors import CapacityError
 from app.engine.types import (
     DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob, accepted_length,
 )
@@ -678,8 +679,10 @@ def generate(
         Per-prompt results in input order, and timing stats.
 
     Raises:
-        ValueError: not one params per prompt, or ``max_batch`` / ``max_prefill_tokens`` below 1. The engine's errors
-            for bad prompts or params (then no request of the call is left in the engine).
+        ValueError: not one params per prompt, or ``max_batch`` / ``max_prefill_tokens`` below 1.
+        CapacityError: the engine's slots are all held by requests that are not this call's.
+        Whatever the engine or the proposer raise (bad prompts or params, a failed step): no request of the call is
+            left in the engine then.
     """
     params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(params_list) != len(prompts):
@@ -697,29 +700,34 @@ def generate(
     start = time.perf_counter()
 
     def started(admissions: list) -> None:
-        refused = [a for a in admissions if isinstance(a, Exception)]
-        if refused:  # the engine keeps no request of this call: the caller may reuse it
-            for rid in list(loop.active) + list(loop.prefilling):
-                loop.cancel(rid)
+        if refused := [a for a in admissions if isinstance(a, Exception)]:
             raise refused[0]
         results.update((a[0].request_id, a[0]) for a in admissions if a is not None)
 
-    while waiting or loop.active or loop.prefilling:
-        while n := loop.admission_size([prompts[i] for i in waiting], max_active=limit):
-            admitted, waiting = waiting[:n], waiting[n:]
-            started(loop.admit([NewRequest(f"{id_prefix}-{i}", prompts[i], params_list[i]) for i in admitted]))
-        if loop.piece_due:
-            started([loop.continue_prefill()[1]])
-        if not loop.active:
-            continue
-        t0 = time.perf_counter()
-        ids = loop.speculating()
-        drafted = host.draft(loop.take_call(ids)) if host is not None and loop.should_draft(ids) else None
-        t1 = time.perf_counter()
-        loop.step(drafted)
-        stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
-        stats.rounds += 1
+    try:
+        while waiting or loop.active or loop.prefilling:
+            while n := loop.admission_size([prompts[i] for i in waiting], max_active=limit):
+                admitted, waiting = waiting[:n], waiting[n:]
+                started(loop.admit([NewRequest(f"{id_prefix}-{i}", prompts[i], params_list[i]) for i in admitted]))
+            if loop.piece_due:
+                started([loop.continue_prefill()[1]])
+            if not loop.active:
+                if waiting and not loop.prefilling:  # prompts wait, and nothing of this call will free a slot
+                    raise CapacityError(f"{len(waiting)} prompts wait for a KV cache slot, and the engine's "
+                                        f"{engine.max_num_seqs} slots are held by requests of other callers")
+                continue
+            t0 = time.perf_counter()
+            ids = loop.speculating()
+            drafted = host.draft(loop.take_call(ids)) if host is not None and loop.should_draft(ids) else None
+            t1 = time.perf_counter()
+            loop.step(drafted)
+            stats.draft_s += t1 - t0
+            stats.verify_s += time.perf_counter() - t1
+            stats.rounds += 1
+    except BaseException:  # the engine keeps no request of this call: the caller may reuse it
+        for rid in list(loop.active) + list(loop.prefilling):
+            loop.cancel(rid)
+        raise
     if host is not None:
         host.draft(loop.take_call())  # the last outputs and finishes reach the drafter
     stats.wall_s = time.perf_counter() - start

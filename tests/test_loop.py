@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app.engine.errors import ContextLengthError
+from app.engine.errors import CapacityError, ContextLengthError
 from app.engine.testing import MockEngine, MockEngineConfig, next_token
 from app.engine.types import NewRequest, SamplingParams
 from app.loop import DraftCall, DraftRound, DraftStart, ProposerHost, SpecLoop, generate
@@ -94,6 +94,33 @@ def test_a_refused_prompt_raises_and_leaves_no_request_in_the_engine():
     with pytest.raises(ContextLengthError):
         generate(engine, [[1], [2] * 10_000, [3]], SamplingParams(max_tokens=4), proposer=HookLog(engine.vocab_size))
     assert engine.num_active == 0
+
+
+def test_a_failed_round_raises_and_leaves_no_request_in_the_engine():
+    """A drafter that fails mid-run: the call's requests are released, and the engine serves the next call."""
+
+    class FailsOnThirdPropose(HookLog):
+        def propose(self, request_ids):
+            if sum(kind == "propose" for kind, _ in self.calls) >= 2 * len(request_ids):
+                raise RuntimeError("drafter failed")
+            return super().propose(request_ids)
+
+    engine = mock_engine(max_num_seqs=2)
+    with pytest.raises(RuntimeError, match="drafter failed"):
+        generate(engine, [[1], [2], [3]], SamplingParams(max_tokens=12, ignore_eos=True),
+                 proposer=FailsOnThirdPropose(engine.vocab_size))
+    assert engine.num_active == 0
+    results, _ = generate(engine, [[4], [5]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [r.token_ids for r in results] == [expected_tokens(t, 3, engine.vocab_size) for t in (4, 5)]
+
+
+def test_generate_refuses_to_wait_for_slots_that_other_callers_hold():
+    engine = mock_engine(max_num_seqs=2)
+    for rid in ("a", "b"):
+        engine.add_request(rid, [1], SamplingParams(max_tokens=8))
+    with pytest.raises(CapacityError, match="1 prompts wait for a KV cache slot, and the engine's 2 slots are held"):
+        generate(engine, [[3]], SamplingParams(max_tokens=4))
+    assert engine.num_active == 2
 
 
 def test_a_request_that_starts_and_finishes_within_one_call_is_never_started():

@@ -300,7 +300,8 @@ class Ingress:
                 rid = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
                 echo = prompt if not chat and req.echo else ""
                 out.append((index, GenerateRequest(request_id=rid, params=req.params(j), messages=messages,
-                                                   prompt=prompt, max_tokens_param=req.max_tokens_param), echo))
+                                                   prompt=prompt, max_tokens_param=req.max_tokens_param,
+                                                   max_tokens_default=req.max_tokens_default), echo))
         return out
 
     async def _start(self, generate: GenerateRequest, *, own_context: bool):

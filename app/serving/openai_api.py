@@ -226,6 +226,11 @@ class _Common(BaseModel):
         """The field that sets the engine's max_tokens, which errors about it name."""
         return "max_tokens"
 
+    @property
+    def max_tokens_default(self) -> bool:
+        """Whether the request sets no max_tokens (the default then gives way to the context, as in vLLM)."""
+        return self.max_tokens is None
+
     def _params(self, max_tokens: int, *, logprobs: int | None, guided: GuidedDecoding | None,
                 choice: int) -> SamplingParams:
         """The engine's settings for choice ``choice`` (``seed + choice`` with a seed, so choices differ).
@@ -313,6 +318,10 @@ class ChatCompletionRequest(_Common):
     @property
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def max_tokens_default(self) -> bool:
+        return self.max_tokens is None and self.max_completion_tokens is None
 
     def params(self, choice: int = 0) -> SamplingParams:
         """Raises: ValueError (``SamplingParams``)."""

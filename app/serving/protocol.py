@@ -44,6 +44,8 @@ class GenerateRequest:
     prompt: str | None = None
     # the field that set params.max_tokens, which errors about it name (a chat request may send max_completion_tokens)
     max_tokens_param: str = "max_tokens"
+    # params.max_tokens is the API's default (the request set none): lowered to what the context leaves the prompt
+    max_tokens_default: bool = False
 
     def api_param(self, param: str | None) -> str | None:
         """The field of this request's OpenAI body that an engine error's ``param`` names (``openai_param``)."""

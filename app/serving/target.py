@@ -263,7 +263,7 @@ class TargetReplica:
         self._ensure_running()
         arrived_at = self.telemetry.clock()
         try:
-            prompt_ids = await self._run(self._encode, request)
+            request, prompt_ids = await self._run(self._encode, request)
         except InvalidRequestError as err:
             yield invalid_request(request, err)
             return
@@ -296,17 +296,22 @@ class TargetReplica:
             return invalid_request(request, err)
         return None
 
-    def _encode(self, request: GenerateRequest) -> list[int]:
-        """The request's prompt token ids, once they are known to fit the context with its max_tokens.
+    def _encode(self, request: GenerateRequest) -> tuple[GenerateRequest, list[int]]:
+        """The request, its default max_tokens lowered to what the context leaves its prompt (vLLM's rule for a
+        request that sets none), and its prompt token ids, once they are known to fit the context.
 
         Raises:
-            InvalidRequestError: the chat template refuses the messages; ContextLengthError: the request does not fit
-                (answered before it is queued: in an admission batch it would fail the batched prefill of the others).
+            InvalidRequestError: the chat template refuses the messages, or ``min_tokens`` exceeds the lowered
+                max_tokens; ContextLengthError: the request does not fit (answered before it is queued: in an
+                admission batch it would fail the batched prefill of the others).
         """
         ids = self.engine.encode_chat(request.messages) if request.messages is not None else \
             self.engine.encode(request.prompt)
+        room = self.config.max_model_len - len(ids)
+        if request.max_tokens_default and 1 <= room < request.params.max_tokens:
+            request = dataclasses.replace(request, params=dataclasses.replace(request.params, max_tokens=room))
         self.engine.check_context(len(ids), request.params.max_tokens)
-        return ids
+        return request, ids
 
     @property
     def _running(self) -> int:

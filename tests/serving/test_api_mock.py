@@ -181,6 +181,22 @@ def test_context_length_errors_name_the_field_to_change(url):
         assert (r.status_code, err["code"], err["param"]) == (400, "context_length_exceeded", param), r.text
 
 
+def test_a_request_without_max_tokens_gets_what_the_context_leaves_its_prompt(url):
+    """vLLM's rule: with no max_tokens the API default (256 for chat, 16 for completions) is lowered to the room the
+    prompt leaves; a prompt that fills the context is refused naming it, and a min_tokens over the room naming that."""
+    cases = [("chat/completions", chat("x" * 200, ignore_eos=True), 201, MAX_MODEL_LEN - 201),
+             ("completions", {"model": MODEL, "prompt": "x" * 250, "temperature": 0, "ignore_eos": True}, 250, 6)]
+    for route, body, prompt_tokens, room in cases:
+        r = httpx.post(f"{url}/v1/{route}", headers=AUTH, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        usage, choice = r.json()["usage"], r.json()["choices"][0]
+        assert (usage["prompt_tokens"], usage["completion_tokens"], choice["finish_reason"]) == (
+            prompt_tokens, room, "length")
+    for body, param in ((chat("x" * (MAX_MODEL_LEN - 1)), "messages"), (chat("x" * 200, min_tokens=100), "min_tokens")):
+        r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=body, timeout=30)
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+
+
 def test_a_prompt_list_with_one_over_the_context_is_refused_before_any_prompt_runs(url):
     """A completions request with several prompts, one over the context: the 400 comes before the others are admitted
     (started together, they were prefilled, decoded and then cancelled)."""

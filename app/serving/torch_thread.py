@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -101,6 +102,23 @@ def intra_op_threads(num_threads: int | None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # oneDNN reads it once, when its primitive cache is first used
+
+
+def bound_onednn_primitive_cache(capacity: int) -> None:
+    """Cap this process's oneDNN primitive cache at ``capacity`` entries (oneDNN's default: 1024) unless the
+    environment sets ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; takes effect only when called before the process's first
+    oneDNN operation.
+
+    oneDNN keeps one compiled kernel, with its buffers, per matrix shape it has met (PyTorch's CPU matmuls and the
+    prepacked linear layers run on it). A drafter meets a new shape with nearly every request: projecting a prompt's
+    features into its context is a matmul with one row per prompt token. At the default capacity the cache took
+    hundreds of MiB of a Drafter replica's resident memory before filling; a few hundred entries hold the shapes that
+    recur (the drafting block's for each batch size, the per-round context updates').
+    """
+    os.environ.setdefault(ONEDNN_CACHE_ENV, str(capacity))
 
 
 class HeapTrimmer:

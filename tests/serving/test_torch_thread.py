@@ -64,3 +64,34 @@ def test_the_heap_trimmer_trims_at_most_once_an_interval(monkeypatch):
     monkeypatch.setattr(torch_thread.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
     not_glibc = HeapTrimmer(interval_s=0.0)
     assert not not_glibc.maybe_trim() and not_glibc.trims == 0
+
+
+SHAPES_SCRIPT = """
+import sys
+from app.serving.torch_thread import bound_onednn_primitive_cache
+if sys.argv[1] != "default":
+    bound_onednn_primitive_cache(int(sys.argv[1]))
+import torch
+torch.set_num_threads(1)
+def rss_mib():
+    return next(int(line.split()[1]) // 1024 for line in open("/proc/self/status") if line.startswith("VmRSS"))
+linear = torch.nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+start = rss_mib()
+with torch.inference_mode():
+    for rows in range(1, 301):  # a new matmul shape each time, as a drafter's prompt projections
+        linear(torch.randn(rows, 576, dtype=torch.bfloat16))
+print(rss_mib() - start)
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/status")
+def test_a_bounded_onednn_primitive_cache_holds_less_memory_over_many_shapes():
+    """300 matmul shapes in a fresh process: oneDNN's default cache keeps a kernel and its buffers for each; bounded
+    at 16 entries (set after torch is imported, before its first oneDNN operation) the process grows far less."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != torch_thread.ONEDNN_CACHE_ENV}
+    growth = {cap: int(subprocess.run([sys.executable, "-c", SHAPES_SCRIPT, cap], env=env, check=True,
+                                      capture_output=True, text=True).stdout) for cap in ("default", "16")}
+    assert growth["16"] < growth["default"] - 40, growth

@@ -11,6 +11,10 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# the largest max_draft_len: the target's rotary tables cover this many positions past its context (a KV slot holds
+# max_draft_len positions past max_model_len, where the padding of a verify step's last rows lands)
+MAX_DRAFT_LEN = 256
+
 LoadFormat = Literal["auto", "dummy"]
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
 VerifyStep = Literal["ragged", "bucketed", "cuda_graphs"]
@@ -35,7 +39,8 @@ class EngineConfig(BaseModel):
     max_model_len: int = Field(2048, ge=16, description="Per-request context limit in tokens: prompt + max_tokens "
                                "(a KV slot holds max_draft_len positions more, for draft blocks).")
     max_num_seqs: int = Field(32, ge=1, description="Concurrent requests (KV cache slots).")
-    max_draft_len: int = Field(8, ge=0, le=256, description="Most draft tokens verified per request per step.")
+    max_draft_len: int = Field(8, ge=0, le=MAX_DRAFT_LEN,
+                               description="Most draft tokens verified per request per step.")
     fp32_lm_head: bool = Field(
         True, description="Compute logits with a float32 copy of the LM head (stable greedy ties in bfloat16)."
     )

@@ -124,12 +124,12 @@ class TargetEngine(Engine):
             args, num_slots=c.max_num_seqs, max_len=c.max_model_len + c.max_draft_len,
             dtype=self.model.embed_tokens.weight.dtype, device=self.device, token_major=self.attention == "flash",
         )
-        self.model.cover_positions(self.cache.max_len)
         self._groups = args.num_heads // args.num_kv_heads
         self._ops = self._elementwise()
         self.compile_elementwise = self._ops is not EAGER
         self._bucketed = None if c.verify_step == "ragged" else BucketedStep(
-            self.model, self.cache, max_tokens=c.max_draft_len + 1, cuda_graphs=c.verify_step == "cuda_graphs",
+            self.model, self.cache, max_tokens=c.max_draft_len + 1, max_keys=c.max_model_len,
+            cuda_graphs=c.verify_step == "cuda_graphs",
             ops=self._ops)
         # the decoder only: a tied bfloat16 LM head stays the embedding's tensor; a shared target may come packed
         if c.prepack:

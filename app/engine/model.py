@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from app.engine.config import MAX_DRAFT_LEN
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # Attention kernels a CUDA step may use, in PyTorch's order of preference. cuDNN's is left out: with this module's
@@ -877,23 +879,13 @@ class TargetModel(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_tables(head_dim=args.head_dim, theta=args.rope_theta,
-                               max_positions=args.max_position_embeddings, scaling=args.rope_scaling)
+                               max_positions=args.max_position_embeddings + MAX_DRAFT_LEN, scaling=args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @property
     def feature_dim(self) -> int:
         return len(self.feature_layers) * self.args.hidden_size
-
-    def cover_positions(self, count: int) -> None:
-        """Extend the rotary tables (``rope_cos``/``rope_sin``, [max_position_embeddings, Dh]) to ``count`` positions
-        where they are shorter, on their device: a KV slot longer than the context limit (a draft block's room past
-        it) runs padding rows there, whose outputs are dropped. Positions inside the context keep their values."""
-        if count <= self.rope_cos.shape[0]:
-            return
-        a = self.args
-        cos, sin = rope_tables(head_dim=a.head_dim, theta=a.rope_theta, max_positions=count, scaling=a.rope_scaling)
-        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
 
     def forward(
         self, tokens: torch.Tensor, *, cache: KVCache, layout: StepLayout, logits_index: torch.Tensor

@@ -94,11 +94,14 @@ class BucketedStep:
         ops: the decoder's elementwise functions (``model.Elementwise``; compiled ones compile in the first capture's
             warm-up run, outside any graph).
 
+    Construction: ``max_tokens`` per row (pending token and drafts), ``max_keys`` keys a real row attends to (the
+    context limit: a slot's positions past it hold only padding).
+
     Raises (construction):
         ValueError: ``cuda_graphs`` on a cache that is not on a CUDA device.
     """
 
-    def __init__(self, model: TargetModel, cache: KVCache, *, max_tokens: int, cuda_graphs: bool,
+    def __init__(self, model: TargetModel, cache: KVCache, *, max_tokens: int, max_keys: int, cuda_graphs: bool,
                  ops: Elementwise = EAGER) -> None:
         self.model, self.cache, self.ops = model, cache, ops
         self.device = cache.k.device
@@ -106,7 +109,7 @@ class BucketedStep:
             raise ValueError(f"verify_step cuda_graphs needs a CUDA device, the engine runs on {self.device}")
         self.row_buckets = bucket_sizes(cache.num_slots)
         self.token_buckets = bucket_sizes(max_tokens)
-        self.key_buckets = key_buckets(cache.max_len)
+        self.key_buckets = key_buckets(max_keys)
         self._groups = model.args.num_heads // model.args.num_kv_heads
         self._graphs: dict[tuple[int, int, int], _Graph] | None = None
         self._pool = None

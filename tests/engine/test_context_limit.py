@@ -67,8 +67,8 @@ def test_sampled_requests_fill_the_context_with_drafts(full, prompts):
 
 def test_the_model_s_whole_context_with_drafts_past_its_rotary_range(tiny_llama_dir):
     """max_model_len = max_position_embeddings (2048, a tiny dummy-weight Llama): the padding of the last rounds'
-    steps runs at positions past the model's range (its rotary tables are extended for them), and perfect drafts
-    give plain decoding's output to the last token of the context."""
+    steps runs at positions past the model's range (its rotary tables cover a draft block's room past it), and
+    perfect drafts give plain decoding's output to the last token of the context."""
     engine = TargetEngine(EngineConfig(model=str(tiny_llama_dir), load_format="dummy", dtype="float32", device="cpu",
                                        max_model_len=2048, max_num_seqs=2, verify_step="bucketed"))
     assert engine.model.args.max_position_embeddings == 2048

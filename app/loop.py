@@ -682,7 +682,7 @@ def generate(
         ValueError: not one params per prompt, or ``max_batch`` / ``max_prefill_tokens`` below 1.
         CapacityError: the engine's slots are all held by requests that are not this call's.
         Whatever the engine or the proposer raise (bad prompts or params, a failed step): no request of the call is
-            left in the engine then.
+            left in the engine nor in the proposer then.
     """
     params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
     if len(params_list) != len(prompts):
@@ -712,7 +712,7 @@ def generate(
             if loop.piece_due:
                 started([loop.continue_prefill()[1]])
             if not loop.active:
-                if waiting and not loop.prefilling:  # prompts wait, and nothing of this call will free a slot
+                if waiting and not loop.prefilling and not engine.num_free_slots:  # other callers hold every slot
                     raise CapacityError(f"{len(waiting)} prompts wait for a KV cache slot, and the engine's "
                                         f"{engine.max_num_seqs} slots are held by requests of other callers")
                 continue
@@ -724,9 +724,11 @@ def generate(
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
             stats.rounds += 1
-    except BaseException:  # the engine keeps no request of this call: the caller may reuse it
+    except BaseException:  # neither the engine nor the proposer keeps a request of this call: both may be reused
         for rid in list(loop.active) + list(loop.prefilling):
             loop.cancel(rid)
+        if host is not None:
+            host.forget([f"{id_prefix}-{i}" for i in range(len(prompts))])
         raise
     if host is not None:
         host.draft(loop.take_call())  # the last outputs and finishes reach the drafter

@@ -97,7 +97,8 @@ def test_a_refused_prompt_raises_and_leaves_no_request_in_the_engine():
 
 
 def test_a_failed_round_raises_and_leaves_no_request_in_the_engine():
-    """A drafter that fails mid-run: the call's requests are released, and the engine serves the next call."""
+    """A drafter that fails mid-run: the call's requests are released by the engine and the drafter, and the engine
+    serves the next call."""
 
     class FailsOnThirdPropose(HookLog):
         def propose(self, request_ids):
@@ -106,10 +107,10 @@ def test_a_failed_round_raises_and_leaves_no_request_in_the_engine():
             return super().propose(request_ids)
 
     engine = mock_engine(max_num_seqs=2)
+    proposer = FailsOnThirdPropose(engine.vocab_size)
     with pytest.raises(RuntimeError, match="drafter failed"):
-        generate(engine, [[1], [2], [3]], SamplingParams(max_tokens=12, ignore_eos=True),
-                 proposer=FailsOnThirdPropose(engine.vocab_size))
-    assert engine.num_active == 0
+        generate(engine, [[1], [2], [3]], SamplingParams(max_tokens=12, ignore_eos=True), proposer=proposer)
+    assert engine.num_active == 0 and not proposer._anchor  # the proposer holds no state of the call either
     results, _ = generate(engine, [[4], [5]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert [r.token_ids for r in results] == [expected_tokens(t, 3, engine.vocab_size) for t in (4, 5)]
 
@@ -121,6 +122,16 @@ def test_generate_refuses_to_wait_for_slots_that_other_callers_hold():
     with pytest.raises(CapacityError, match="1 prompts wait for a KV cache slot, and the engine's 2 slots are held"):
         generate(engine, [[3]], SamplingParams(max_tokens=4))
     assert engine.num_active == 2
+
+
+def test_a_request_ending_with_its_last_prefill_piece_frees_its_slot_for_the_next_prompt():
+    """One slot, chunked prefill: the long prompt's last piece gives its only token and frees the slot while the
+    short prompt waits; the short one is admitted then (not refused as if other callers held the slot)."""
+    engine = mock_engine(max_num_seqs=1)
+    results, _ = generate(engine, [list(range(1, 40)), [5]], SamplingParams(max_tokens=1), chunked_prefill=True,
+                          max_prefill_tokens=16)
+    assert [r.token_ids for r in results] == [expected_tokens(39, 1, engine.vocab_size),
+                                              expected_tokens(5, 1, engine.vocab_size)]
 
 
 def test_a_request_that_starts_and_finishes_within_one_call_is_never_started():

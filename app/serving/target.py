@@ -309,6 +309,9 @@ class TargetReplica:
             self.engine.encode(request.prompt)
         room = self.config.max_model_len - len(ids)
         if request.max_tokens_default and 1 <= room < request.params.max_tokens:
+            if request.params.min_tokens > room:
+                raise InvalidRequestError(f"min_tokens {request.params.min_tokens} exceeds the {room} tokens the "
+                                          f"context leaves the prompt of {len(ids)} tokens", param="min_tokens")
             request = dataclasses.replace(request, params=dataclasses.replace(request.params, max_tokens=room))
         self.engine.check_context(len(ids), request.params.max_tokens)
         return request, ids

@@ -192,9 +192,12 @@ def test_a_request_without_max_tokens_gets_what_the_context_leaves_its_prompt(ur
         usage, choice = r.json()["usage"], r.json()["choices"][0]
         assert (usage["prompt_tokens"], usage["completion_tokens"], choice["finish_reason"]) == (
             prompt_tokens, room, "length")
-    for body, param in ((chat("x" * (MAX_MODEL_LEN - 1)), "messages"), (chat("x" * 200, min_tokens=100), "min_tokens")):
+    for body, param, message in (
+            (chat("x" * (MAX_MODEL_LEN - 1)), "messages", "exceeds the context limit"),
+            (chat("x" * 200, min_tokens=100), "min_tokens", "min_tokens 100 exceeds the 55 tokens the context leaves")):
         r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=body, timeout=30)
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+        assert message in r.json()["error"]["message"]
 
 
 def test_a_prompt_list_with_one_over_the_context_is_refused_before_any_prompt_runs(url):

@@ -112,11 +112,12 @@ def bound_onednn_primitive_cache(capacity: int) -> None:
     environment sets ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; takes effect only when called before the process's first
     oneDNN operation.
 
-    oneDNN keeps one compiled kernel, with its buffers, per matrix shape it has met (PyTorch's CPU matmuls and the
-    prepacked linear layers run on it). A drafter meets a new shape with nearly every request: projecting a prompt's
-    features into its context is a matmul with one row per prompt token. At the default capacity the cache took
-    hundreds of MiB of a Drafter replica's resident memory before filling; a few hundred entries hold the shapes that
-    recur (the drafting block's for each batch size, the per-round context updates').
+    oneDNN keeps one compiled kernel, with its buffers, per matrix shape it has met (PyTorch's bfloat16 CPU matmuls,
+    where the CPU has bfloat16 instructions, and the prepacked linear layers run on it). A drafter meets a new shape
+    with nearly every request: projecting a prompt's features into its context is a matmul with one row per prompt
+    token. At the default capacity the cache grew a drafter process's resident memory by hundreds of MiB under mixed
+    prompt lengths before it filled; a few hundred entries hold the shapes that recur (the drafting block's for each
+    batch size, those of the per-round context updates).
     """
     os.environ.setdefault(ONEDNN_CACHE_ENV, str(capacity))
 

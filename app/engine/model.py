@@ -683,6 +683,14 @@ def rope_tables(
     return angles.cos() * factor, angles.sin() * factor
 
 
+def target_rope_tables(args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's rotary tables ([max_position_embeddings + MAX_DRAFT_LEN, Dh] float32 cos, sin): its context and a
+    draft block's room past it (a KV slot holds ``max_draft_len`` positions past ``max_model_len``, where the padding
+    of a verify step's last rows lands)."""
+    return rope_tables(head_dim=args.head_dim, theta=args.rope_theta,
+                       max_positions=args.max_position_embeddings + MAX_DRAFT_LEN, scaling=args.rope_scaling)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, half-split convention of transformers' Llama. x: [N, H, Dh]; cos/sin: [N, 1, Dh]."""
     half = x.shape[-1] // 2
@@ -878,8 +886,7 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(head_dim=args.head_dim, theta=args.rope_theta,
-                               max_positions=args.max_position_embeddings + MAX_DRAFT_LEN, scaling=args.rope_scaling)
+        cos, sin = target_rope_tables(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 

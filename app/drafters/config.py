@@ -53,6 +53,12 @@ class DecoderShape(BaseModel):
         """F = len(feature_layers) * target_hidden_size."""
         return len(self.feature_layers) * self.target_hidden_size
 
+    @property
+    def rope_positions(self) -> int:
+        """Positions the rotary tables cover: a full context of ``max_positions`` tokens and one draft block past it
+        (the engine admits prompt + max_tokens up to its context limit)."""
+        return self.max_positions + self.block_size
+
 
 def target_shape(target: TargetModel, *, name: str) -> dict:
     """The ``DecoderShape`` fields that size a drafter for ``target``: its layer widths and heads, vocabulary, feature

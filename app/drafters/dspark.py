@@ -204,8 +204,7 @@ class DSparkDrafter(nn.Module):
             self.joint = nn.Linear(2 * c.rank + c.hidden_size, 3 * c.rank)
         conf_in = {"hidden": c.hidden_size, "none": 0}.get(c.confidence_input, c.hidden_size + c.rank)
         self.conf = nn.Linear(conf_in, 1) if conf_in else None
-        # a full context and one draft block past it (the engine admits prompt + max_tokens up to its limit)
-        cos, sin = rope_tables(head_dim=c.head_dim, theta=c.rope_theta, max_positions=c.max_positions + c.block_size)
+        cos, sin = rope_tables(head_dim=c.head_dim, theta=c.rope_theta, max_positions=c.rope_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # draft vocabulary (``set_draft_vocab``): [V'] int64 ids, their embedding rows [V', Dm] and W2 rows [V', r]

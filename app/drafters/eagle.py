@@ -79,8 +79,7 @@ class EagleDrafter(nn.Module):
             self.layer = BackboneLayer(c, attn_features=2 * c.hidden_size)
         self.norm = nn.Parameter(torch.ones(c.hidden_size))
         self.conf = nn.Linear(c.hidden_size, 1) if c.confidence else None
-        # a full context and one draft block past it (the engine admits prompt + max_tokens up to its limit)
-        cos, sin = rope_tables(head_dim=c.head_dim, theta=c.rope_theta, max_positions=c.max_positions + c.block_size)
+        cos, sin = rope_tables(head_dim=c.head_dim, theta=c.rope_theta, max_positions=c.rope_positions)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.packed_head: PrepackedLinear | None = None  # the LM head prepacked (``prepack``), else None

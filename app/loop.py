@@ -728,7 +728,7 @@ def generate(
         for rid in list(loop.active) + list(loop.prefilling):
             loop.cancel(rid)
         if host is not None:
-            host.forget([f"{id_prefix}-{i}" for i in range(len(prompts))])
+            host.forget(list(results))  # every request of the call the proposer can have started
         raise
     if host is not None:
         host.draft(loop.take_call())  # the last outputs and finishes reach the drafter

@@ -37,13 +37,13 @@ from app.serving.config import AppConfig
 from app.serving.metrics import DrafterMetrics
 from app.serving.protocol import check_reply
 from app.serving.torch_thread import (
-    HeapTrimmer, TorchThread, bound_onednn_primitive_cache, intra_op_threads, stuck_thread,
+    HeapTrimmer, TorchThread, bound_onednn_caches, intra_op_threads, stuck_thread,
 )
 
 log = logging.getLogger("ray.serve")
 
-# oneDNN primitive cache entries of a Drafter replica's process (``bound_onednn_primitive_cache``): above the shapes
-# one replica's rounds reuse, a quarter of oneDNN's default
+# entries of each cache of oneDNN primitives of a Drafter replica's process (``bound_onednn_caches``): above the
+# shapes one replica's rounds reuse, a quarter of the default
 DRAFTER_ONEDNN_PRIMITIVES = 256
 
 
@@ -138,7 +138,7 @@ class DrafterReplica:
     """The Drafter deployment class (bound undecorated by ``builder.py``): a ``DrafterCore`` on a torch thread."""
 
     def __init__(self, config: AppConfig) -> None:
-        bound_onednn_primitive_cache(DRAFTER_ONEDNN_PRIMITIVES)  # before any torch work of this process
+        bound_onednn_caches(DRAFTER_ONEDNN_PRIMITIVES)  # before any torch work of this process
         self._torch = TorchThread("drafter", config.torch_threads)
         replica = serve.get_replica_context().replica_id.unique_id
         self.core = self._torch.call(lambda: DrafterCore(config, replica=replica))

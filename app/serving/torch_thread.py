@@ -104,22 +104,29 @@ def intra_op_threads(num_threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"  # oneDNN reads it once, when its primitive cache is first used
+# oneDNN's primitive cache, and the cache of primitives in front of it that PyTorch's oneDNN layer (ideep) keeps; each
+# is read once, when first used
+ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+IDEEP_CACHE_ENV = "LRU_CACHE_CAPACITY"
 
 
-def bound_onednn_primitive_cache(capacity: int) -> None:
-    """Cap this process's oneDNN primitive cache at ``capacity`` entries (oneDNN's default: 1024) unless the
-    environment sets ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; takes effect only when called before the process's first
-    oneDNN operation.
+def bound_onednn_caches(capacity: int) -> None:
+    """Cap this process's two caches of oneDNN primitives at ``capacity`` entries each (default 1024 each) unless the
+    environment sets them (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``: oneDNN's own; ``LRU_CACHE_CAPACITY``: PyTorch's, in
+    front of it); takes effect only when called before the process's first oneDNN operation.
 
-    oneDNN keeps one compiled kernel, with its buffers, per matrix shape it has met (PyTorch's bfloat16 CPU matmuls,
-    where the CPU has bfloat16 instructions, and the prepacked linear layers run on it). A drafter meets a new shape
-    with nearly every request: projecting a prompt's features into its context is a matmul with one row per prompt
-    token. At the default capacity the cache grew a drafter process's resident memory by hundreds of MiB under mixed
-    prompt lengths before it filled; a few hundred entries hold the shapes that recur (the drafting block's for each
-    batch size, those of the per-round context updates).
+    oneDNN compiles a kernel, with its buffers, for each matrix shape it meets (PyTorch's bfloat16 CPU matmuls, where
+    the CPU has bfloat16 instructions, and the prepacked linear layers of any dtype run on it), about 1 MiB for a
+    [576, 1536] layer, and each cache keeps the kernels it holds alive: both must be bounded (300 shapes of that
+    layer added ~300 MiB at the defaults and as much with either cache alone at 16 entries; both at 16: ~30 MiB,
+    ``tests/serving/test_torch_thread.py``). A drafter meets a
+    new shape with nearly every request: projecting a prompt's features into its context is a matmul with one row
+    per prompt token. At the defaults a drafter process's resident memory grew by hundreds of MiB under mixed prompt
+    lengths; a few hundred entries hold the shapes that recur (the drafting block's for each batch size, those of the
+    per-round context updates).
     """
-    os.environ.setdefault(ONEDNN_CACHE_ENV, str(capacity))
+    for name in (ONEDNN_CACHE_ENV, IDEEP_CACHE_ENV):
+        os.environ.setdefault(name, str(capacity))
 
 
 class HeapTrimmer:

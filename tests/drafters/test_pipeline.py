@@ -140,16 +140,16 @@ def test_trainer_names_an_unknown_config_field(tmp_path, capsys):
     assert exc.value.code == 2 and "hed" in capsys.readouterr().err
 
 
-def assert_same_shard(a: dict, b: dict) -> None:
+def assert_same_shard(a: dict, b: dict, label: str) -> None:
     """Two datagen shards hold the same sequences: tokens and offsets equal, features equal up to float rounding (a
     stopped and continued run batches other rows together, and a float32 matmul's row may round differently with the
-    rows beside it; seen on AVX2 CPUs: 2e-8)."""
-    assert a.keys() == b.keys()
+    rows beside it: differences of ~1e-8 seen)."""
+    assert a.keys() == b.keys(), label
     for name in a:
         if name == "features":
-            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{label}: {m}")
         else:
-            assert torch.equal(a[name], b[name]), name
+            assert torch.equal(a[name], b[name]), (label, name)
 
 
 def test_datagen_first_shard_continues_a_stopped_run(tmp_path, capsys):
@@ -166,7 +166,7 @@ def test_datagen_first_shard_continues_a_stopped_run(tmp_path, capsys):
     datagen.main(["--out", str(tmp_path / "rest"), "--first-shard", "1", "--max-shards", "1", *common])
     assert sorted(p.name for p in (tmp_path / "rest").glob("*.safetensors")) == ["shard-0001.safetensors"]
     full, rest = (load_file(str(tmp_path / d / "shard-0001.safetensors")) for d in ("full", "rest"))
-    assert_same_shard(full, rest)
+    assert_same_shard(full, rest, "shard 1")
     assert json.loads((tmp_path / "rest" / "meta.json").read_text())["sequences"] == 2
     for bad, message in [(["--first-shard", "3"], "only 3 shards of 2 answers"),
                          (["--first-shard", "1", "--max-shards", "0"], "--max-shards must be > 0")]:
@@ -226,7 +226,7 @@ def test_datagen_resume_keeps_the_shards_written_and_writes_the_rest(tmp_path, c
     assert (tmp_path / "part" / "shard-0000.safetensors").stat().st_mtime_ns == first
     for i in range(3):
         full, part = (load_file(str(tmp_path / d / f"shard-{i:04d}.safetensors")) for d in ("full", "part"))
-        assert_same_shard(full, part)
+        assert_same_shard(full, part, f"shard {i}")
     meta, ref = (json.loads((tmp_path / d / "meta.json").read_text()) for d in ("part", "full"))
     assert meta["sequences"] == ref["sequences"] == 6 and meta["new_tokens"] == ref["new_tokens"]
     assert meta["seconds"] > 1000.0

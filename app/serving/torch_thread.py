@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import ctypes
 import os
+import platform
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -104,29 +105,37 @@ def intra_op_threads(num_threads: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-# oneDNN's primitive cache, and the cache of primitives in front of it that PyTorch's oneDNN layer (ideep) keeps; each
-# is read once, when first used
+# oneDNN's primitive cache (per process; its older name DNNL_PRIMITIVE_CACHE_CAPACITY is read too) and the cache of
+# primitive descriptors in front of it that PyTorch's oneDNN layer (ideep) keeps per thread and kind of operation
 ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+ONEDNN_OLD_CACHE_ENV = "DNNL_PRIMITIVE_CACHE_CAPACITY"
 IDEEP_CACHE_ENV = "LRU_CACHE_CAPACITY"
 
 
 def bound_onednn_caches(capacity: int) -> None:
-    """Cap this process's two caches of oneDNN primitives at ``capacity`` entries each (default 1024 each) unless the
-    environment sets them (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``: oneDNN's own; ``LRU_CACHE_CAPACITY``: PyTorch's, in
-    front of it); takes effect only when called before the process's first oneDNN operation.
+    """Cap this process's caches of oneDNN primitives at ``capacity`` entries each unless the environment sets them:
+    oneDNN's own (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, default 1024) and, on x86-64, PyTorch's in front of it
+    (``LRU_CACHE_CAPACITY``, default 1024 there; elsewhere its default is 1 and stays). Takes effect only when called
+    before the process's first oneDNN operation.
 
     oneDNN compiles a kernel, with its buffers, for each matrix shape it meets (PyTorch's bfloat16 CPU matmuls, where
-    the CPU has bfloat16 instructions, and the prepacked linear layers of any dtype run on it), about 1 MiB for a
-    [576, 1536] layer, and each cache keeps the kernels it holds alive: both must be bounded (300 shapes of that
-    layer added ~300 MiB at the defaults and as much with either cache alone at 16 entries; both at 16: ~30 MiB,
-    ``tests/serving/test_torch_thread.py``). A drafter meets a
-    new shape with nearly every request: projecting a prompt's features into its context is a matmul with one row
-    per prompt token. At the defaults a drafter process's resident memory grew by hundreds of MiB under mixed prompt
-    lengths; a few hundred entries hold the shapes that recur (the drafting block's for each batch size, those of the
-    per-round context updates).
+    the CPU has bfloat16 instructions, and the prepacked linear layers of any dtype run on it). Each cache keeps
+    what it holds alive (oneDNN's: primitives; PyTorch's: primitive descriptors, with the kernels they lead to), so
+    both must be bounded (``tests/serving/test_torch_thread.py``). A drafter meets a new shape with nearly every
+    request: projecting a prompt's features into its context is a matmul with one row per prompt token. At the
+    defaults a drafter process's resident memory grew by hundreds of MiB under mixed prompt lengths; a few hundred
+    entries hold the shapes that recur (the drafting block's for each batch size, those of the per-round context
+    updates).
+
+    Raises:
+        ValueError: ``capacity`` < 1 (PyTorch's cache refuses 0, where oneDNN's would be switched off).
     """
-    for name in (ONEDNN_CACHE_ENV, IDEEP_CACHE_ENV):
-        os.environ.setdefault(name, str(capacity))
+    if capacity < 1:
+        raise ValueError(f"oneDNN cache capacity must be >= 1, got {capacity}")
+    if ONEDNN_OLD_CACHE_ENV not in os.environ:
+        os.environ.setdefault(ONEDNN_CACHE_ENV, str(capacity))
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        os.environ.setdefault(IDEEP_CACHE_ENV, str(capacity))
 
 
 class HeapTrimmer:

@@ -57,7 +57,6 @@ def test_busy_s_times_the_call_now_running_and_stuck_thread_names_the_limit():
     assert thread.call(lambda: 7) == 7 and thread.busy_s() == 0.0
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_bound_onednn_caches_refuses_a_capacity_below_one_and_keeps_what_the_environment_sets(monkeypatch):
     for name in (torch_thread.ONEDNN_CACHE_ENV, torch_thread.ONEDNN_OLD_CACHE_ENV, torch_thread.IDEEP_CACHE_ENV):
         monkeypatch.delenv(name, raising=False)
@@ -69,6 +68,7 @@ def test_bound_onednn_caches_refuses_a_capacity_below_one_and_keeps_what_the_env
     assert torch_thread.ONEDNN_CACHE_ENV not in os.environ and os.environ[torch_thread.IDEEP_CACHE_ENV] == "32"
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
 def test_the_heap_trimmer_trims_at_most_once_an_interval(monkeypatch):
     every_time, hourly = HeapTrimmer(interval_s=0.0), HeapTrimmer(interval_s=3600.0)
     assert every_time.maybe_trim() and every_time.maybe_trim() and every_time.trims == 2
@@ -103,11 +103,10 @@ print(rss_mib() - start)
 def test_bounded_onednn_caches_hold_less_memory_over_many_shapes():
     """300 matmul shapes in a fresh process: at the default capacities oneDNN's primitive cache and PyTorch's in
     front of it keep a kernel and its buffers for each; both bounded at 16 entries the process grows far less."""
-    import os
     import subprocess
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in (torch_thread.ONEDNN_CACHE_ENV, torch_thread.IDEEP_CACHE_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in (
+        torch_thread.ONEDNN_CACHE_ENV, torch_thread.ONEDNN_OLD_CACHE_ENV, torch_thread.IDEEP_CACHE_ENV)}
     runs = {cap: subprocess.run([sys.executable, "-c", SHAPES_SCRIPT, cap], env=env, capture_output=True, text=True,
                                 timeout=120) for cap in ("default", "16")}
     if any(run.returncode == 3 for run in runs.values()):

@@ -211,6 +211,8 @@ class RequestResult:
     accepted_per_round: list[int] = field(default_factory=list)  # accepted drafts in each round
     verified_per_round: list[int] = field(default_factory=list)  # l_r in each round
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when SamplingParams.logprobs is set
+    # one per prompt_ids entry (the first None) when SamplingParams.prompt_logprobs is set (StepOutput's)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     speculates: bool = False  # its state lives on the drafter (and in the prompt lookup)
     fallback_cause: str | None = None  # why it was moved to plain decoding (``SpecLoop.fail_over``), or None
 
@@ -222,6 +224,8 @@ class RequestResult:
     def record(self, out: StepOutput) -> None:
         """Append a step's committed output."""
         self.token_ids.extend(out.new_token_ids)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
@@ -311,8 +315,10 @@ class SpecLoop:
 
     # ------------------------------------------------------------------ admission
 
-    def admission_size(self, prompts: Sequence[Sequence[int]], *, max_active: int | None = None) -> int:
-        """How many of the waiting prompts (token ids, in queue order) the next ``admit`` takes: as many as fit the
+    def admission_size(self, prompts: Sequence[Sequence[int]], *, max_active: int | None = None,
+                       params: Sequence[SamplingParams] | None = None) -> int:
+        """How many of the waiting prompts (token ids, in queue order; ``params``: their settings, where one may ask
+        for ``prompt_logprobs``) the next ``admit`` takes: as many as fit the
         free KV slots (and ``max_active`` active requests, when given) and ``max_prefill_tokens`` (0: none fits).
         The budget counts the tokens each prefill computes (``Engine.prefill_tokens``: a prefix reused from the
         prefix cache is free), as vLLM's ``max_num_batched_tokens`` does. With chunked prefill the last prompt taken
@@ -329,7 +335,8 @@ class SpecLoop:
         if self.prefilling and self._piece_next:
             return 0
         window = list(itertools.islice(prompts, free))
-        lens = [self.engine.prefill_tokens(ids) for ids in window]
+        lens = [self.engine.prefill_tokens(ids, params[i] if params is not None else None)
+                for i, ids in enumerate(window)]
         n = prefill_batch_size(lens, max_tokens=self.max_prefill_tokens, max_requests=free)
         if self.prefilling:  # one prompt in pieces at a time: the others only whole
             n = n if sum(lens[:n]) <= self.max_prefill_tokens else 0
@@ -353,7 +360,7 @@ class SpecLoop:
         # a prompt computes at most its length: short batches need no prefix match (admission_size did one already)
         if not self.chunked_prefill or sum(len(r.prompt_ids) for r in requests) <= self.max_prefill_tokens:
             return None
-        lens = [self.engine.prefill_tokens(r.prompt_ids) for r in requests]
+        lens = [self.engine.prefill_tokens(r.prompt_ids, r.params) for r in requests]
         if sum(lens) <= self.max_prefill_tokens:
             return None
         before = sum(lens[:-1])
@@ -706,7 +713,8 @@ def generate(
 
     try:
         while waiting or loop.active or loop.prefilling:
-            while n := loop.admission_size([prompts[i] for i in waiting], max_active=limit):
+            while n := loop.admission_size([prompts[i] for i in waiting], max_active=limit,
+                                           params=[params_list[i] for i in waiting]):
                 admitted, waiting = waiting[:n], waiting[n:]
                 started(loop.admit([NewRequest(f"{id_prefix}-{i}", prompts[i], params_list[i]) for i in admitted]))
             if loop.piece_due:

@@ -68,7 +68,7 @@ def run_once(engine: TargetEngine, *, chunked: bool, budget: int, long_prompt: l
                 long_first = now
 
     while waiting or loop.active or loop.prefilling:
-        while n := loop.admission_size([r.prompt_ids for r in waiting]):
+        while n := loop.admission_size([r.prompt_ids for r in waiting], params=[r.params for r in waiting]):
             started(loop.admit(waiting[:n]))
             waiting = waiting[n:]
         if loop.piece_due:

@@ -72,9 +72,10 @@ class Engine(ABC):
         """Whether a prompt reuses the prefix an earlier prompt left in the cache (``prefill_tokens``)."""
         return False
 
-    def prefill_tokens(self, prompt_ids: Sequence[int]) -> int:
-        """Prompt tokens an admission of ``prompt_ids`` computes now: all T of them, less any prefix the engine
-        reuses from earlier prompts (prefix caching). The admission budget counts these."""
+    def prefill_tokens(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Prompt tokens an admission of ``prompt_ids`` with ``params`` computes now: all T of them, less any prefix
+        the engine reuses from earlier prompts (prefix caching; none with ``prompt_logprobs``). The admission budget
+        counts these."""
         return len(prompt_ids)
 
     @abstractmethod

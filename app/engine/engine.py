@@ -41,9 +41,12 @@ from app.engine.prepack import PrepackedLinear, prepack_linears, prepack_support
 from app.engine.logits_process import RequestControls, sampling_probs, token_logprobs
 from app.engine.sampling import Acceptance, accept_greedy, accept_sampled, accept_sampled_batch, target_probs
 from app.engine.static_step import BucketedStep
-from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput
+from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+# Rows of float32 logits [rows, V] a request's prompt logprobs are computed from at a time (100 MB at V = 49,152)
+PROMPT_LOGPROB_ROWS = 512
 
 
 @dataclass
@@ -68,6 +71,8 @@ class _Request:
     prompt: torch.Tensor | None = None
     prompt_rows: list[torch.Tensor] = field(default_factory=list)
     reused: int = 0  # prompt tokens whose keys/values came from the prefix cache
+    # with SamplingParams.prompt_logprobs, until its prefill is done: the prompt tokens' logprobs so far
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -239,9 +244,10 @@ class TargetEngine(Engine):
     def prefix_caching(self) -> bool:
         return self._prefix is not None
 
-    def prefill_tokens(self, prompt_ids: Sequence[int]) -> int:
-        """T less the prefix the prefix cache would reuse for ``prompt_ids`` now (T without prefix caching)."""
-        if self._prefix is None or len(prompt_ids) < 2:
+    def prefill_tokens(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """T less the prefix the prefix cache would reuse for ``prompt_ids`` now (T without prefix caching, or for a
+        request with ``prompt_logprobs``)."""
+        if self._prefix is None or len(prompt_ids) < 2 or params is not None and params.prompt_logprobs is not None:
             return len(prompt_ids)
         return len(prompt_ids) - self._prefix.match(torch.as_tensor(prompt_ids, dtype=torch.long)).length
 
@@ -299,7 +305,10 @@ class TargetEngine(Engine):
                 f"{len(requests)} requests for {len(self._free_slots)} free KV cache slots "
                 f"(max_num_seqs {self.config.max_num_seqs})"
             )
-        hits = [self._prefix.match(ids) for ids in prompts] if self._prefix is not None else [MISS] * len(prompts)
+        hits = [MISS] * len(prompts)
+        if self._prefix is not None:  # a request with prompt logprobs computes its whole prompt (SamplingParams)
+            hits = [MISS if r.params.prompt_logprobs is not None else self._prefix.match(ids)
+                    for r, ids in zip(requests, prompts)]
         for hit in hits:  # this batch's donors are given out last: a request not taking its donor's goes elsewhere
             if hit.length:
                 self._prefix.touch(hit.slot)
@@ -311,6 +320,8 @@ class TargetEngine(Engine):
             for req, ids, hit in zip(reqs, prompts, hits):
                 req.prompt, req.num_cached, req.reused = ids, hit.length, hit.length
                 req.prompt_rows = [hit.features] if hit.length else []
+                if req.params.prompt_logprobs is not None:
+                    req.prompt_logprobs = [None]  # nothing predicts the first prompt token
             if self.config.batch_invariant:  # each prompt alone: its cache and first token do not depend on others
                 return [out for i in range(len(reqs)) for out in self._prefill(reqs[i : i + 1])]
             return self._prefill(reqs, limits)
@@ -362,16 +373,25 @@ class TargetEngine(Engine):
         runs = [r.prompt[start:end] for r, start, end in zip(reqs, starts, ends)]
         lengths = [len(run) for run in runs]
         done = [i for i, r in enumerate(reqs) if ends[i] == len(r.prompt)]
+        scored = [i for i, r in enumerate(reqs) if r.prompt_logprobs is not None]  # rows scored as prompt logprobs
         with torch.inference_mode():
             layout = StepLayout.build(
                 slots=[r.slot for r in reqs], starts=starts, lengths=lengths, groups=self._groups,
                 device=self.device, dtype=self.cache.k.dtype, slot_len=self.cache.slot_len,
             )
-            last = (torch.cumsum(torch.tensor(lengths), 0) - 1)[done]  # [B'] the last row of each finished prompt
+            ends_of_runs = torch.cumsum(torch.tensor(lengths), 0)
+            last = (ends_of_runs - 1)[done].to(self.device)  # [B'] the last row of each finished prompt
             hidden, features = self.model.hidden_states(
-                torch.cat(runs).to(self.device), cache=self.cache, layout=layout, index=last.to(self.device),
+                torch.cat(runs).to(self.device), cache=self.cache, layout=layout, index=None if scored else last,
                 ops=self._ops,
             )
+            for i in scored:  # row j of a run predicts the prompt token after it (the last row of a prompt: none)
+                first = int(ends_of_runs[i]) - lengths[i]
+                targets = reqs[i].prompt[starts[i] + 1 : ends[i] + 1].tolist()
+                reqs[i].prompt_logprobs += self._prompt_logprobs(hidden[first : first + len(targets)], targets,
+                                                                 reqs[i].params.prompt_logprobs)
+            if scored:
+                hidden = hidden[last]
             heads = {} if not done else dict(zip(done, self._head(hidden, [1] * len(done),
                                                                   [reqs[i].screened for i in done])))
         outputs: list[StepOutput | None] = []
@@ -398,8 +418,19 @@ class TargetEngine(Engine):
             # the first token's position is T, the prompt's length (a verify step's row j: num_cached + 1 + j)
             result = self._decide(req, empty, None, head, allowed, first_position=len(ids))
             outputs.append(self._commit(req, result.tokens, num_draft=0, num_accepted=0, features=rows, head=head,
-                                        cached_tokens=req.reused))
+                                        cached_tokens=req.reused, prompt_logprobs=req.prompt_logprobs))
+            req.prompt_logprobs = None
         return outputs
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
+        """The raw target's logprobs of prompt tokens ``targets`` and their top-k alternatives, from the last-layer
+        hidden states [n, Dm] of the rows before them (row j predicts ``targets[j]``), ``PROMPT_LOGPROB_ROWS`` rows
+        of float32 logits [rows, V] at a time."""
+        out: list[TokenLogprob] = []
+        for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            logits = self.model.logits_from_final_hidden(hidden[a : a + PROMPT_LOGPROB_ROWS])
+            out += token_logprobs(logits, targets[a : a + PROMPT_LOGPROB_ROWS], k)
+        return out
 
     def _check_new(self, request: NewRequest) -> tuple[torch.Tensor, RequestGrammar | None]:
         """A new request's prompt as [T] int64 and its grammar state (structured output only), after the checks
@@ -722,11 +753,12 @@ class TargetEngine(Engine):
 
     def _commit(
         self, req: _Request, tokens: list[int], *, num_draft: int, num_accepted: int, features: torch.Tensor,
-        head: torch.Tensor, cached_tokens: int = 0,
+        head: torch.Tensor, cached_tokens: int = 0, prompt_logprobs: list[TokenLogprob | None] | None = None,
     ) -> StepOutput:
         """Append committed tokens one by one, ending the request exactly at EOS / stop token / stop string /
         max_tokens; advance the request's controls and grammar over them; their logprobs from ``head``'s raw
-        logits when asked for. ``cached_tokens``: a prefill's prompt tokens reused from the prefix cache."""
+        logits when asked for. ``cached_tokens``: a prefill's prompt tokens reused from the prefix cache;
+        ``prompt_logprobs``: a prefill's, passed on."""
         p = req.params
         kept: list[int] = []
         reason = None
@@ -764,4 +796,5 @@ class TargetEngine(Engine):
             features=features,
             logprobs=token_logprobs(head, kept, p.logprobs) if p.logprobs is not None else None,
             num_cached_tokens=cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )

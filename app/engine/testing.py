@@ -8,7 +8,8 @@ planted errors).
 
 Logprobs (``SamplingParams.logprobs``): the mock's distribution after token ``t`` gives rank ``r`` (0-based) the token
 ``(next_token(t) + r) mod V`` with log-probability ``-(r + 1) ln 2``, so every output token has logprob ``-ln 2``
-(``mock_logprobs``). It refuses every other sampling control (``SamplingParams.controls``) with an
+(``mock_logprobs``); a prompt token ``u`` after ``t`` has the logprob of its rank there (``mock_prompt_logprobs``).
+It refuses every other sampling control (``SamplingParams.controls``) with an
 ``InvalidRequestError`` naming them.
 
 Shape symbols: B batch, K block size, C committed tokens, F = 4 (mock feature width).
@@ -16,6 +17,7 @@ Shape symbols: B batch, K block size, C committed tokens, F = 4 (mock feature wi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -46,6 +48,17 @@ def mock_logprobs(previous: int, k: int, vocab_size: int) -> TokenLogprob:
     return TokenLogprob(token_id=first, logprob=-math.log(2), top=top)
 
 
+def mock_prompt_logprobs(prompt: Sequence[int], k: int, vocab_size: int) -> list[TokenLogprob | None]:
+    """``StepOutput.prompt_logprobs`` of ``prompt`` under the mock's distribution (module docstring): None, then
+    token j at its rank after token j - 1, with that position's ``k`` top alternatives."""
+    out: list[TokenLogprob | None] = [None]
+    for previous, token in zip(prompt, prompt[1:]):
+        rank = (token - next_token(previous, vocab_size)) % vocab_size
+        top = mock_logprobs(previous, k, vocab_size).top
+        out.append(TokenLogprob(token_id=token, logprob=-(rank + 1) * math.log(2), top=top))
+    return out
+
+
 class MockTokenizer:
     """``decode`` for the mock vocabulary (``token_text``)."""
 
@@ -71,6 +84,7 @@ class _MockRequest:
     detok: IncrementalDetokenizer
     generated: int = 0
     prefill_left: int = 0  # prompt tokens a chunked prefill has still to compute
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs, for the first output
 
 
 class MockEngine(Engine):
@@ -124,6 +138,8 @@ class MockEngine(Engine):
         for i, r in enumerate(requests):
             req = _MockRequest(params=r.params, prompt_len=len(r.prompt_ids), last=int(r.prompt_ids[-1]),
                                detok=IncrementalDetokenizer(self.tokenizer, r.params.stop))
+            if r.params.prompt_logprobs is not None:
+                req.prompt_logprobs = mock_prompt_logprobs(r.prompt_ids, r.params.prompt_logprobs, self.vocab_size)
             self._requests[r.request_id] = req
             req.prefill_left = len(r.prompt_ids)
             outputs.append(self._prefill(r.request_id, req, None if limits is None else limits[i]))
@@ -143,7 +159,8 @@ class MockEngine(Engine):
         req.prefill_left = 0 if limit is None else max(0, req.prefill_left - limit)
         if req.prefill_left:
             return None
-        return self._commit(request_id, req, [next_token(req.last, self.vocab_size)], 0, 0, req.prompt_len)
+        out = self._commit(request_id, req, [next_token(req.last, self.vocab_size)], 0, 0, req.prompt_len)
+        return dataclasses.replace(out, prompt_logprobs=req.prompt_logprobs)
 
     def _check_new(self, request: NewRequest) -> None:
         if request.request_id in self._requests:

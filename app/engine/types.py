@@ -77,8 +77,8 @@ class TokenLogprob:
 
 
 _REAL_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
-_INT_FIELDS = ("max_tokens", "seed", "top_k", "min_tokens", "logprobs")
-_OPTIONAL = ("seed", "logprobs")
+_INT_FIELDS = ("max_tokens", "seed", "top_k", "min_tokens", "logprobs", "prompt_logprobs")
+_OPTIONAL = ("seed", "logprobs", "prompt_logprobs")
 
 
 def _is_int(value: object) -> bool:
@@ -120,6 +120,10 @@ class SamplingParams:
         stop_token_ids: extra token ids that end the request (the token is included in the output, like EOS).
         logprobs: None = off; k >= 0 = return the log-probability of each output token under the target and
             the k most likely alternatives (k <= ``MAX_LOGPROBS``).
+        prompt_logprobs: None = off; k >= 0 = return the log-probability under the target of each prompt token
+            after the first (``StepOutput.prompt_logprobs``) and its k most likely alternatives (vLLM's
+            ``prompt_logprobs``; OpenAI completions' ``echo`` with ``logprobs``). The prompt is then computed whole:
+            the prefix cache gives it no keys/values (they would come without the logits of their rows).
         guided: structured output (``GuidedDecoding``) the output must follow, or None.
 
     Raises:
@@ -142,6 +146,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
@@ -193,9 +198,11 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}",
                                       param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
-                                      param="logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}",
+                                          param=name)
 
     @property
     def greedy(self) -> bool:
@@ -340,6 +347,9 @@ class StepOutput:
     features: torch.Tensor | None = field(default=None, repr=False)
     logprobs: list[TokenLogprob] | None = None  # one per new_token_ids entry when SamplingParams.logprobs is set
     num_cached_tokens: int = 0
+    # after the prefill that completes a prompt of T tokens, when SamplingParams.prompt_logprobs is set: T entries,
+    # None for the first token (nothing predicts it), then token j's logprob given tokens 0..j-1
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def accepted_length(accepted: int, rounds: int) -> float:

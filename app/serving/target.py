@@ -468,7 +468,8 @@ class TargetReplica:
     async def _admit_waiting(self) -> None:
         """Admissions from the front of the queue, as many forwards as ``SpecLoop.admission_size`` allows."""
         while self._waiting and self.engine.num_free_slots:
-            n = await self._run(self.loop.admission_size, [s.prompt_ids for s in self._waiting])
+            prompts, params = [s.prompt_ids for s in self._waiting], [s.request.params for s in self._waiting]
+            n = await self._run(lambda: self.loop.admission_size(prompts, params=params))
             if n == 0:
                 return
             streams = [self._waiting.popleft() for _ in range(n)]

@@ -1,0 +1,104 @@
+"""Prompt logprobs (``SamplingParams.prompt_logprobs``, vLLM's; completions' ``echo`` with ``logprobs``): the raw
+target's logprob of every prompt token after the first, scored in the prefill, as decoding scores the same tokens.
+
+On ``engine32`` (tests/conftest.py: float32, so a prefill row and a decode row of one token agree to ~1e-5 logits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from app.engine.errors import InvalidRequestError
+from app.engine.testing import MockEngine, MockEngineConfig, next_token
+from app.engine.types import NewRequest, SamplingParams
+from app.loop import SpecLoop, generate
+
+TOLERANCE = 1e-3  # logprobs of one token in a prefill row and in a decode row (float32)
+
+
+@pytest.fixture(scope="module")
+def scored(engine32):
+    """A question, its greedy answer (12 tokens, 3 alternatives each) and the prompt question + answer."""
+    question = engine32.encode_chat([{"role": "user", "content": "Name three primary colours."}])
+    answer = generate(engine32, [question], SamplingParams(max_tokens=12, logprobs=3, ignore_eos=True))[0][0]
+    return question, answer, question + answer.token_ids
+
+
+def check_same_logprobs(got, expected) -> None:
+    """Same tokens, logprobs within ``TOLERANCE``, the same alternatives (but at a near-tie of two of them, which
+    may swap places) with their logprobs."""
+    assert [g.token_id for g in got] == [e.token_id for e in expected]
+    for g, e in zip(got, expected):
+        assert g.logprob == pytest.approx(e.logprob, abs=TOLERANCE)
+        assert [v for _, v in g.top] == pytest.approx([v for _, v in e.top], abs=TOLERANCE)
+        swapped = [(a, b) for (a, va), (b, _) in zip(g.top, e.top) if a != b]
+        assert all(abs(dict(g.top)[a] - dict(e.top)[b]) < TOLERANCE for a, b in swapped), (g.top, e.top)
+
+
+def test_a_prompt_is_scored_as_decoding_scored_its_tokens(engine32, scored):
+    """Prompt = question + greedy answer: its logprobs at the answer's positions are those the answer got while it
+    was decoded, alternatives included; one entry per prompt token, None for the first; the output's own
+    logprobs still come with ``logprobs``."""
+    question, answer, prompt = scored
+    result = generate(engine32, [prompt], SamplingParams(max_tokens=2, prompt_logprobs=3, logprobs=1))[0][0]
+    assert len(result.prompt_logprobs) == len(prompt) and result.prompt_logprobs[0] is None
+    assert [e.token_id for e in result.prompt_logprobs[1:]] == prompt[1:]
+    check_same_logprobs(result.prompt_logprobs[len(question):], answer.logprobs)
+    assert len(result.logprobs) == 2 and all(len(e.top) == 1 for e in result.logprobs)
+    assert all(e.logprob <= 0 and len(e.top) == 3 for e in result.prompt_logprobs[1:])
+    assert math.fsum(math.exp(v) for _, v in result.prompt_logprobs[-1].top) <= 1 + 1e-6
+
+
+def test_prompt_logprobs_in_pieces_after_a_cached_prefix_and_beside_other_requests(engine32, scored):
+    """A chunked prefill scores each piece's rows (the last row of a piece predicts the next piece's first token);
+    a prompt the prefix cache holds is computed whole anyway (no cached tokens); a request beside it in the same
+    forward gets the tokens it gets alone; ``prompt_logprobs=0``: no alternatives."""
+    question, _, prompt = scored
+    params = SamplingParams(max_tokens=3, prompt_logprobs=0)
+    whole = generate(engine32, [prompt], params)[0][0]
+    assert engine32.prefix_caching  # the answer above left the question's record in a slot
+    outs = engine32.add_requests([NewRequest("pieces", prompt, params), NewRequest("beside", question,
+                                                                                    SamplingParams(max_tokens=3))],
+                                 limits=[7, 64])
+    assert outs[0] is None and outs[1].num_cached_tokens == len(question) - 1
+    while (out := engine32.continue_prefill({"pieces": 9})[0]) is None:
+        pass
+    assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(prompt)
+    check_same_logprobs(out.prompt_logprobs[1:], whole.prompt_logprobs[1:])
+    assert all(e.top == () for e in out.prompt_logprobs[1:])
+    for rid in ("pieces", "beside"):
+        engine32.release(rid)
+    alone = generate(engine32, [question], SamplingParams(max_tokens=1))[0][0]
+    assert outs[1].new_token_ids == alone.token_ids
+
+
+def test_admission_counts_the_whole_prompt_of_a_request_with_prompt_logprobs(engine32, scored):
+    """The prefill budget counts what a prefill computes: a prompt the prefix cache holds costs one token, unless
+    it asks for prompt logprobs (computed whole): then a budget of one prompt admits one such request, not two."""
+    question, _, prompt = scored
+    generate(engine32, [prompt], SamplingParams(max_tokens=1))  # the prompt's record is in a slot
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    assert engine32.prefill_tokens(prompt) == 1 and engine32.prefill_tokens(prompt, scoring) == len(prompt)
+    loop = SpecLoop(engine32, gamma=None, speculates=False, max_prefill_tokens=len(prompt) + 1)
+    assert loop.admission_size([prompt, prompt]) == 2
+    assert loop.admission_size([prompt, prompt], params=[scoring, scoring]) == 1
+
+
+@pytest.mark.parametrize("value", [-1, 21, 2.0, "3", True])
+def test_prompt_logprobs_out_of_range_are_refused_by_name(value):
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs must be an integer") as err:
+        SamplingParams(prompt_logprobs=value)
+    assert err.value.param == "prompt_logprobs"
+
+
+def test_the_mock_engine_scores_a_prompt_by_its_rule():
+    """Token u after t has logprob -(r + 1) ln 2, r its rank after t (app/engine/testing.py)."""
+    engine = MockEngine(MockEngineConfig())
+    second = next_token(40, engine.vocab_size)
+    prompt = [40, second, next_token(second, engine.vocab_size) + 2]  # ranks 0 and 2
+    out = engine.add_requests([NewRequest("m", prompt, SamplingParams(max_tokens=2, prompt_logprobs=1))])[0]
+    assert out.prompt_logprobs[0] is None
+    assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx([-math.log(2), -3 * math.log(2)])
+    assert out.prompt_logprobs[2].top == ((next_token(prompt[1], engine.vocab_size), -math.log(2)),)

@@ -41,9 +41,7 @@ from app.serving.openai_api import (
     ChatCompletionRequest, CompletionRequest, chat_logprobs, choice_body, chunk_body, completion_body,
     completion_logprobs, error_body, usage, validation_error,
 )
-from app.serving.protocol import (
-    DRAINING, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText, openai_param,
-)
+from app.serving.protocol import DRAINING, ErrorItem, GenerateRequest, SpecStats, TextChunk, openai_param
 
 log = logging.getLogger("ray.serve")
 
@@ -284,8 +282,9 @@ class Ingress:
         return req
 
     def _generates(self, req, *, chat: bool, request_id: str) -> list[tuple[int, GenerateRequest, str]]:
-        """One target request per choice: (choice index, request, echoed prompt). Completions' choice ``i * n + j``
-        is prompt ``i``'s ``j``-th, as OpenAI orders them.
+        """One target request per choice: (choice index, request, echoed prompt: a text prompt's; a token-id
+        prompt's text comes with its first chunk). Completions' choice ``i * n + j`` is prompt ``i``'s ``j``-th, as
+        OpenAI orders them.
 
         Raises:
             ValueError: sampling settings ``SamplingParams`` refuses.
@@ -298,10 +297,12 @@ class Ingress:
             for j in range(n):
                 index = i * n + j
                 rid = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
-                echo = prompt if not chat and req.echo else ""
+                echo = not chat and bool(req.echo)
+                ids = isinstance(prompt, list)
                 out.append((index, GenerateRequest(request_id=rid, params=req.params(j), messages=messages,
                                                    prompt=prompt, max_tokens_param=req.max_tokens_param,
-                                                   max_tokens_default=req.max_tokens_default), echo))
+                                                   max_tokens_default=req.max_tokens_default, echo_ids=echo and ids),
+                            prompt if echo and not ids else ""))
         return out
 
     async def _start(self, generate: GenerateRequest, *, own_context: bool):
@@ -384,7 +385,7 @@ class Ingress:
                 return error_response(refused, self.config.retry_after_s)
             started = await asyncio.gather(*[self._start(g, own_context=len(generates) > 1)
                                              for _, g, _ in generates])
-            flight.choices = [_Choice(index, stream, first, echo)
+            flight.choices = [_Choice(index, stream, first, echo or getattr(first, "prompt_text", None) or "")
                               for (index, _, echo), (stream, first) in zip(generates, started)]
             for choice in flight.choices:
                 if isinstance(choice.first, ErrorItem):
@@ -428,7 +429,8 @@ class Ingress:
             entries = [e for chunk in c.chunks for e in chunk.logprobs or ()]
             logprobs = None
             if c.chunks[0].logprobs is not None:
-                logprobs = chat_logprobs(entries) if chat else completion_logprobs(entries, offset=len(c.echo))
+                logprobs = chat_logprobs(entries) if chat else completion_logprobs(
+                    entries, offset=len(c.echo), prompt=c.chunks[0].prompt_logprobs or ())
             choices.append(choice_body(chat=chat, index=c.index, text=c.echo + "".join(x.text for x in c.chunks),
                                        finish_reason=c.chunks[-1].finish_reason, logprobs=logprobs))
         token_ids = [t for chunk in flight.choices[0].chunks for t in chunk.token_ids]
@@ -473,10 +475,13 @@ class Ingress:
                 body.setdefault("usage", None)
             return f"data: {json.dumps(body)}\n\n"
 
-        def logprobs(choice: _Choice, entries: list[TokenLogprobText] | None, offset: int) -> dict | None:
-            if entries is None:
+        def logprobs(chunk: TextChunk, offset: int, *, echoed: bool) -> dict | None:
+            """The chunk's logprobs object; ``echoed``: the chunk carries the echoed prompt, and its tokens'."""
+            if chunk.logprobs is None:
                 return None
-            return chat_logprobs(entries) if chat else completion_logprobs(entries, offset)
+            if chat:
+                return chat_logprobs(chunk.logprobs)
+            return completion_logprobs(chunk.logprobs, offset, prompt=chunk.prompt_logprobs or () if echoed else ())
 
         tasks = [asyncio.create_task(pump(c)) for c in flight.choices]
         offsets = {c.index: 0 for c in flight.choices}  # characters sent per choice (completions' text_offset)
@@ -495,13 +500,14 @@ class Ingress:
                     return
                 completion_tokens += chunk.num_tokens
                 text = chunk.text
-                if chunk is choice.first and choice.echo:
+                echoed = chunk is choice.first and bool(choice.echo)
+                if echoed:
                     text = choice.echo + text
                     offsets[choice.index] = len(choice.echo)
                 if text or chunk.logprobs:
                     yield event(chunk_body(chat=chat, request_id=request_id, created=created, model=model, text=text,
                                            index=choice.index,
-                                           logprobs=logprobs(choice, chunk.logprobs, offsets[choice.index])))
+                                           logprobs=logprobs(chunk, offsets[choice.index], echoed=echoed)))
                     offsets[choice.index] += len(chunk.text)
                 if chunk.finish_reason is not None:
                     choice.done, remaining = True, remaining - 1

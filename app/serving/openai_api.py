@@ -232,7 +232,7 @@ class _Common(BaseModel):
         return self.max_tokens is None
 
     def _params(self, max_tokens: int, *, logprobs: int | None, guided: GuidedDecoding | None,
-                choice: int) -> SamplingParams:
+                choice: int, prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's settings for choice ``choice`` (``seed + choice`` with a seed, so choices differ).
 
         Raises:
@@ -249,6 +249,7 @@ class _Common(BaseModel):
             logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             top_k=self.top_k or 0, min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
             stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs, guided=guided,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -334,8 +335,11 @@ class ChatCompletionRequest(_Common):
         return [{"role": m.role, "content": m.text} for m in self.messages]
 
 
+Prompt = str | list[int]  # a completion prompt: text, or token ids
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = Field(None, ge=1)
@@ -343,24 +347,40 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _text_prompts(cls, value: Any) -> Any:
-        if isinstance(value, list) and any(not isinstance(p, str) for p in value):
-            if all(isinstance(p, int) or isinstance(p, list) and all(isinstance(t, int) for t in p) for p in value):
-                raise _unsupported("a token-id prompt", "send the prompt as text")
-            raise ValueError("prompt must be a string or a list of strings")
+    def _prompt_kinds(cls, value: Any) -> Any:
+        """One of OpenAI's four prompt shapes, token ids as JSON integers >= 0 (their range is the model's to check:
+        the target replica's)."""
+        def token_ids(p: Any) -> bool:
+            return isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+        if not isinstance(value, list) or all(isinstance(p, str) for p in value):
+            return value
+        if not (token_ids(value) or all(token_ids(p) for p in value)):
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                             "token ids")
+        if any(t < 0 for t in (value if token_ids(value) else [t for p in value for t in p])):
+            raise ValueError("prompt token ids must be integers >= 0")
         return value
 
     @field_validator("prompt")
     @classmethod
-    def _prompts(cls, value: str | list[str]) -> str | list[str]:
-        prompts = [value] if isinstance(value, str) else value
+    def _prompts(cls, value: Any) -> Any:
+        prompts = cls.prompt_list(value)
         if not prompts:
             raise ValueError("at least one prompt is needed")
-        if any(p == "" for p in prompts):
+        if any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must not be empty")
         for p in prompts:
-            _text(p, "prompt")
+            if isinstance(p, str):
+                _text(p, "prompt")
         return value
+
+    @staticmethod
+    def prompt_list(value: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+        """The prompts of a ``prompt`` value: one string, strings, one list of token ids, or lists of them."""
+        if isinstance(value, str) or value and all(isinstance(t, int) for t in value):
+            return [value]
+        return list(value)
 
     @field_validator("suffix")
     @classmethod
@@ -374,22 +394,21 @@ class CompletionRequest(_Common):
         if self.best_of is not None and self.best_of != self.num_choices:
             raise InvalidRequestError("best_of must equal n (choosing the best of several is not supported)",
                                       param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo with logprobs is not supported (it needs the prompt's logprobs)",
-                                      param="echo")
         if len(self.prompts) * self.num_choices > MAX_CHOICES:
             raise InvalidRequestError(f"prompts x n must be at most {MAX_CHOICES}",
                                       param="n" if self.num_choices > 1 else "prompt")
         return self
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[Prompt]:
+        return self.prompt_list(self.prompt)
 
     def params(self, choice: int = 0) -> SamplingParams:
-        """Raises: ValueError (``SamplingParams``)."""
+        """With ``echo`` and ``logprobs`` the prompt's tokens are scored too (``SamplingParams.prompt_logprobs``).
+
+        Raises: ValueError (``SamplingParams``)."""
         return self._params(self.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, logprobs=self.logprobs, guided=None,
-                            choice=choice)
+                            choice=choice, prompt_logprobs=self.logprobs if self.echo else None)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -436,17 +455,25 @@ def chat_logprobs(entries: list[TokenLogprobText]) -> dict:
             "refusal": None}
 
 
-def completion_logprobs(entries: list[TokenLogprobText], offset: int) -> dict:
+def completion_logprobs(entries: list[TokenLogprobText], offset: int, prompt: list[TokenLogprobText] = ()) -> dict:
     """OpenAI's completions ``logprobs`` object; ``offset`` is the text offset of the first token (characters), and
     ``text_offset`` indexes the response text (a token inside a UTF-8 character starts where the character does).
-    ``top_logprobs`` maps the k alternatives and the chosen token to their logprobs (up to k + 1 entries)."""
-    offsets = []
+    ``top_logprobs`` maps the k alternatives and the chosen token to their logprobs (up to k + 1 entries).
+
+    ``prompt``: with ``echo``, the echoed prompt's tokens (``TextChunk.prompt_logprobs``), listed first from text
+    offset 0, the first one's logprob and alternatives null (as OpenAI and vLLM give them)."""
+    offsets, at = [], 0
+    for e in prompt:
+        offsets.append(at)
+        at += len(e.token)
     for e in entries:
         offsets.append(offset)
         offset += len(e.token) if e.text_len is None else e.text_len
+    every = [*prompt, *entries]
     return {
-        "tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{**dict(e.top), e.token: e.logprob} for e in entries], "text_offset": offsets,
+        "tokens": [e.token for e in every], "token_logprobs": [e.logprob for e in every],
+        "top_logprobs": [None if e.logprob is None else {**dict(e.top), e.token: e.logprob} for e in every],
+        "text_offset": offsets,
     }
 
 

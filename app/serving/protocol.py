@@ -36,12 +36,15 @@ FALLBACK_CAUSES = ("transport", "timeout", "drafter_unavailable", "drafter_overl
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generation for a target replica: chat messages or a raw prompt, and its sampling settings."""
+    """One generation for a target replica: chat messages or a raw prompt (text or token ids), and its sampling
+    settings."""
 
     request_id: str
     params: SamplingParams
     messages: list[dict[str, str]] | None = None
-    prompt: str | None = None
+    prompt: str | list[int] | None = None
+    # a token-id prompt the response echoes: its first chunk brings the prompt's text (TextChunk.prompt_text)
+    echo_ids: bool = False
     # the field that set params.max_tokens, which errors about it name (a chat request may send max_completion_tokens)
     max_tokens_param: str = "max_tokens"
     # params.max_tokens is the API's default (the request set none): lowered to what the context leaves the prompt
@@ -222,7 +225,7 @@ class TokenLogprobText:
     (``detokenizer.TokenBytes``; None: the text's UTF-8)."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing predicts it)
     top: tuple[tuple[str, float], ...] = ()  # (token text, logprob), most likely first
     token_bytes: bytes | None = None
     top_bytes: tuple[bytes, ...] | None = None  # one per ``top`` entry
@@ -241,6 +244,9 @@ class TextChunk:
     cached_tokens: int = 0  # on the first chunk: prompt tokens reused from the prefix cache
     spec: SpecStats | None = None  # on the last chunk
     logprobs: list[TokenLogprobText] | None = None  # one per token id when the request asked for logprobs
+    # on the first chunk, with SamplingParams.prompt_logprobs: one per prompt token (the first one's logprob None)
+    prompt_logprobs: list[TokenLogprobText] | None = None
+    prompt_text: str | None = None  # on the first chunk, with GenerateRequest.echo_ids: the prompt decoded
 
     @property
     def num_tokens(self) -> int:
@@ -252,7 +258,9 @@ class TextChunk:
             (self.logprobs or []) + (later.logprobs or [])
         return TextChunk(text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
                          prompt_tokens=later.prompt_tokens, finish_reason=later.finish_reason, spec=later.spec,
-                         logprobs=logprobs, cached_tokens=self.cached_tokens + later.cached_tokens)
+                         logprobs=logprobs, cached_tokens=self.cached_tokens + later.cached_tokens,
+                         prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+                         prompt_text=self.prompt_text if self.prompt_text is not None else later.prompt_text)
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,16 @@ def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None,
             for lp in logprobs]
 
 
+def prompt_logprob_texts(tokenizer, prompt_ids: list[int], logprobs: list[TokenLogprob | None] | None,
+                         token_bytes: TokenBytes) -> list[TokenLogprobText] | None:
+    """``StepOutput.prompt_logprobs`` as ``logprob_texts`` gives an output's; the first prompt token (None there)
+    with its text and a logprob of None."""
+    if logprobs is None:
+        return None
+    first = TokenLogprobText(tokenizer.decode([prompt_ids[0]]), None, token_bytes=token_bytes(prompt_ids[0]))
+    return [first] + logprob_texts(tokenizer, logprobs[1:], token_bytes)
+
+
 def invalid_request(request: GenerateRequest, err: InvalidRequestError) -> ErrorItem:
     """The 400 answer of a request the engine refused, ``param`` the OpenAI field (``code: context_length_exceeded``
     for one over the context)."""
@@ -303,12 +313,20 @@ class TargetReplica:
         request that sets none), and its prompt token ids, once they are known to fit the context.
 
         Raises:
-            InvalidRequestError: the chat template refuses the messages, or ``min_tokens`` exceeds the lowered
+            InvalidRequestError: the chat template refuses the messages, a prompt token id is outside the
+                vocabulary, or ``min_tokens`` exceeds the lowered
                 max_tokens; ContextLengthError: the request does not fit (answered before it is queued: in an
                 admission batch it would fail the batched prefill of the others).
         """
-        ids = self.engine.encode_chat(request.messages) if request.messages is not None else \
-            self.engine.encode(request.prompt)
+        if request.messages is not None:
+            ids = self.engine.encode_chat(request.messages)
+        elif isinstance(request.prompt, list):
+            ids = list(request.prompt)
+            if (bad := next((t for t in ids if not 0 <= t < self.engine.vocab_size), None)) is not None:
+                raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, "
+                                          f"{self.engine.vocab_size})", param="prompt")
+        else:
+            ids = self.engine.encode(request.prompt)
         room = self.config.max_model_len - len(ids)
         if request.max_tokens_default and 1 <= room < request.params.max_tokens:
             if request.params.min_tokens > room:
@@ -620,6 +638,7 @@ class TargetReplica:
         stream.unreleased += out.new_token_ids
         n = len(out.text_lens)
         token_ids, stream.unreleased = stream.unreleased[:n], stream.unreleased[n:]
+        first = len(stream.record.token_ids) == len(out.new_token_ids)
         logprobs = None
         if out.logprobs is not None:
             stream.unreleased_logprobs += logprob_texts(self.engine.tokenizer, out.logprobs, self._token_bytes)
@@ -630,10 +649,13 @@ class TargetReplica:
             text=out.text, token_ids=token_ids, prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,
             spec=spec if out.finished else None, logprobs=logprobs, cached_tokens=out.num_cached_tokens,
+            prompt_logprobs=prompt_logprob_texts(self.engine.tokenizer, stream.prompt_ids, out.prompt_logprobs,
+                                                 self._token_bytes),
+            prompt_text=self.engine.tokenizer.decode(stream.prompt_ids, skip_special_tokens=False)
+            if first and stream.request.echo_ids else None,
         )
         if stream.held is not None:
             chunk = stream.held.then(chunk)
-        first = len(stream.record.token_ids) == len(out.new_token_ids)
         if out.finished or first or chunk.num_tokens >= self.config.stream_interval:
             stream.queue.put_nowait(chunk)
             stream.held = None

@@ -544,6 +544,56 @@ def test_client_completion_logprobs_streamed_and_not(client):
     assert tokens == lp.tokens and offsets == lp.text_offset
 
 
+def test_client_completion_echo_with_logprobs_scores_the_prompt_streamed_and_not(client):
+    """``echo`` with ``logprobs``: the prompt's tokens come first (the first with null logprob and alternatives, the
+    others scored by the mock's rule: app/engine/testing.py), then the answer's; streamed, in the first chunk."""
+    out = client.completions.create(model=MODEL, prompt="ab", max_tokens=4, temperature=0, logprobs=1, echo=True)
+    lp = out.choices[0].logprobs
+    rank = (ord("b") - next_token(ord("a") % VOCAB, VOCAB)) % VOCAB  # of the prompt's second token after its first
+    assert lp.tokens[:2] == [token_text(ord("a")), token_text(ord("b"))] and len(lp.tokens) == 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([-(rank + 1) * LN2] + [-LN2] * 4)
+    assert lp.top_logprobs[1] == pytest.approx({token_text(next_token(ord("a"), VOCAB)): -LN2,
+                                                token_text(ord("b")): -(rank + 1) * LN2})
+    assert lp.text_offset[:3] == [0, len(lp.tokens[0]), 2] and out.choices[0].text.startswith("ab")
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt="ab", max_tokens=4, temperature=0, logprobs=1, echo=True, stream=True)
+        if c.choices and c.choices[0].logprobs is not None]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
+    assert [v for s in streamed for v in s.text_offset] == lp.text_offset
+
+
+def test_client_token_id_prompts_decode_as_their_text_and_echo_it(client, url):
+    """A token-id prompt (one, or a list of them) is the prompt those tokens are; ``echo`` gives its text (the mock
+    tokenizer's), scored with ``logprobs``; an id outside the vocabulary is a 400 naming ``prompt``."""
+    as_text = client.completions.create(model=MODEL, prompt="ab", max_tokens=3, temperature=0).choices[0].text
+    ids = [ord("a"), ord("b")]
+    assert client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0).choices[0].text == as_text
+    both = client.completions.create(model=MODEL, prompt=[ids, [ord("c")]], max_tokens=3, temperature=0, echo=True,
+                                     logprobs=0)
+    echoed = token_text(ord("a")) + token_text(ord("b"))
+    assert both.choices[0].text == echoed + as_text and both.usage.prompt_tokens == 3
+    lp = both.choices[0].logprobs
+    assert lp.tokens == [token_text(t) for t in ids] + [token_text(t) for t in _mock_answer(ord("b"), 3)]
+    assert lp.token_logprobs[0] is None and lp.text_offset[2] == len(echoed)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=3, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == echoed + as_text
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [[1], [VOCAB]], "max_tokens": 2},
+                   headers=AUTH, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert f"token id {VOCAB} is outside the vocabulary" in r.json()["error"]["message"]
+
+
+def _mock_answer(last: int, n: int) -> list[int]:
+    out = []
+    for _ in range(n):
+        last = next_token(last, VOCAB)
+        out.append(last)
+    return out
+
+
 def test_streamed_chunks_carry_the_tokens_of_their_text_while_a_stop_string_holds_text_back(client):
     """With ``stop`` the server holds back text that could start the stop string: the tokens (and logprobs) of that
     text wait with it, so each chunk's text is its tokens' text, and ``text_offset`` indexes the answer."""

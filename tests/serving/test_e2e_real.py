@@ -1,8 +1,9 @@
 """End to end through HTTP with the real default target: greedy output of the served speculative path equals
 plain greedy decoding for 11 concurrent prompts, one prefilled in pieces (near-ties allowed), and 16 concurrent
 sampled requests speculate without a single fallback to plain decoding, with the drafter in its own replica (over
-Serve's gRPC data plane, ``SERVE_ENV``) and colocated in the target replica; streaming equals non-streaming and each
-sampling control equals plain decoding, on the default placement.
+Serve's gRPC data plane, ``SERVE_ENV``) and colocated in the target replica; streaming equals non-streaming, each
+sampling control equals plain decoding and a log-likelihood request (token ids, ``echo``, ``logprobs``) is scored as
+the engine scores it, on the default placement.
 
 Uses the DSpark checkpoint when it is present, else the n-gram drafter (the serving path is the same).
 """
@@ -170,6 +171,30 @@ def test_openai_client_text_parts_and_models_on_the_real_engine(url):
     assert split.choices[0].message.content == joined.choices[0].message.content
     assert split.usage.prompt_tokens == joined.usage.prompt_tokens
     assert client.models.retrieve("smollm2-135m").model_extra["max_model_len"] == 1024
+
+
+@pytest.mark.slow
+@DEFAULT_PLACEMENT_ONLY
+def test_echo_with_logprobs_scores_a_token_id_prompt_as_the_engine_does(url, engine):
+    """A log-likelihood request as evaluation harnesses send it (lm-evaluation-harness's ``local-completions``:
+    token ids of context + continuation, ``echo``, ``logprobs`` 1, ``max_tokens`` 1): every prompt token but the first
+    scored as the engine alone scores it (same tokens; logprobs within the rounding of another process's step), the
+    same when the prompt is sent again and the prefix cache holds it (computed whole: no cached tokens)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    ids = engine.encode("Question: What is the capital of France?\nAnswer: The capital of France is Paris.")
+    reference = generate(engine, [ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0][0].prompt_logprobs
+    for _ in range(2):
+        out = client.completions.create(model="smollm2-135m", prompt=ids, echo=True, logprobs=1, max_tokens=1,
+                                        temperature=0)
+        lp = out.choices[0].logprobs
+        assert out.usage.prompt_tokens == len(ids) and out.usage.prompt_tokens_details.cached_tokens == 0
+        assert out.choices[0].text.startswith(engine.tokenizer.decode(ids)) and len(lp.token_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None
+        assert lp.token_logprobs[1 : len(ids)] == pytest.approx([e.logprob for e in reference[1:]], abs=0.05)
+        assert [max(top, key=top.get) for top in lp.top_logprobs[1 : len(ids)]] == \
+            [engine.tokenizer.decode([e.top[0][0]]) for e in reference[1:]]
 
 
 @pytest.mark.slow

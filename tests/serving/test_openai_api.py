@@ -64,6 +64,11 @@ def test_defaults_seeds_per_choice_and_completion_logprobs():
     req = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "logprobs": 3, "n": 2})
     assert req.prompts == ["a", "b"] and req.params().logprobs == 3 and req.num_choices == 2
     assert req.params().max_tokens == 16  # completions: OpenAI's (and vLLM's) default
+    assert req.params().prompt_logprobs is None
+    echoed = CompletionRequest.model_validate({"model": "m", "prompt": "a", "logprobs": 3, "echo": True})
+    assert (echoed.params().logprobs, echoed.params().prompt_logprobs) == (3, 3)  # the echoed prompt is scored
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "a", "echo": True}).params().prompt_logprobs \
+        is None
 
 
 REFUSED = [  # request -> the field the 400 must name
@@ -84,10 +89,12 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
     ({"prompt": "a", "suffix": "b"}, "suffix"),
     ({"prompt": "a", "best_of": 2}, "best_of"),  # combinations of fields: the one to change
-    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": ["a"] * 17}, "prompt"),
     ({"prompt": ["a"] * 5, "n": 4}, "n"),
-    ({"prompt": [1, 2, 3]}, "prompt"),
+    ({"prompt": [1, -2, 3]}, "prompt"),
+    ({"prompt": [[1, 2], [True]]}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
     # nothing is coerced: a value of the wrong JSON type is a 400 naming its field
     ({"messages": MESSAGES, "temperature": "0.5"}, "temperature"),
     ({"messages": MESSAGES, "temperature": True}, "temperature"),
@@ -126,12 +133,19 @@ def test_unsupported_fields_are_400s_naming_them(body, param):
 def test_neutral_values_of_options_this_server_lacks_are_accepted_and_bad_prompts_named_by_kind():
     for field, value in (("reasoning_effort", "none"), ("tool_choice", "none"), ("tools", [])):
         ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, field: value})
-    for prompt, message in (([[1, 2], [3]], "a token-id prompt is not supported"),
-                            ([["a"]], "prompt must be a string or a list of strings")):
+    for prompt, message in (([[1, 2], [-3]], "prompt token ids must be integers >= 0"),
+                            ([["a"]], "prompt must be a string, a list of strings, a list of token ids or a list of "
+                                      "lists of token ids")):
         with pytest.raises(ValidationError) as err:
             CompletionRequest.model_validate({"model": "m", "prompt": prompt})
         item = validation_error(err.value)
         assert item.param == "prompt" and message in item.message, item
+
+
+@pytest.mark.parametrize("prompt,prompts", [("ab", ["ab"]), (["ab", "c"], ["ab", "c"]), ([5, 0, 7], [[5, 0, 7]]),
+                                            ([[5], [0, 7]], [[5], [0, 7]])])
+def test_the_four_prompt_shapes_give_their_prompts(prompt, prompts):
+    assert CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompts == prompts
 
 
 def test_text_parts_join_with_newlines():
@@ -162,6 +176,11 @@ def test_logprobs_json_shapes():
     split = [TokenLogprobText("a", -0.1, text_len=1), TokenLogprobText("\ufffd", -0.1, text_len=0),
              TokenLogprobText("\ufffd", -0.1, text_len=1), TokenLogprobText("b", -0.1, text_len=1)]
     assert completion_logprobs(split, offset=0)["text_offset"] == [0, 1, 1, 2]  # the text is "a🌟b"
+    prompt = [TokenLogprobText("Hi", None), TokenLogprobText(" there", -3.0, (("!", -0.5),))]
+    echoed = completion_logprobs(ENTRIES, offset=8, prompt=prompt)  # echo "Hi there", then the answer
+    assert echoed == {"tokens": ["Hi", " there", " w1", "é"], "token_logprobs": [None, -3.0, -0.5, -0.25],
+                      "text_offset": [0, 2, 8, 11],
+                      "top_logprobs": [None, {"!": -0.5, " there": -3.0}, {" w1": -0.5, " w2": -1.5}, {"é": -0.25}]}
 
 
 def test_metrics_text_has_vllm_spec_decode_counters():

@@ -45,8 +45,11 @@ from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParam
 
 log = logging.getLogger(__name__)
 
-# Rows of float32 logits [rows, V] a request's prompt logprobs are computed from at a time (100 MB at V = 49,152)
-PROMPT_LOGPROB_ROWS = 512
+# Rows of float32 logits [rows, V] a request's prompt logprobs are computed from at a time (100 MB at V = 49,152),
+# padded up to a multiple of PROMPT_LOGPROB_BUCKET: the LM head then meets 8 row counts, not one per prompt length
+# (on the CPU each new count costs oneDNN a new primitive, ~1 MB held in its caches; a float32 row's values do not
+# depend on the rows beside it: app/engine/prepack.py)
+PROMPT_LOGPROB_ROWS, PROMPT_LOGPROB_BUCKET = 512, 64
 
 
 @dataclass
@@ -425,10 +428,12 @@ class TargetEngine(Engine):
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
         """The raw target's logprobs of prompt tokens ``targets`` and their top-k alternatives, from the last-layer
         hidden states [n, Dm] of the rows before them (row j predicts ``targets[j]``), ``PROMPT_LOGPROB_ROWS`` rows
-        of float32 logits [rows, V] at a time."""
+        of float32 logits [rows, V] at a time, in calls padded to ``PROMPT_LOGPROB_BUCKET`` rows."""
         out: list[TokenLogprob] = []
         for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
-            logits = self.model.logits_from_final_hidden(hidden[a : a + PROMPT_LOGPROB_ROWS])
+            rows = hidden[a : a + PROMPT_LOGPROB_ROWS]
+            pad = -len(rows) % PROMPT_LOGPROB_BUCKET
+            logits = self.model.logits_from_final_hidden(torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]))
             out += token_logprobs(logits, targets[a : a + PROMPT_LOGPROB_ROWS], k)
         return out
 

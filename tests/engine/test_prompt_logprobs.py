@@ -102,3 +102,22 @@ def test_the_mock_engine_scores_a_prompt_by_its_rule():
     assert out.prompt_logprobs[0] is None
     assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx([-math.log(2), -3 * math.log(2)])
     assert out.prompt_logprobs[2].top == ((next_token(prompt[1], engine.vocab_size), -math.log(2)),)
+
+
+def test_the_lm_head_scores_prompts_in_a_few_row_counts(engine32, scored):
+    """Prompt rows reach the LM head padded to a multiple of ``PROMPT_LOGPROB_BUCKET``, so prompts of every length
+    meet a few row counts (a new one costs oneDNN a primitive), with the logprobs of unpadded rows."""
+    from app.engine.engine import PROMPT_LOGPROB_BUCKET
+
+    _, _, prompt = scored
+    expected = generate(engine32, [prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))[0][0].prompt_logprobs
+    seen: list[int] = []
+    hook = engine32.model.lm_head.register_forward_pre_hook(lambda _, args: seen.append(len(args[0])))
+    try:
+        for n in (len(prompt), len(prompt) - 5, 9):
+            result = generate(engine32, [prompt[:n]], SamplingParams(max_tokens=1, prompt_logprobs=2))[0][0]
+            check_same_logprobs(result.prompt_logprobs[1:], expected[1:n])
+    finally:
+        hook.remove()
+    scoring = [rows for rows in seen if rows > 1]  # (a first token's row is the other call, if any)
+    assert len(scoring) == 3 and all(rows % PROMPT_LOGPROB_BUCKET == 0 for rows in scoring), seen

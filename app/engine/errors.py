@@ -33,8 +33,14 @@ class ContextLengthError(InvalidRequestError):
             err.terms = (prompt_tokens, max_tokens, limit)
             raise err
 
-    def describe(self, max_tokens_field: str) -> str:
-        """The message with the request's own name for max_tokens (``max_completion_tokens`` where it set that)."""
+    def describe(self, max_tokens_field: str, *, max_tokens_default: bool = False) -> str:
+        """The message with the request's own name for max_tokens (``max_completion_tokens`` where it set that);
+        ``max_tokens_default``: the request set none (a default the serving layer lowers to what the context leaves,
+        so only a prompt that fills the context fails): the message names the prompt alone."""
+        prompt_tokens, _, limit = self.terms
+        if max_tokens_default:
+            return (f"prompt of {prompt_tokens} tokens leaves no room for an answer within the context limit of "
+                    f"{limit} tokens")
         return self._message(*self.terms, max_tokens_field)
 
     @staticmethod

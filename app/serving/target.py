@@ -142,8 +142,8 @@ def invalid_request(request: GenerateRequest, err: InvalidRequestError) -> Error
     """The 400 answer of a request the engine refused, ``param`` the OpenAI field (``code: context_length_exceeded``
     for one over the context)."""
     if isinstance(err, ContextLengthError):
-        return ErrorItem(400, err.describe(request.max_tokens_param), param=request.api_param(err.param),
-                         code="context_length_exceeded")
+        return ErrorItem(400, err.describe(request.max_tokens_param, max_tokens_default=request.max_tokens_default),
+                         param=request.api_param(err.param), code="context_length_exceeded")
     return ErrorItem(400, str(err), param=request.api_param(err.param))
 
 

@@ -195,7 +195,11 @@ def test_a_request_without_max_tokens_gets_what_the_context_leaves_its_prompt(ur
         assert (usage["prompt_tokens"], usage["completion_tokens"], choice["finish_reason"]) == (
             prompt_tokens, room, "length")
     for body, param, message in (
-            (chat("x" * (MAX_MODEL_LEN - 1)), "messages", "exceeds the context limit"),
+            (chat("x" * (MAX_MODEL_LEN - 1)), "messages",
+             f"prompt of {MAX_MODEL_LEN} tokens leaves no room for an answer within the context limit of "
+             f"{MAX_MODEL_LEN} tokens"),  # the default max_tokens it would lower is not named
+            (chat("x" * (MAX_MODEL_LEN - 1), max_tokens=5), "messages",
+             f"+ max_tokens 5 = {MAX_MODEL_LEN + 5} exceeds"),
             (chat("x" * 200, min_tokens=100), "min_tokens", "min_tokens 100 exceeds the 55 tokens the context leaves")):
         r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json=body, timeout=30)
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text

@@ -396,7 +396,9 @@ class TargetReplica:
                     await self._round()
                 elif self._finishes_due:
                     await self._call_drafter(self.loop.take_call())  # tell the drafter to forget cancelled requests
-                elif self._waiting and not self._prefilling:  # nothing running, yet no slot free: a slot is lost
+                elif self._waiting and not self._prefilling and not self.engine.num_free_slots:
+                    # nothing running, yet no slot free: a slot is lost (with a free slot the waiting are admitted
+                    # next time round: a prompt's last piece just ended its request, say)
                     err = RuntimeError(f"no free KV slot with no request running ({len(self._waiting)} waiting)")
                     log.error("target step loop: %s; failing the waiting requests", err)
                     waiting, self._waiting = list(self._waiting), collections.deque()

@@ -737,3 +737,41 @@ def test_a_request_that_goes_away_while_prefilled_in_pieces_frees_its_slot(monke
 
 async def _collect(replica, request) -> list:
     return [item async for item in replica.generate(request)]
+
+
+def test_a_request_waiting_while_the_last_piece_of_a_prompt_ends_its_request_is_admitted(monkeypatch):
+    """A prompt prefilled in pieces whose request ends with its first token (max_tokens 1: a log-likelihood request)
+    leaves nothing running, with a request queued while its last piece ran: that one is admitted next (it failed
+    with a 500 as if a slot were lost)."""
+    replica = make_replica(monkeypatch, max_prefill_tokens=40, mock_step_ms=5)
+    admit, first_piece = replica.loop.admit, threading.Event()
+
+    def slow_first_piece(requests):
+        first_piece.set()
+        time.sleep(0.2)  # on the torch thread: the next request arrives meanwhile, queued behind the last piece
+        return admit(requests)
+
+    monkeypatch.setattr(replica.loop, "admit", slow_first_piece)
+
+    async def main():
+        try:
+            long = asyncio.create_task(_collect(replica, _chat("long", "x" * 59, 1)))  # 60 tokens: pieces 40, 20
+            await asyncio.to_thread(first_piece.wait, 10)
+            later = await asyncio.wait_for(_collect(replica, _chat("later", "hi", 5)), timeout=30)
+            return await long, later
+        finally:
+            for task in replica._tasks:
+                task.cancel()
+
+    long, later = asyncio.run(main())
+    assert num_tokens(long) == 1 and num_tokens(later) == 5
+
+
+def test_waiting_requests_fail_when_every_slot_is_lost(replica):
+    """Slots held with nothing running (a bug would leave them so): the waiting requests get a 500 naming it, not a
+    wait for ever."""
+    engine = replica.engine
+    engine.add_requests([NewRequest(f"leaked-{i}", [5], SamplingParams(max_tokens=9)) for i in range(4)])
+    assert engine.num_free_slots == 0
+    (items,) = run_requests(replica, [3])
+    assert len(items) == 1 and items[0].status == 500 and "no free KV slot with no request running" in items[0].message

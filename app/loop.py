@@ -317,16 +317,17 @@ class SpecLoop:
 
     def admission_size(self, prompts: Sequence[Sequence[int]], *, max_active: int | None = None,
                        params: Sequence[SamplingParams] | None = None) -> int:
-        """How many of the waiting prompts (token ids, in queue order; ``params``: their settings, where one may ask
-        for ``prompt_logprobs``) the next ``admit`` takes: as many as fit the
-        free KV slots (and ``max_active`` active requests, when given) and ``max_prefill_tokens`` (0: none fits).
+        """How many of the waiting prompts (token ids, in queue order; ``params``: their settings, one per prompt at
+        least as far as the free slots reach, where one may ask for ``prompt_logprobs``) the next ``admit`` takes: as
+        many as fit the free KV slots (and ``max_active`` active requests, when given) and ``max_prefill_tokens``
+        (0: none fits).
         The budget counts the tokens each prefill computes (``Engine.prefill_tokens``: a prefix reused from the
         prefix cache is free), as vLLM's ``max_num_batched_tokens`` does. With chunked prefill the last prompt taken
         may pass it (its first piece fills the budget); while requests are active none is taken after a prefill
         forward since the last round; while a prompt is in pieces, only prompts that fit the budget whole, and only
         on admission's turn (``piece_due``: the forwards alternate). With prefix caching, a prompt that would reuse
         a long prefix from an earlier prompt of the same batch waits for the next admission
-        (``admission.first_deferred``)."""
+        (``admission.first_deferred``), unless it asks for ``prompt_logprobs`` (computed whole anyway)."""
         free = self.engine.num_free_slots
         if max_active is not None:
             free = min(free, max_active - len(self.active) - len(self.prefilling))
@@ -342,7 +343,10 @@ class SpecLoop:
             n = n if sum(lens[:n]) <= self.max_prefill_tokens else 0
         elif self.chunked_prefill and n < len(window) and sum(lens[:n]) < self.max_prefill_tokens:
             n += 1  # the rest of the budget starts the next prompt
-        return first_deferred(window[:n], lens[:n]) if self.engine.prefix_caching and n else n
+        if not (self.engine.prefix_caching and n):
+            return n
+        whole = [p is not None and p.prompt_logprobs is not None for p in params[:n]] if params is not None else ()
+        return first_deferred(window[:n], lens[:n], whole=whole)
 
     @property
     def piece_due(self) -> bool:

@@ -36,7 +36,7 @@ def prefill_batch_size(prompt_lens: Sequence[int], *, max_tokens: int, max_reque
 
 
 def first_deferred(prompts: Sequence[Sequence[int]], computed: Sequence[int], *,
-                   min_tokens: int = IN_BATCH_REUSE_MIN_TOKENS) -> int:
+                   min_tokens: int = IN_BATCH_REUSE_MIN_TOKENS, whole: Sequence[bool] = ()) -> int:
     """In-batch prefix reuse: the index of the first prompt that shares at least ``min_tokens`` more tokens with an
     earlier prompt of the batch than the prefix cache gives it now, or ``len(prompts)``. Admitting the prompts before
     it first lets it (n > 1 copies of one prompt, a burst behind one long system prompt) prefill only what it adds.
@@ -45,9 +45,13 @@ def first_deferred(prompts: Sequence[Sequence[int]], computed: Sequence[int], *,
         prompts: token ids of the batch, in admission order.
         computed: per prompt, the tokens its prefill computes with the prefix cache as it is
             (``Engine.prefill_tokens``).
+        whole: per prompt (or none: all False), whether it is computed whole whatever the cache holds (a request
+            with ``prompt_logprobs``): such a prompt gains nothing by waiting and is never deferred.
     """
     arrays = [np.asarray(p) for p in prompts]
     for i in range(1, len(arrays)):
+        if i < len(whole) and whole[i]:
+            continue
         cached = len(arrays[i]) - computed[i]
         reusable = len(arrays[i]) - 1  # the last prompt token is always computed
         if reusable - cached < min_tokens:

@@ -86,6 +86,20 @@ def test_admission_counts_the_whole_prompt_of_a_request_with_prompt_logprobs(eng
     assert loop.admission_size([prompt, prompt], params=[scoring, scoring]) == 1
 
 
+def test_scored_prompts_sharing_a_prefix_are_admitted_together(engine32):
+    """A prompt sharing 64 tokens or more with an earlier one of its admission batch waits for the next forward to
+    reuse them (``admission.first_deferred``), unless it asks for prompt logprobs: computed whole anyway, it goes in
+    the same forward (the n choices of an echoed request, the choices of a multiple-choice question)."""
+    shared = engine32.encode("The quick brown fox jumps over the lazy dog. " * 12)
+    assert len(shared) >= 64
+    prompts = [shared + engine32.encode(" Yes"), shared + engine32.encode(" No")]
+    loop = SpecLoop(engine32, gamma=None, speculates=False, max_prefill_tokens=4096)
+    assert loop.admission_size(prompts) == 1
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    assert loop.admission_size(prompts, params=[scoring, scoring]) == 2
+    assert loop.admission_size(prompts, params=[SamplingParams(max_tokens=1), scoring]) == 2
+
+
 @pytest.mark.parametrize("value", [-1, 21, 2.0, "3", True])
 def test_prompt_logprobs_out_of_range_are_refused_by_name(value):
     with pytest.raises(InvalidRequestError, match="prompt_logprobs must be an integer") as err:

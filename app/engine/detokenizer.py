@@ -20,12 +20,14 @@ class IncrementalDetokenizer:
     """Per-request text state; ``add`` one generated token at a time.
 
     Decodes a sliding window of recent tokens (``prefix_offset`` .. end) rather than the whole output, so the
-    cost per token stays constant.
+    cost per token stays constant. Special tokens read as no text, unless ``skip_special_tokens`` is False (an echoed
+    prompt's).
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._stop = stop
+        self._skip = skip_special_tokens
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -43,8 +45,8 @@ class IncrementalDetokenizer:
         when ``check_stop``: the engine does not before ``min_tokens``, so a stop string completed earlier is
         kept as text)."""
         self._ids.append(token_id)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = self._tok.decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return  # an incomplete UTF-8 sequence or a special token: nothing new yet
         before = len(self.text)

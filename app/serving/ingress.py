@@ -475,13 +475,13 @@ class Ingress:
                 body.setdefault("usage", None)
             return f"data: {json.dumps(body)}\n\n"
 
-        def logprobs(chunk: TextChunk, offset: int, *, echoed: bool) -> dict | None:
-            """The chunk's logprobs object; ``echoed``: the chunk carries the echoed prompt, and its tokens'."""
+        def logprobs(chunk: TextChunk, offset: int) -> dict | None:
+            """The chunk's logprobs object (a choice's first chunk: the scored prompt's tokens first, if any)."""
             if chunk.logprobs is None:
                 return None
             if chat:
                 return chat_logprobs(chunk.logprobs)
-            return completion_logprobs(chunk.logprobs, offset, prompt=chunk.prompt_logprobs or () if echoed else ())
+            return completion_logprobs(chunk.logprobs, offset, prompt=chunk.prompt_logprobs or ())
 
         tasks = [asyncio.create_task(pump(c)) for c in flight.choices]
         offsets = {c.index: 0 for c in flight.choices}  # characters sent per choice (completions' text_offset)
@@ -500,14 +500,12 @@ class Ingress:
                     return
                 completion_tokens += chunk.num_tokens
                 text = chunk.text
-                echoed = chunk is choice.first and bool(choice.echo)
-                if echoed:
+                if chunk is choice.first and choice.echo:
                     text = choice.echo + text
                     offsets[choice.index] = len(choice.echo)
                 if text or chunk.logprobs:
                     yield event(chunk_body(chat=chat, request_id=request_id, created=created, model=model, text=text,
-                                           index=choice.index,
-                                           logprobs=logprobs(chunk, offsets[choice.index], echoed=echoed)))
+                                           index=choice.index, logprobs=logprobs(chunk, offsets[choice.index])))
                     offsets[choice.index] += len(chunk.text)
                 if chunk.finish_reason is not None:
                     choice.done, remaining = True, remaining - 1

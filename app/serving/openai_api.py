@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -455,7 +455,8 @@ def chat_logprobs(entries: list[TokenLogprobText]) -> dict:
             "refusal": None}
 
 
-def completion_logprobs(entries: list[TokenLogprobText], offset: int, prompt: list[TokenLogprobText] = ()) -> dict:
+def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int,
+                        prompt: Sequence[TokenLogprobText] = ()) -> dict:
     """OpenAI's completions ``logprobs`` object; ``offset`` is the text offset of the first token (characters), and
     ``text_offset`` indexes the response text (a token inside a UTF-8 character starts where the character does).
     ``top_logprobs`` maps the k alternatives and the chosen token to their logprobs (up to k + 1 entries).
@@ -465,7 +466,7 @@ def completion_logprobs(entries: list[TokenLogprobText], offset: int, prompt: li
     offsets, at = [], 0
     for e in prompt:
         offsets.append(at)
-        at += len(e.token)
+        at += len(e.token) if e.text_len is None else e.text_len
     for e in entries:
         offsets.append(offset)
         offset += len(e.token) if e.text_len is None else e.text_len

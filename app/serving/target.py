@@ -37,7 +37,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from app.drafters.lookup import PromptLookup, read_lookup_rates
 from app.engine.contract import Engine
-from app.engine.detokenizer import TokenBytes
+from app.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from app.engine.types import FinishReason, NewRequest, StepOutput, TokenLogprob
 from app.loop import DraftCall, DraftRound, RequestResult, Round, SpecLoop
@@ -128,14 +128,25 @@ def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None,
             for lp in logprobs]
 
 
+def prompt_text(tokenizer, prompt_ids: list[int]) -> tuple[str, list[int]]:
+    """A prompt's text, decoded as an answer is (incrementally; special tokens kept, as an echo shows them), and the
+    characters of it each token brings (``IncrementalDetokenizer.release``)."""
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    for token in prompt_ids:
+        detok.add(token, check_stop=False)
+    return detok.release(final=True)
+
+
 def prompt_logprob_texts(tokenizer, prompt_ids: list[int], logprobs: list[TokenLogprob | None] | None,
-                         token_bytes: TokenBytes) -> list[TokenLogprobText] | None:
-    """``StepOutput.prompt_logprobs`` as ``logprob_texts`` gives an output's; the first prompt token (None there)
-    with its text and a logprob of None."""
+                         token_bytes: TokenBytes, text_lens: list[int]) -> list[TokenLogprobText] | None:
+    """``StepOutput.prompt_logprobs`` as ``logprob_texts`` gives an output's, each entry with the characters of the
+    prompt's text its token brings (``text_lens``, from ``prompt_text``); the first prompt token (None there) with
+    its text and a logprob of None."""
     if logprobs is None:
         return None
     first = TokenLogprobText(tokenizer.decode([prompt_ids[0]]), None, token_bytes=token_bytes(prompt_ids[0]))
-    return [first] + logprob_texts(tokenizer, logprobs[1:], token_bytes)
+    entries = [first] + logprob_texts(tokenizer, logprobs[1:], token_bytes)
+    return [replace(entry, text_len=chars) for entry, chars in zip(entries, text_lens, strict=True)]
 
 
 def invalid_request(request: GenerateRequest, err: InvalidRequestError) -> ErrorItem:
@@ -647,14 +658,16 @@ class TargetReplica:
             logprobs = [replace(entry, text_len=chars)
                         for entry, chars in zip(stream.unreleased_logprobs[:n], out.text_lens, strict=True)]
             stream.unreleased_logprobs = stream.unreleased_logprobs[n:]
+        echo_text, echo_lens = None, []
+        if first and (stream.request.echo_ids or out.prompt_logprobs is not None):
+            echo_text, echo_lens = prompt_text(self.engine.tokenizer, stream.prompt_ids)
         chunk = TextChunk(
             text=out.text, token_ids=token_ids, prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,
             spec=spec if out.finished else None, logprobs=logprobs, cached_tokens=out.num_cached_tokens,
             prompt_logprobs=prompt_logprob_texts(self.engine.tokenizer, stream.prompt_ids, out.prompt_logprobs,
-                                                 self._token_bytes),
-            prompt_text=self.engine.tokenizer.decode(stream.prompt_ids, skip_special_tokens=False)
-            if first and stream.request.echo_ids else None,
+                                                 self._token_bytes, echo_lens),
+            prompt_text=echo_text if stream.request.echo_ids else None,
         )
         if stream.held is not None:
             chunk = stream.held.then(chunk)

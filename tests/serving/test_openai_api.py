@@ -176,11 +176,15 @@ def test_logprobs_json_shapes():
     split = [TokenLogprobText("a", -0.1, text_len=1), TokenLogprobText("\ufffd", -0.1, text_len=0),
              TokenLogprobText("\ufffd", -0.1, text_len=1), TokenLogprobText("b", -0.1, text_len=1)]
     assert completion_logprobs(split, offset=0)["text_offset"] == [0, 1, 1, 2]  # the text is "a🌟b"
-    prompt = [TokenLogprobText("Hi", None), TokenLogprobText(" there", -3.0, (("!", -0.5),))]
+    prompt = [TokenLogprobText("Hi", None, text_len=2), TokenLogprobText(" there", -3.0, (("!", -0.5),), text_len=6)]
     echoed = completion_logprobs(ENTRIES, offset=8, prompt=prompt)  # echo "Hi there", then the answer
     assert echoed == {"tokens": ["Hi", " there", " w1", "é"], "token_logprobs": [None, -3.0, -0.5, -0.25],
                       "text_offset": [0, 2, 8, 11],
                       "top_logprobs": [None, {"!": -0.5, " there": -3.0}, {" w1": -0.5, " w2": -1.5}, {"é": -0.25}]}
+    # an echoed "a🌟" split over two tokens: the text its tokens bring, not their lone decodes' U+FFFD
+    split_prompt = [TokenLogprobText("a", None, text_len=1), TokenLogprobText("\ufffd", -1.0, text_len=0),
+                    TokenLogprobText("\ufffd", -1.0, text_len=1)]
+    assert completion_logprobs(ENTRIES, offset=2, prompt=split_prompt)["text_offset"] == [0, 1, 1, 2, 5]
 
 
 def test_metrics_text_has_vllm_spec_decode_counters():

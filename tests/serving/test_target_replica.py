@@ -775,3 +775,18 @@ def test_waiting_requests_fail_when_every_slot_is_lost(replica):
     assert engine.num_free_slots == 0
     (items,) = run_requests(replica, [3])
     assert len(items) == 1 and items[0].status == 500 and "no free KV slot with no request running" in items[0].message
+
+
+def test_an_echoed_prompt_s_text_and_the_characters_each_token_brings():
+    """``target.prompt_text``: the real tokenizer's prompt decoded incrementally, special tokens kept, a character
+    split over several tokens counted once (by the token that ends it)."""
+    from transformers import AutoTokenizer
+
+    from app.engine.loader import local_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(str(local_checkpoint()))
+    text = "Paris \U0001F31F \u6771\u4eac ok<|im_end|>x"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decoded, lens = target_module.prompt_text(tokenizer, ids)
+    assert decoded == text and sum(lens) == len(text) and len(lens) == len(ids)
+    assert 0 in lens and max(lens) == len("<|im_end|>")

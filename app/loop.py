@@ -345,7 +345,7 @@ class SpecLoop:
             n += 1  # the rest of the budget starts the next prompt
         if not (self.engine.prefix_caching and n):
             return n
-        whole = [p is not None and p.prompt_logprobs is not None for p in params[:n]] if params is not None else ()
+        whole = [p.whole_prompt for p in params[:n]] if params is not None else ()
         return first_deferred(window[:n], lens[:n], whole=whole)
 
     @property

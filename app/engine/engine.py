@@ -250,7 +250,7 @@ class TargetEngine(Engine):
     def prefill_tokens(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
         """T less the prefix the prefix cache would reuse for ``prompt_ids`` now (T without prefix caching, or for a
         request with ``prompt_logprobs``)."""
-        if self._prefix is None or len(prompt_ids) < 2 or params is not None and params.prompt_logprobs is not None:
+        if self._prefix is None or len(prompt_ids) < 2 or params is not None and params.whole_prompt:
             return len(prompt_ids)
         return len(prompt_ids) - self._prefix.match(torch.as_tensor(prompt_ids, dtype=torch.long)).length
 
@@ -309,9 +309,8 @@ class TargetEngine(Engine):
                 f"(max_num_seqs {self.config.max_num_seqs})"
             )
         hits = [MISS] * len(prompts)
-        if self._prefix is not None:  # a request with prompt logprobs computes its whole prompt (SamplingParams)
-            hits = [MISS if r.params.prompt_logprobs is not None else self._prefix.match(ids)
-                    for r, ids in zip(requests, prompts)]
+        if self._prefix is not None:
+            hits = [MISS if r.params.whole_prompt else self._prefix.match(ids) for r, ids in zip(requests, prompts)]
         for hit in hits:  # this batch's donors are given out last: a request not taking its donor's goes elsewhere
             if hit.length:
                 self._prefix.touch(hit.slot)

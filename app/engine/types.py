@@ -208,6 +208,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def whole_prompt(self) -> bool:
+        """Whether the prefill computes the whole prompt, whatever prefix the prefix cache holds: prompt logprobs
+        need the logits of every prompt row, which a reused prefix does not have. The engine's admission and the
+        loop's prefill budget and in-batch prefix reuse all follow this."""
+        return self.prompt_logprobs is not None
+
     @functools.cached_property
     def full_logits(self) -> bool:
         """Whether the target computes this request's logits over the whole vocabulary (float32 LM head): sampled,

@@ -463,18 +463,18 @@ def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int,
 
     ``prompt``: with ``echo``, the echoed prompt's tokens (``TextChunk.prompt_logprobs``), listed first from text
     offset 0, the first one's logprob and alternatives null (as OpenAI and vLLM give them)."""
-    offsets, at = [], 0
-    for e in prompt:
-        offsets.append(at)
-        at += len(e.token) if e.text_len is None else e.text_len
-    for e in entries:
-        offsets.append(offset)
-        offset += len(e.token) if e.text_len is None else e.text_len
+    def offsets(tokens: Sequence[TokenLogprobText], at: int) -> list[int]:
+        out = []
+        for e in tokens:
+            out.append(at)
+            at += len(e.token) if e.text_len is None else e.text_len
+        return out
+
     every = [*prompt, *entries]
     return {
         "tokens": [e.token for e in every], "token_logprobs": [e.logprob for e in every],
         "top_logprobs": [None if e.logprob is None else {**dict(e.top), e.token: e.logprob} for e in every],
-        "text_offset": offsets,
+        "text_offset": offsets(prompt, 0) + offsets(entries, offset),
     }
 
 

@@ -14,6 +14,8 @@ from app.engine.errors import InvalidRequestError
 from app.engine.testing import MockEngine, MockEngineConfig, next_token
 from app.engine.types import NewRequest, SamplingParams
 from app.loop import SpecLoop, generate
+from tests.engine.near_tie import check_same_or_near_tie, check_seeded_same_or_near_tie
+from tests.engine.proposers import RandomProposer
 
 TOLERANCE = 1e-3  # logprobs of one token in a prefill row and in a decode row (float32)
 
@@ -98,6 +100,24 @@ def test_scored_prompts_sharing_a_prefix_are_admitted_together(engine32):
     scoring = SamplingParams(max_tokens=1, prompt_logprobs=1)
     assert loop.admission_size(prompts, params=[scoring, scoring]) == 2
     assert loop.admission_size(prompts, params=[SamplingParams(max_tokens=1), scoring]) == 2
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+def test_scoring_the_prompt_leaves_the_answer_as_it_is(engine32, scored, sampled):
+    """The same requests with and without prompt logprobs, with random drafts in every round (greedy, and sampled
+    with a seed, top_p 0.95): the same tokens (up to a near-tie of the logits, as any two runs in other step shapes:
+    a scored prompt is computed whole where the other may reuse its cached prefix)."""
+    question, _, prompt = scored
+    base = dict(max_tokens=10, ignore_eos=True) | (dict(temperature=0.8, top_p=0.95, seed=11) if sampled else {})
+    plain, scoring = SamplingParams(**base), SamplingParams(**base, prompt_logprobs=1)
+    prompts = [question, prompt]
+    ref = generate(engine32, prompts, plain, proposer=RandomProposer(engine32.vocab_size, [3, 5], seed=4))[0]
+    got = generate(engine32, prompts, scoring, proposer=RandomProposer(engine32.vocab_size, [5, 2], seed=9))[0]
+    check = check_seeded_same_or_near_tie if sampled else check_same_or_near_tie
+    for ids, r, g in zip(prompts, ref, got):
+        assert len(g.prompt_logprobs) == len(ids) and r.prompt_logprobs is None
+        check(engine32, ids, r.token_ids, g.token_ids, plain)
+    assert sum(g.num_draft for g in got) > 0
 
 
 @pytest.mark.parametrize("value", [-1, 21, 2.0, "3", True])

@@ -129,6 +129,16 @@ class _Choice:
     done: bool = False
 
 
+def _prompt_alone(first: TextChunk | ErrorItem) -> TextChunk | ErrorItem:
+    """The first chunk of a prompt-only choice (completions' ``max_tokens: 0``: ``CompletionRequest.prompt_only``) as
+    the response shows it: without the token the engine sampled (its text, id and logprob), finished for ``length``
+    as the request's 0 tokens were (the engine's request of 1 token ends with its first chunk)."""
+    if isinstance(first, ErrorItem):
+        return first
+    return dataclasses.replace(first, text="", token_ids=[], logprobs=None if first.logprobs is None else [],
+                               finish_reason=first.finish_reason and "length")
+
+
 class _InFlight:
     """The target streams of one HTTP request and its admission slots: ``close`` (idempotent) cancels the streams
     still running and gives the slots back."""
@@ -385,6 +395,8 @@ class Ingress:
                 return error_response(refused, self.config.retry_after_s)
             started = await asyncio.gather(*[self._start(g, own_context=len(generates) > 1)
                                              for _, g, _ in generates])
+            if not chat and req.prompt_only:
+                started = [(stream, _prompt_alone(first)) for stream, first in started]
             flight.choices = [_Choice(index, stream, first, echo or getattr(first, "prompt_text", None) or "")
                               for (index, _, echo), (stream, first) in zip(generates, started)]
             for choice in flight.choices:

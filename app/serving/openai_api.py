@@ -340,6 +340,7 @@ Prompt = str | list[int]  # a completion prompt: text, or token ids
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, description="0 (with echo): the prompt alone, scored with logprobs.")
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = Field(None, ge=1)
@@ -394,6 +395,11 @@ class CompletionRequest(_Common):
         if self.best_of is not None and self.best_of != self.num_choices:
             raise InvalidRequestError("best_of must equal n (choosing the best of several is not supported)",
                                       param="best_of")
+        if self.prompt_only and not self.echo:
+            raise InvalidRequestError("max_tokens: 0 generates nothing; it needs echo: true (the prompt alone, scored "
+                                      "with logprobs)", param="max_tokens")
+        if self.prompt_only and self.min_tokens:
+            raise InvalidRequestError(f"min_tokens: {self.min_tokens} is more than max_tokens (0)", param="min_tokens")
         if len(self.prompts) * self.num_choices > MAX_CHOICES:
             raise InvalidRequestError(f"prompts x n must be at most {MAX_CHOICES}",
                                       param="n" if self.num_choices > 1 else "prompt")
@@ -403,12 +409,25 @@ class CompletionRequest(_Common):
     def prompts(self) -> list[Prompt]:
         return self.prompt_list(self.prompt)
 
+    @property
+    def max_tokens_default(self) -> bool:
+        """Whether the engine's max_tokens is not one the request set: none set, or 0 (``prompt_only``: a context
+        error then names the prompt alone, not the 1 token the engine samples)."""
+        return self.max_tokens is None or self.prompt_only
+
+    @property
+    def prompt_only(self) -> bool:
+        """``max_tokens: 0`` (with ``echo``): the response is the prompt alone (OpenAI's legacy way to score a text,
+        vLLM's too). The engine prefills and samples one token, which the response leaves out."""
+        return self.max_tokens == 0
+
     def params(self, choice: int = 0) -> SamplingParams:
         """With ``echo`` and ``logprobs`` the prompt's tokens are scored too (``SamplingParams.prompt_logprobs``).
 
         Raises: ValueError (``SamplingParams``)."""
-        return self._params(self.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, logprobs=self.logprobs, guided=None,
-                            choice=choice, prompt_logprobs=self.logprobs if self.echo else None)
+        max_tokens = 1 if self.prompt_only else self.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        return self._params(max_tokens, logprobs=self.logprobs, guided=None, choice=choice,
+                            prompt_logprobs=self.logprobs if self.echo else None)
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

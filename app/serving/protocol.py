@@ -47,7 +47,8 @@ class GenerateRequest:
     echo_ids: bool = False
     # the field that set params.max_tokens, which errors about it name (a chat request may send max_completion_tokens)
     max_tokens_param: str = "max_tokens"
-    # params.max_tokens is the API's default (the request set none): lowered to what the context leaves the prompt
+    # params.max_tokens is not the request's: the API's default (the request set none), lowered to what the context
+    # leaves the prompt, or the 1 token of completions' max_tokens 0 (CompletionRequest.prompt_only)
     max_tokens_default: bool = False
 
     def api_param(self, param: str | None) -> str | None:

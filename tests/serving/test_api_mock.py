@@ -181,6 +181,12 @@ def test_context_length_errors_name_the_field_to_change(url):
         assert (r.status_code, err["code"], err["param"]) == (400, "context_length_exceeded", param), r.text
         if param.startswith("max_"):  # the message names the field the request set
             assert f"+ {param} {MAX_MODEL_LEN * 4} =" in err["message"], err["message"]
+    # max_tokens 0 (echo: the prompt alone) samples 1 token the response leaves out: the message names no max_tokens
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
+                   json={"model": MODEL, "prompt": "x" * MAX_MODEL_LEN, "max_tokens": 0, "echo": True})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt"), r.text
+    assert r.json()["error"]["message"] == (f"prompt of {MAX_MODEL_LEN} tokens leaves no room for an answer within "
+                                            f"the context limit of {MAX_MODEL_LEN} tokens")
 
 
 def test_a_request_without_max_tokens_gets_what_the_context_leaves_its_prompt(url):
@@ -566,6 +572,31 @@ def test_client_completion_echo_with_logprobs_scores_the_prompt_streamed_and_not
     assert [t for s in streamed for t in s.tokens] == lp.tokens
     assert [v for s in streamed for v in s.token_logprobs] == lp.token_logprobs
     assert [v for s in streamed for v in s.text_offset] == lp.text_offset
+
+
+def test_client_completion_max_tokens_0_with_echo_returns_the_prompt_alone(client):
+    """``max_tokens: 0`` with ``echo`` (OpenAI's legacy way to score a text, vLLM's too): the prompt's text and
+    logprobs as with ``max_tokens: 4``, no answer token, ``length``, 0 completion tokens; streamed alike. Without
+    ``echo``, or with ``min_tokens``, a 400 naming the field."""
+    scored = client.completions.create(model=MODEL, prompt="ab", max_tokens=4, temperature=0, logprobs=1, echo=True)
+    n = scored.usage.prompt_tokens
+    for stream in (False, True):
+        out = client.completions.create(model=MODEL, prompt="ab", max_tokens=0, temperature=0.9, logprobs=1,
+                                        echo=True, stream=stream, stream_options={"include_usage": True} if stream
+                                        else None)
+        chunks = list(out) if stream else [out]
+        choices = [c.choices[0] for c in chunks if c.choices]
+        lps = [c.logprobs for c in choices if c.logprobs is not None]
+        assert "".join(c.text for c in choices) == "ab" and choices[-1].finish_reason == "length"
+        assert [t for lp in lps for t in lp.tokens] == scored.choices[0].logprobs.tokens[:n]
+        assert [v for lp in lps for v in lp.token_logprobs] == scored.choices[0].logprobs.token_logprobs[:n]
+        assert chunks[-1].usage.completion_tokens == 0 and chunks[-1].usage.prompt_tokens == n
+    plain = client.completions.create(model=MODEL, prompt=["ab", "c"], max_tokens=0, echo=True, n=2)
+    assert [c.text for c in plain.choices] == ["ab", "ab", "c", "c"] and plain.choices[0].logprobs is None
+    for extra, param in (({}, "max_tokens"), ({"echo": True, "extra_body": {"min_tokens": 1}}, "min_tokens")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="ab", max_tokens=0, **extra)
+        assert err.value.body["param"] == param
 
 
 def test_client_token_id_prompts_decode_as_their_text_and_echo_it(client, url):

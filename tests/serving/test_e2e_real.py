@@ -179,7 +179,8 @@ def test_echo_with_logprobs_scores_a_token_id_prompt_as_the_engine_does(url, eng
     """A log-likelihood request as evaluation harnesses send it (lm-evaluation-harness's ``local-completions``:
     token ids of context + continuation, ``echo``, ``logprobs`` 1, ``max_tokens`` 1): every prompt token but the first
     scored as the engine alone scores it (same tokens; logprobs within the rounding of another process's step), the
-    same when the prompt is sent again and the prefix cache holds it (computed whole: no cached tokens)."""
+    same when the prompt is sent again and the prefix cache holds it (computed whole: no cached tokens), and with
+    ``max_tokens`` 0 (the prompt alone)."""
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
@@ -195,6 +196,10 @@ def test_echo_with_logprobs_scores_a_token_id_prompt_as_the_engine_does(url, eng
         assert lp.token_logprobs[1 : len(ids)] == pytest.approx([e.logprob for e in reference[1:]], abs=0.05)
         assert [max(top, key=top.get) for top in lp.top_logprobs[1 : len(ids)]] == \
             [engine.tokenizer.decode([e.top[0][0]]) for e in reference[1:]]
+    alone = client.completions.create(model="smollm2-135m", prompt=ids, echo=True, logprobs=1, max_tokens=0)
+    assert alone.choices[0].text == out.choices[0].text[: len(alone.choices[0].text)] and alone.choices[0].text
+    assert alone.choices[0].logprobs.tokens == lp.tokens[: len(ids)] and alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1 : len(ids)], abs=0.05)
 
 
 @pytest.mark.slow

@@ -69,6 +69,9 @@ def test_defaults_seeds_per_choice_and_completion_logprobs():
     assert (echoed.params().logprobs, echoed.params().prompt_logprobs) == (3, 3)  # the echoed prompt is scored
     assert CompletionRequest.model_validate({"model": "m", "prompt": "a", "echo": True}).params().prompt_logprobs \
         is None
+    prompt_only = CompletionRequest.model_validate({"model": "m", "prompt": "a", "logprobs": 1, "echo": True,
+                                                    "max_tokens": 0})
+    assert prompt_only.prompt_only and prompt_only.params().max_tokens == 1  # one token sampled, left out
 
 
 REFUSED = [  # request -> the field the 400 must name
@@ -78,6 +81,7 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # a cross-field check, still named
     ({"messages": MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"messages": MESSAGES, "logit_bias": {"\u0661\u0660": 1}}, "logit_bias"),  # Arabic-Indic digits: "10" to int()
+    ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),  # a chat has no echo
     ({"messages": MESSAGES, "logit_bias": {"\uff15": 1}}, "logit_bias"),  # a fullwidth 5
     ({"messages": MESSAGES, "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a superscript 2: a digit int() refuses
     ({"messages": MESSAGES, "top_k": -5}, "top_k"),

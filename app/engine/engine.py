@@ -425,15 +425,16 @@ class TargetEngine(Engine):
         return outputs
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
-        """The raw target's logprobs of prompt tokens ``targets`` and their top-k alternatives, from the last-layer
-        hidden states [n, Dm] of the rows before them (row j predicts ``targets[j]``), ``PROMPT_LOGPROB_ROWS`` rows
-        of float32 logits [rows, V] at a time, in calls padded to ``PROMPT_LOGPROB_BUCKET`` rows."""
+        """The raw target's logprobs of prompt tokens ``targets``, their ranks and top-k alternatives, from the
+        last-layer hidden states [n, Dm] of the rows before them (row j predicts ``targets[j]``),
+        ``PROMPT_LOGPROB_ROWS`` rows of float32 logits [rows, V] at a time, in calls padded to
+        ``PROMPT_LOGPROB_BUCKET`` rows."""
         out: list[TokenLogprob] = []
         for a in range(0, len(targets), PROMPT_LOGPROB_ROWS):
             rows = hidden[a : a + PROMPT_LOGPROB_ROWS]
             pad = -len(rows) % PROMPT_LOGPROB_BUCKET
             logits = self.model.logits_from_final_hidden(torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]))
-            out += token_logprobs(logits, targets[a : a + PROMPT_LOGPROB_ROWS], k)
+            out += token_logprobs(logits, targets[a : a + PROMPT_LOGPROB_ROWS], k, ranks=True)
         return out
 
     def _check_new(self, request: NewRequest) -> tuple[torch.Tensor, RequestGrammar | None]:

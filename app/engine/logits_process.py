@@ -125,22 +125,25 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return target_probs(scaled, temperature=1.0, top_p=params.top_p)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int, *, ranks: bool = False) -> list[TokenLogprob]:
     """The raw target's log-probabilities (module docstring) of committed tokens and their top-k alternatives.
 
     Args:
         logits: [C, V] the target's raw logits, row c the distribution ``tokens[c]`` was chosen from.
         tokens: the C committed tokens.
         k: alternatives per token (``SamplingParams.logprobs``, 0..20).
+        ranks: also each token's rank in its row (``TokenLogprob.rank``: 1 + the tokens of higher logprob).
 
     Returns:
         One ``TokenLogprob`` per token, alternatives most likely first (natural log).
     """
     logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)  # [C, V]
-    chosen = logp[torch.arange(len(tokens)), torch.as_tensor(list(tokens), dtype=torch.long)].tolist()
+    chosen = logp[torch.arange(len(tokens)), torch.as_tensor(list(tokens), dtype=torch.long)]  # [C]
+    rank = ((logp > chosen[:, None]).sum(-1) + 1).tolist() if ranks else [None] * len(tokens)
     if k:
         values, ids = logp.topk(k, dim=-1)
         tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     else:
         tops = [()] * len(tokens)
-    return [TokenLogprob(token_id=t, logprob=c, top=top) for t, c, top in zip(tokens, chosen, tops)]
+    return [TokenLogprob(token_id=t, logprob=c, top=top, rank=r)
+            for t, c, top, r in zip(tokens, chosen.tolist(), tops, rank)]

@@ -55,7 +55,7 @@ def mock_prompt_logprobs(prompt: Sequence[int], k: int, vocab_size: int) -> list
     for previous, token in zip(prompt, prompt[1:]):
         rank = (token - next_token(previous, vocab_size)) % vocab_size
         top = mock_logprobs(previous, k, vocab_size).top
-        out.append(TokenLogprob(token_id=token, logprob=-(rank + 1) * math.log(2), top=top))
+        out.append(TokenLogprob(token_id=token, logprob=-(rank + 1) * math.log(2), top=top, rank=rank + 1))
     return out
 
 

@@ -74,6 +74,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first, len = SamplingParams.logprobs
+    rank: int | None = None  # a prompt token's: 1 + the vocabulary's tokens more likely than it (vLLM's rank)
 
 
 _REAL_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")

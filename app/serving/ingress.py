@@ -39,7 +39,7 @@ from app.serving.config import AppConfig
 from app.serving.metrics import prometheus_text
 from app.serving.openai_api import (
     ChatCompletionRequest, CompletionRequest, chat_logprobs, choice_body, chunk_body, completion_body,
-    completion_logprobs, error_body, usage, validation_error,
+    completion_logprobs, echoed_prompt, error_body, usage, validation_error, vllm_prompt_logprobs,
 )
 from app.serving.protocol import DRAINING, ErrorItem, GenerateRequest, SpecStats, TextChunk, openai_param
 
@@ -442,17 +442,22 @@ class Ingress:
             logprobs = None
             if c.chunks[0].logprobs is not None:
                 logprobs = chat_logprobs(entries) if chat else completion_logprobs(
-                    entries, offset=len(c.echo), prompt=c.chunks[0].prompt_logprobs or ())
+                    entries, offset=len(c.echo), prompt=echoed_prompt(c.chunks[0].prompt_logprobs, req.echoed_logprobs))
             choices.append(choice_body(chat=chat, index=c.index, text=c.echo + "".join(x.text for x in c.chunks),
                                        finish_reason=c.chunks[-1].finish_reason, logprobs=logprobs))
+            if not chat and req.prompt_logprobs is not None:  # vLLM's: per choice, a chat's for the whole response
+                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(c.chunks[0].prompt_logprobs, req.prompt_logprobs)
         token_ids = [t for chunk in flight.choices[0].chunks for t in chunk.token_ids]
-        return completion_body(
+        body = completion_body(
             chat=chat, request_id=request_id, model=self.config.served_model_name, choices=choices,
             prompt_tokens=self._prompt_tokens(flight, req), cached_tokens=self._cached_tokens(flight, req),
             completion_tokens=sum(x.num_tokens for c in flight.choices for x in c.chunks),
             spec=SpecStats.total([c.chunks[-1].spec or SpecStats() for c in flight.choices]) if req.spec_stats
             else None, token_ids=token_ids if req.return_token_ids else None,
         )
+        if chat and req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(flight.choices[0].first.prompt_logprobs, req.prompt_logprobs)
+        return body
 
     @staticmethod
     def _prompt_tokens(flight: _InFlight, req) -> int:
@@ -493,7 +498,8 @@ class Ingress:
                 return None
             if chat:
                 return chat_logprobs(chunk.logprobs)
-            return completion_logprobs(chunk.logprobs, offset, prompt=chunk.prompt_logprobs or ())
+            return completion_logprobs(chunk.logprobs, offset,
+                                       prompt=echoed_prompt(chunk.prompt_logprobs, req.echoed_logprobs))
 
         tasks = [asyncio.create_task(pump(c)) for c in flight.choices]
         offsets = {c.index: 0 for c in flight.choices}  # characters sent per choice (completions' text_offset)

@@ -6,11 +6,12 @@ chat and completions requests is declared below and either acts as OpenAI docume
 nature (``HARMLESS``: it names, tags, stores or bills the request and cannot change its output), or answers a 400
 naming it when set to anything but its neutral value (``REJECTED``); any other field is a 400 naming it too.
 Extensions, with vLLM's names: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``ignore_eos``; and ``spec_stats`` (the request's speculative statistics) and ``return_token_ids``.
+``ignore_eos``, ``prompt_logprobs``, ``return_token_ids``; and ``spec_stats`` (the request's speculative statistics).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any, Literal, Sequence
@@ -33,7 +34,7 @@ ACTING_CHAT = ("model", "messages", "max_tokens", "max_completion_tokens", "temp
 ACTING_COMPLETIONS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                       "seed", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "echo", "best_of")
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "spec_stats",
-              "return_token_ids")
+              "return_token_ids", "prompt_logprobs")
 HARMLESS_CHAT = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                  "prompt_cache_options", "service_tier", "prediction", "parallel_tool_calls", "modalities")
 HARMLESS_COMPLETIONS = ("user",)
@@ -173,6 +174,9 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     spec_stats: bool = Field(False, description="Extension: add speculative statistics to the response.")
     return_token_ids: bool = Field(False, description="Extension: add the completion's token ids (non-streamed).")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "Extension: add each prompt token's logprob, rank and this many most likely alternatives (vLLM's "
+        "``prompt_logprobs`` field, non-streamed)."))
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -206,11 +210,11 @@ class _Common(BaseModel):
             raise ValueError("stream_options is only allowed with stream: true")
         return value
 
-    @field_validator("return_token_ids")
+    @field_validator("return_token_ids", "prompt_logprobs")
     @classmethod
-    def _not_streamed(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("stream"):
-            raise ValueError("return_token_ids is for non-streamed responses (stream: false) only")
+    def _not_streamed(cls, value: bool | int | None, info: ValidationInfo) -> bool | int | None:
+        if value not in (None, False) and info.data.get("stream"):
+            raise ValueError(f"{info.field_name} is for non-streamed responses (stream: false) only")
         return value
 
     @property
@@ -329,7 +333,8 @@ class ChatCompletionRequest(_Common):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         guided = self.response_format.guided() if self.response_format is not None else None
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
-        return self._params(max_tokens, logprobs=logprobs, guided=guided, choice=choice)
+        return self._params(max_tokens, logprobs=logprobs, guided=guided, choice=choice,
+                            prompt_logprobs=self.prompt_logprobs if choice == 0 else None)  # one prompt, scored once
 
     def chat_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text} for m in self.messages]
@@ -422,12 +427,19 @@ class CompletionRequest(_Common):
         return self.max_tokens == 0
 
     def params(self, choice: int = 0) -> SamplingParams:
-        """With ``echo`` and ``logprobs`` the prompt's tokens are scored too (``SamplingParams.prompt_logprobs``).
+        """With ``prompt_logprobs``, or ``echo`` and ``logprobs``, the prompt's tokens are scored too
+        (``SamplingParams.prompt_logprobs``: the more alternatives of the two; each view keeps its own number).
 
         Raises: ValueError (``SamplingParams``)."""
         max_tokens = 1 if self.prompt_only else self.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        scored = [k for k in (self.prompt_logprobs, self.echoed_logprobs) if k is not None]
         return self._params(max_tokens, logprobs=self.logprobs, guided=None, choice=choice,
-                            prompt_logprobs=self.logprobs if self.echo else None)
+                            prompt_logprobs=max(scored, default=None))
+
+    @property
+    def echoed_logprobs(self) -> int | None:
+        """Alternatives per echoed prompt token in ``logprobs`` (``echo`` with ``logprobs``), or None."""
+        return self.logprobs if self.echo else None
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
@@ -495,6 +507,32 @@ def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int,
         "top_logprobs": [None if e.logprob is None else {**dict(e.top), e.token: e.logprob} for e in every],
         "text_offset": offsets(prompt, 0) + offsets(entries, offset),
     }
+
+
+def echoed_prompt(entries: Sequence[TokenLogprobText] | None, k: int | None) -> list[TokenLogprobText]:
+    """The scored prompt's tokens (``TextChunk.prompt_logprobs``) as ``completion_logprobs`` lists them for ``echo``
+    with ``logprobs`` k (None: not echoed, none), each with its k most likely alternatives (the engine scored those
+    of the larger of k and ``prompt_logprobs``)."""
+    if k is None or not entries:
+        return []
+    return [e if len(e.top) <= k else dataclasses.replace(
+        e, top=e.top[:k], top_ids=e.top_ids[:k], top_bytes=None if e.top_bytes is None else e.top_bytes[:k])
+        for e in entries]
+
+
+def vllm_prompt_logprobs(entries: Sequence[TokenLogprobText], k: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` response field, one item per prompt token: None for the first (nothing predicts
+    it), else {token id: {"logprob", "rank", "decoded_token"}}, the prompt token first, then its k most likely
+    alternatives (ranks 1..k; a prompt token among them is listed once)."""
+    def item(token_id: int, logprob: float, rank: int | None, text: str) -> tuple[str, dict]:
+        return str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": text}
+
+    out: list[dict | None] = [None]
+    for e in entries[1:]:
+        alternatives = [item(t, v, r, text) for r, (t, (text, v)) in enumerate(zip(e.top_ids, e.top[:k]), start=1)]
+        out.append(dict([item(e.token_id, e.logprob, e.rank, e.token)] +
+                        [a for a in alternatives if a[0] != str(e.token_id)]))
+    return out
 
 
 def completion_body(

@@ -232,6 +232,9 @@ class TokenLogprobText:
     top_bytes: tuple[bytes, ...] | None = None  # one per ``top`` entry
     # characters of the response text this token brings (``StepOutput.text_lens``); None: ``len(token)``
     text_len: int | None = None
+    token_id: int | None = None
+    top_ids: tuple[int, ...] = ()  # one per ``top`` entry
+    rank: int | None = None  # a prompt token's (``TokenLogprob.rank``)
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,8 @@ def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None,
         return tokenizer.decode([token_id])
 
     return [TokenLogprobText(text(lp.token_id), lp.logprob, tuple((text(t), v) for t, v in lp.top),
-                             token_bytes=token_bytes(lp.token_id), top_bytes=tuple(token_bytes(t) for t, _ in lp.top))
+                             token_bytes=token_bytes(lp.token_id), top_bytes=tuple(token_bytes(t) for t, _ in lp.top),
+                             token_id=lp.token_id, top_ids=tuple(t for t, _ in lp.top), rank=lp.rank)
             for lp in logprobs]
 
 
@@ -144,7 +145,8 @@ def prompt_logprob_texts(tokenizer, prompt_ids: list[int], logprobs: list[TokenL
     its text and a logprob of None."""
     if logprobs is None:
         return None
-    first = TokenLogprobText(tokenizer.decode([prompt_ids[0]]), None, token_bytes=token_bytes(prompt_ids[0]))
+    first = TokenLogprobText(tokenizer.decode([prompt_ids[0]]), None, token_bytes=token_bytes(prompt_ids[0]),
+                             token_id=prompt_ids[0])
     entries = [first] + logprob_texts(tokenizer, logprobs[1:], token_bytes)
     return [replace(entry, text_len=chars) for entry, chars in zip(entries, text_lens, strict=True)]
 

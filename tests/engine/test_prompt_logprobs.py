@@ -51,6 +51,11 @@ def test_a_prompt_is_scored_as_decoding_scored_its_tokens(engine32, scored):
     assert len(result.logprobs) == 2 and all(len(e.top) == 1 for e in result.logprobs)
     assert all(e.logprob <= 0 and len(e.top) == 3 for e in result.prompt_logprobs[1:])
     assert math.fsum(math.exp(v) for _, v in result.prompt_logprobs[-1].top) <= 1 + 1e-6
+    for e in result.prompt_logprobs[1:]:  # rank: 1 + the tokens more likely than the prompt's
+        top = [t for t, _ in e.top]
+        assert e.rank == top.index(e.token_id) + 1 if e.token_id in top else e.rank > len(top), (e, top)
+    # the greedy answer's tokens are first (but at a near-tie, where the prefill row may order them otherwise)
+    assert all(e.rank == 1 or e.top[0][1] - e.logprob < TOLERANCE for e in result.prompt_logprobs[len(question):])
 
 
 def test_prompt_logprobs_in_pieces_after_a_cached_prefix_and_beside_other_requests(engine32, scored):
@@ -135,6 +140,7 @@ def test_the_mock_engine_scores_a_prompt_by_its_rule():
     out = engine.add_requests([NewRequest("m", prompt, SamplingParams(max_tokens=2, prompt_logprobs=1))])[0]
     assert out.prompt_logprobs[0] is None
     assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx([-math.log(2), -3 * math.log(2)])
+    assert [e.rank for e in out.prompt_logprobs[1:]] == [1, 3]
     assert out.prompt_logprobs[2].top == ((next_token(prompt[1], engine.vocab_size), -math.log(2)),)
 
 

@@ -599,6 +599,34 @@ def test_client_completion_max_tokens_0_with_echo_returns_the_prompt_alone(clien
         assert err.value.body["param"] == param
 
 
+def test_prompt_logprobs_in_vllm_shape_for_completions_and_chat(client):
+    """vLLM's ``prompt_logprobs`` extension: per prompt token None (the first), else {token id: logprob, rank,
+    decoded_token}, the prompt token first, then its k alternatives of ranks 1..k (the mock's rule:
+    app/engine/testing.py); per choice for completions, once for a chat; alongside ``echo``, each view keeps its k."""
+    ln2, vocab = math.log(2), VOCAB
+    out = client.completions.create(model=MODEL, prompt="ab", max_tokens=2, temperature=0, logprobs=1, echo=True,
+                                    extra_body={"prompt_logprobs": 3})
+    scored = out.choices[0].model_extra["prompt_logprobs"]
+    rank = (ord("b") - next_token(ord("a"), vocab)) % vocab + 1
+    assert scored[0] is None and len(scored) == out.usage.prompt_tokens == 2
+    first_alt = next_token(ord("a"), vocab)
+    assert scored[1] == {
+        str(ord("b")): {"logprob": pytest.approx(-rank * ln2), "rank": rank, "decoded_token": token_text(ord("b"))},
+        **{str((first_alt + r) % vocab): {"logprob": pytest.approx(-(r + 1) * ln2), "rank": r + 1,
+                                          "decoded_token": token_text((first_alt + r) % vocab)} for r in range(3)}}
+    assert list(scored[1])[0] == str(ord("b"))  # the prompt token first
+    assert len(out.choices[0].logprobs.top_logprobs[1]) == 2  # echo's own k = 1 (+ the prompt token)
+    plain = client.completions.create(model=MODEL, prompt=["ab", "cd"], max_tokens=2, temperature=0,
+                                      extra_body={"prompt_logprobs": 0})
+    assert [c.logprobs for c in plain.choices] == [None, None] and plain.choices[0].text == out.choices[0].text[2:]
+    assert [len(d) for c in plain.choices for d in c.model_extra["prompt_logprobs"][1:]] == [1, 1]
+    chat_out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ab"}], max_tokens=2,
+                                              temperature=0, n=2, extra_body={"prompt_logprobs": 1})
+    prompt = chat_out.model_extra["prompt_logprobs"]
+    assert len(prompt) == chat_out.usage.prompt_tokens and prompt[0] is None
+    assert all(1 <= len(d) <= 2 and any(v["rank"] == 1 for v in d.values()) for d in prompt[1:])
+
+
 def test_client_token_id_prompts_decode_as_their_text_and_echo_it(client, url):
     """A token-id prompt (one, or a list of them) is the prompt those tokens are; ``echo`` gives its text (the mock
     tokenizer's), scored with ``logprobs``; an id outside the vocabulary is a 400 naming ``prompt``."""

@@ -179,8 +179,8 @@ def test_echo_with_logprobs_scores_a_token_id_prompt_as_the_engine_does(url, eng
     """A log-likelihood request as evaluation harnesses send it (lm-evaluation-harness's ``local-completions``:
     token ids of context + continuation, ``echo``, ``logprobs`` 1, ``max_tokens`` 1): every prompt token but the first
     scored as the engine alone scores it (same tokens; logprobs within the rounding of another process's step), the
-    same when the prompt is sent again and the prefix cache holds it (computed whole: no cached tokens), and with
-    ``max_tokens`` 0 (the prompt alone)."""
+    same when the prompt is sent again and the prefix cache holds it (computed whole: no cached tokens), with
+    ``max_tokens`` 0 (the prompt alone), and as vLLM's ``prompt_logprobs`` (ranks as the engine's)."""
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
@@ -200,6 +200,13 @@ def test_echo_with_logprobs_scores_a_token_id_prompt_as_the_engine_does(url, eng
     assert alone.choices[0].text == out.choices[0].text[: len(alone.choices[0].text)] and alone.choices[0].text
     assert alone.choices[0].logprobs.tokens == lp.tokens[: len(ids)] and alone.usage.completion_tokens == 0
     assert alone.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1 : len(ids)], abs=0.05)
+    vllm = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    scored = vllm.choices[0].model_extra["prompt_logprobs"]  # vLLM's shape: {token id: logprob, rank, decoded_token}
+    assert scored[0] is None and [int(next(iter(d))) for d in scored[1:]] == ids[1:]
+    assert [d[str(t)]["logprob"] for d, t in zip(scored[1:], ids[1:])] == \
+        pytest.approx([e.logprob for e in reference[1:]], abs=0.05)
+    ranks = [(d[str(t)]["rank"], e.rank) for d, t, e in zip(scored[1:], ids[1:], reference[1:])]
+    assert sum(a == b for a, b in ranks) >= len(ranks) - 2, ranks  # but at a near-tie, another process's rounding
 
 
 @pytest.mark.slow

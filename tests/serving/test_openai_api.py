@@ -72,6 +72,11 @@ def test_defaults_seeds_per_choice_and_completion_logprobs():
     prompt_only = CompletionRequest.model_validate({"model": "m", "prompt": "a", "logprobs": 1, "echo": True,
                                                     "max_tokens": 0})
     assert prompt_only.prompt_only and prompt_only.params().max_tokens == 1  # one token sampled, left out
+    both = CompletionRequest.model_validate({"model": "m", "prompt": "a", "logprobs": 1, "echo": True,
+                                             "prompt_logprobs": 4})
+    assert (both.params().prompt_logprobs, both.echoed_logprobs) == (4, 1)  # scored once, for the larger view
+    asked = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "prompt_logprobs": 0, "n": 2})
+    assert [asked.params(j).prompt_logprobs for j in range(2)] == [0, None]  # one prompt: scored for one choice
 
 
 REFUSED = [  # request -> the field the 400 must name
@@ -82,6 +87,8 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": MESSAGES, "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"messages": MESSAGES, "logit_bias": {"\u0661\u0660": 1}}, "logit_bias"),  # Arabic-Indic digits: "10" to int()
     ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),  # a chat has no echo
+    ({"messages": MESSAGES, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # vLLM's rule: not streamed
     ({"messages": MESSAGES, "logit_bias": {"\uff15": 1}}, "logit_bias"),  # a fullwidth 5
     ({"messages": MESSAGES, "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a superscript 2: a digit int() refuses
     ({"messages": MESSAGES, "top_k": -5}, "top_k"),

@@ -97,6 +97,27 @@ def byte_level_alphabet() -> dict[str, int]:
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
 
 
+class TokenTexts:
+    """A token decoded alone (``tokenizer.decode([id])``: the text logprobs give a token; one that ends inside a UTF-8
+    character reads U+FFFD), worked out once per token id, on first use: a prompt scored with k alternatives needs
+    k + 1 texts a token, on the serving replica's event loop.
+
+    Args:
+        tokenizer: the engine's tokenizer (``decode`` at least).
+    """
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        """The text of ``token_id`` alone."""
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._tok.decode([token_id])
+        return found
+
+
 class TokenBytes:
     """A token's own bytes as the tokenizer's vocabulary spells them (OpenAI's logprobs ``bytes``: a token that ends
     inside a UTF-8 character has the bytes it holds, which a client joins with its neighbours' to rebuild the text;

@@ -37,7 +37,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from app.drafters.lookup import PromptLookup, read_lookup_rates
 from app.engine.contract import Engine
-from app.engine.detokenizer import IncrementalDetokenizer, TokenBytes
+from app.engine.detokenizer import IncrementalDetokenizer, TokenBytes, TokenTexts
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
 from app.engine.types import FinishReason, NewRequest, StepOutput, TokenLogprob
 from app.loop import DraftCall, DraftRound, RequestResult, Round, SpecLoop
@@ -113,16 +113,12 @@ class ReplicaStats:
         return sum(self.fallbacks.values())
 
 
-def logprob_texts(tokenizer, logprobs: list[TokenLogprob] | None,
+def logprob_texts(text: TokenTexts, logprobs: list[TokenLogprob] | None,
                   token_bytes: TokenBytes) -> list[TokenLogprobText] | None:
-    """The engine's logprobs with each token (and alternative) decoded alone by ``tokenizer.decode``, and its bytes
-    by ``token_bytes`` (the same tokenizer's)."""
+    """The engine's logprobs with each token (and alternative) decoded alone by ``text``, and its bytes by
+    ``token_bytes`` (the same tokenizer's)."""
     if logprobs is None:
         return None
-
-    def text(token_id: int) -> str:
-        return tokenizer.decode([token_id])
-
     return [TokenLogprobText(text(lp.token_id), lp.logprob, tuple((text(t), v) for t, v in lp.top),
                              token_bytes=token_bytes(lp.token_id), top_bytes=tuple(token_bytes(t) for t, _ in lp.top),
                              token_id=lp.token_id, top_ids=tuple(t for t, _ in lp.top), rank=lp.rank)
@@ -138,16 +134,16 @@ def prompt_text(tokenizer, prompt_ids: list[int]) -> tuple[str, list[int]]:
     return detok.release(final=True)
 
 
-def prompt_logprob_texts(tokenizer, prompt_ids: list[int], logprobs: list[TokenLogprob | None] | None,
+def prompt_logprob_texts(text: TokenTexts, prompt_ids: list[int], logprobs: list[TokenLogprob | None] | None,
                          token_bytes: TokenBytes, text_lens: list[int]) -> list[TokenLogprobText] | None:
     """``StepOutput.prompt_logprobs`` as ``logprob_texts`` gives an output's, each entry with the characters of the
     prompt's text its token brings (``text_lens``, from ``prompt_text``); the first prompt token (None there) with
     its text and a logprob of None."""
     if logprobs is None:
         return None
-    first = TokenLogprobText(tokenizer.decode([prompt_ids[0]]), None, token_bytes=token_bytes(prompt_ids[0]),
+    first = TokenLogprobText(text(prompt_ids[0]), None, token_bytes=token_bytes(prompt_ids[0]),
                              token_id=prompt_ids[0])
-    entries = [first] + logprob_texts(tokenizer, logprobs[1:], token_bytes)
+    entries = [first] + logprob_texts(text, logprobs[1:], token_bytes)
     return [replace(entry, text_len=chars) for entry, chars in zip(entries, text_lens, strict=True)]
 
 
@@ -226,6 +222,7 @@ class TargetReplica:
         self._torch = TorchThread("engine", config.torch_threads)
         self.engine = self._torch.call(make_engine, config)
         self._token_bytes = TokenBytes(self.engine.tokenizer)  # logprobs' bytes, each token's worked out once
+        self._token_texts = TokenTexts(self.engine.tokenizer)  # and their texts
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         speculates = config.speculates
         self.stats = ReplicaStats()
@@ -656,7 +653,7 @@ class TargetReplica:
         first = len(stream.record.token_ids) == len(out.new_token_ids)
         logprobs = None
         if out.logprobs is not None:
-            stream.unreleased_logprobs += logprob_texts(self.engine.tokenizer, out.logprobs, self._token_bytes)
+            stream.unreleased_logprobs += logprob_texts(self._token_texts, out.logprobs, self._token_bytes)
             logprobs = [replace(entry, text_len=chars)
                         for entry, chars in zip(stream.unreleased_logprobs[:n], out.text_lens, strict=True)]
             stream.unreleased_logprobs = stream.unreleased_logprobs[n:]
@@ -667,7 +664,7 @@ class TargetReplica:
             text=out.text, token_ids=token_ids, prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,
             spec=spec if out.finished else None, logprobs=logprobs, cached_tokens=out.num_cached_tokens,
-            prompt_logprobs=prompt_logprob_texts(self.engine.tokenizer, stream.prompt_ids, out.prompt_logprobs,
+            prompt_logprobs=prompt_logprob_texts(self._token_texts, stream.prompt_ids, out.prompt_logprobs,
                                                  self._token_bytes, echo_lens),
             prompt_text=echo_text if stream.request.echo_ids else None,
         )

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from app.engine.detokenizer import TokenBytes, byte_level_alphabet
+from app.engine.detokenizer import TokenBytes, TokenTexts, byte_level_alphabet
 from app.engine.testing import MockTokenizer
 
 TEXT = "Emojis 😀🎉, accents é ñ, CJK 漢字, tab\tand newline\n!"
@@ -57,3 +57,15 @@ def test_sentencepiece_pieces_and_byte_fallback_tokens():
 def test_a_tokenizer_without_a_known_decoder_gives_the_text_of_the_token_alone(token_id):
     tokenizer = MockTokenizer()
     assert TokenBytes(tokenizer)(token_id) == tokenizer.decode([token_id]).encode()
+
+
+def test_token_texts_decode_each_token_alone_once():
+    """``TokenTexts``: a token's text is ``decode([id])``, worked out on its first use only (a scored prompt asks for
+    the same alternatives row after row)."""
+    tokenizer = MockTokenizer()
+    calls = []
+    decode = tokenizer.decode
+    tokenizer.decode = lambda ids, **kw: calls.append(list(ids)) or decode(ids, **kw)
+    texts = TokenTexts(tokenizer)
+    assert [texts(t) for t in (5, 17, 5, 5, 17)] == [decode([t]) for t in (5, 17, 5, 5, 17)]
+    assert calls == [[5], [17]]

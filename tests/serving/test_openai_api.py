@@ -279,14 +279,14 @@ def test_chat_logprobs_bytes_rebuild_text_split_inside_characters():
 
     from app.engine.loader import local_checkpoint
     from app.engine.types import TokenLogprob
-    from app.engine.detokenizer import TokenBytes
+    from app.engine.detokenizer import TokenBytes, TokenTexts
     from app.serving.target import logprob_texts
 
     tokenizer = AutoTokenizer.from_pretrained(local_checkpoint(), local_files_only=True)
     text = "Party 🎉 time 😀!"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    entries = logprob_texts(tokenizer, [TokenLogprob(token_id=i, logprob=-0.1, top=((i, -0.1),)) for i in ids],
-                            TokenBytes(tokenizer))
+    logprobs = [TokenLogprob(token_id=i, logprob=-0.1, top=((i, -0.1),)) for i in ids]
+    entries = logprob_texts(TokenTexts(tokenizer), logprobs, TokenBytes(tokenizer))
     content = chat_logprobs(entries)["content"]
     assert any(item["token"] == "\ufffd" for item in content)
     assert bytes(b for item in content for b in item["bytes"]) == text.encode()

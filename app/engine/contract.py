@@ -83,16 +83,19 @@ class Engine(ABC):
         """Whether ``request_id`` is held."""
 
     @abstractmethod
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat prompt (generation prompt appended).
+    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a chat prompt (generation prompt appended); ``add_special_tokens``: the tokenizer's own too
+        (a Llama tokenizer's BOS) on the template's text, which usually writes them itself (vLLM's chat default:
+        off).
 
         Raises:
             InvalidRequestError: the model's chat template refuses the messages.
         """
 
     @abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a raw completion prompt."""
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a text; ``add_special_tokens``: with the tokenizer's own special tokens (a Llama
+        tokenizer's BOS), as a raw completion prompt gets them by default (vLLM's and Hugging Face's rule)."""
 
     @abstractmethod
     def check_context(self, prompt_tokens: int, max_tokens: int) -> None:

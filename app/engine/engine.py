@@ -222,8 +222,10 @@ class TargetEngine(Engine):
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat prompt through the model's own chat template (generation prompt appended).
+    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a chat prompt through the model's own chat template (generation prompt appended);
+        ``add_special_tokens``: the template's text tokenized with the tokenizer's own special tokens added (a Llama
+        tokenizer's BOS, which templates usually write themselves: vLLM's chat default is off).
 
         Raises:
             InvalidRequestError: (``param`` "prompt") the model has no chat template (a base model: its prompts are
@@ -234,14 +236,18 @@ class TargetEngine(Engine):
             raise InvalidRequestError(f"the model {self.config.model!r} has no chat template (its tokenizer "
                                       "defines none): send a raw prompt to /v1/completions", param="prompt")
         try:
+            if add_special_tokens:
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                return self.encode(text, add_special_tokens=True)
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
         except jinja2.TemplateError as err:
             raise InvalidRequestError(f"the model's chat template refuses these messages: {err}",
                                       param="prompt") from None
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a raw completion prompt."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a text; ``add_special_tokens``: with the tokenizer's own special tokens (a Llama tokenizer's
+        BOS), as a raw completion prompt gets them by default (vLLM's and Hugging Face's rule)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     @property
     def prefix_caching(self) -> bool:

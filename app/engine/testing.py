@@ -112,10 +112,11 @@ class MockEngine(Engine):
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False) -> list[int]:
         return self.encode("".join(m["content"] for m in messages)) + [1]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """One token per character (the mock tokenizer has no special tokens to add)."""
         return [ord(c) % self.vocab_size for c in text]
 
     @property

@@ -311,7 +311,8 @@ class Ingress:
                 ids = isinstance(prompt, list)
                 out.append((index, GenerateRequest(request_id=rid, params=req.params(j), messages=messages,
                                                    prompt=prompt, max_tokens_param=req.max_tokens_param,
-                                                   max_tokens_default=req.max_tokens_default, echo_ids=echo and ids),
+                                                   max_tokens_default=req.max_tokens_default, echo_ids=echo and ids,
+                                                   add_special_tokens=req.add_special_tokens),
                             prompt if echo and not ids else ""))
         return out
 

@@ -6,7 +6,8 @@ chat and completions requests is declared below and either acts as OpenAI docume
 nature (``HARMLESS``: it names, tags, stores or bills the request and cannot change its output), or answers a 400
 naming it when set to anything but its neutral value (``REJECTED``); any other field is a 400 naming it too.
 Extensions, with vLLM's names: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``ignore_eos``, ``prompt_logprobs``, ``return_token_ids``; and ``spec_stats`` (the request's speculative statistics).
+``ignore_eos``, ``prompt_logprobs``, ``return_token_ids``, ``add_special_tokens``; and ``spec_stats`` (the request's
+speculative statistics).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ ACTING_CHAT = ("model", "messages", "max_tokens", "max_completion_tokens", "temp
 ACTING_COMPLETIONS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                       "seed", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "echo", "best_of")
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "spec_stats",
-              "return_token_ids", "prompt_logprobs")
+              "return_token_ids", "prompt_logprobs", "add_special_tokens")
 HARMLESS_CHAT = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                  "prompt_cache_options", "service_tier", "prediction", "parallel_tool_calls", "modalities")
 HARMLESS_COMPLETIONS = ("user",)
@@ -259,6 +260,9 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    add_special_tokens: bool = Field(False, description=(
+        "Extension (vLLM's): also add the tokenizer's special tokens (a Llama tokenizer's BOS) to the chat "
+        "template's text, which usually writes them itself."))
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -346,6 +350,9 @@ Prompt = str | list[int]  # a completion prompt: text, or token ids
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=0, description="0 (with echo): the prompt alone, scored with logprobs.")
+    add_special_tokens: bool = Field(True, description=(
+        "Extension (vLLM's): add the tokenizer's special tokens (a Llama tokenizer's BOS) to a text prompt; "
+        "token-id prompts are taken as sent."))
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = Field(None, ge=1)

@@ -45,6 +45,9 @@ class GenerateRequest:
     prompt: str | list[int] | None = None
     # a token-id prompt the response echoes: its first chunk brings the prompt's text (TextChunk.prompt_text)
     echo_ids: bool = False
+    # a text prompt or chat template's text tokenized with the tokenizer's own special tokens (a Llama tokenizer's
+    # BOS): completions' default, as in vLLM (a chat template writes them itself); token-id prompts are taken as sent
+    add_special_tokens: bool = False
     # the field that set params.max_tokens, which errors about it name (a chat request may send max_completion_tokens)
     max_tokens_param: str = "max_tokens"
     # params.max_tokens is not the request's: the API's default (the request set none), lowered to what the context

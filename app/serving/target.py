@@ -329,14 +329,14 @@ class TargetReplica:
                 admission batch it would fail the batched prefill of the others).
         """
         if request.messages is not None:
-            ids = self.engine.encode_chat(request.messages)
+            ids = self.engine.encode_chat(request.messages, add_special_tokens=request.add_special_tokens)
         elif isinstance(request.prompt, list):
             ids = list(request.prompt)
             if (bad := next((t for t in ids if not 0 <= t < self.engine.vocab_size), None)) is not None:
                 raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, "
                                           f"{self.engine.vocab_size})", param="prompt")
         else:
-            ids = self.engine.encode(request.prompt)
+            ids = self.engine.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         room = self.config.max_model_len - len(ids)
         if request.max_tokens_default and 1 <= room < request.params.max_tokens:
             if request.params.min_tokens > room:

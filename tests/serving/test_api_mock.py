@@ -492,6 +492,13 @@ def test_client_completions_prompt_list_and_echo(client):
             tok = next_token(tok, VOCAB)
             words.append(token_text(tok))
         assert choice.text == prompt + "".join(words)
+    # vLLM's add_special_tokens on both endpoints (the mock tokenizer has none to add: the same tokens)
+    again = client.completions.create(model=MODEL, prompt=["ab", "cd"], max_tokens=3, temperature=0, echo=True,
+                                      extra_body={"add_special_tokens": False})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    chat_out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ab"}], max_tokens=2,
+                                              extra_body={"add_special_tokens": True})
+    assert chat_out.usage.prompt_tokens == 3
     assert out.usage.prompt_tokens == 4 and out.usage.completion_tokens == 6
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt="ab", max_tokens=3, suffix="end")

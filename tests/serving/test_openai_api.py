@@ -75,6 +75,8 @@ def test_defaults_seeds_per_choice_and_completion_logprobs():
     both = CompletionRequest.model_validate({"model": "m", "prompt": "a", "logprobs": 1, "echo": True,
                                              "prompt_logprobs": 4})
     assert (both.params().prompt_logprobs, both.echoed_logprobs) == (4, 1)  # scored once, for the larger view
+    assert (req.add_special_tokens, ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES})
+            .add_special_tokens) == (True, False)  # vLLM's defaults: a chat template writes its own BOS
     asked = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, "prompt_logprobs": 0, "n": 2})
     assert [asked.params(j).prompt_logprobs for j in range(2)] == [0, None]  # one prompt: scored for one choice
 

@@ -215,16 +215,33 @@ def test_a_failing_prefill_fails_that_request_only(replica, monkeypatch):
 def test_messages_the_chat_template_refuses_answer_400_naming_messages(replica, monkeypatch):
     encode_chat, calls = replica.engine.encode_chat, []
 
-    def refusing_the_first(messages):
+    def refusing_the_first(messages, **kwargs):
         calls.append(1)
         if len(calls) == 1:
             raise target_module.InvalidRequestError("the model's chat template refuses these messages", param="prompt")
-        return encode_chat(messages)
+        return encode_chat(messages, **kwargs)
 
     monkeypatch.setattr(replica.engine, "encode_chat", refusing_the_first)
     refused, served = run_requests(replica, [4, 4], delays_s=[0.0, 0.2])
     assert [(type(i), i.status, i.param) for i in refused] == [(ErrorItem, 400, "messages")], refused
     assert num_tokens(served) == 4  # the replica serves on
+
+
+def test_text_prompts_are_tokenized_with_special_tokens_as_the_request_says(replica, monkeypatch):
+    """``GenerateRequest.add_special_tokens`` (completions' default, vLLM's) reaches the tokenizer for a text prompt
+    and a chat template's text; a token-id prompt is taken as sent."""
+    seen, encode, encode_chat = [], replica.engine.encode, replica.engine.encode_chat
+    monkeypatch.setattr(replica.engine, "encode", lambda text, **kw: seen.append(("text", kw)) or encode(text, **kw))
+    monkeypatch.setattr(replica.engine, "encode_chat",
+                        lambda messages, **kw: seen.append(("chat", kw)) or encode_chat(messages, **kw))
+    params = SamplingParams(max_tokens=2)
+    for request, first_call in ((GenerateRequest("a", params, prompt="hi", add_special_tokens=True), ("text", True)),
+                                (GenerateRequest("b", params, messages=[{"role": "user", "content": "hi"}]),
+                                 ("chat", False)),
+                                (GenerateRequest("c", params, prompt=[5, 6], add_special_tokens=True), None)):
+        seen.clear()
+        replica._encode(request)
+        assert (seen[0][0], seen[0][1]["add_special_tokens"]) == first_call if first_call else not seen
 
 
 def _stream(rid: str, max_tokens: int) -> target_module._Stream:

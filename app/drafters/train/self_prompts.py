@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     asks = [list_opening(t, c) for t in SEED_TOPICS for c in CATEGORIES for _ in range(args.per_pair)]
     random.Random(args.seed).shuffle(asks)
     asks = asks[: args.limit]
-    ids = [engine.encode(a) for a in asks]
+    ids = [engine.encode(a, add_special_tokens=True) for a in asks]  # a raw prompt, as completions tokenizes one
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=0.95, stop=("\n",),
                              seed=args.seed * 1_000_003 + i) for i in range(len(ids))]
     kept: set[str] = set()  # normalized texts written

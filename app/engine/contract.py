@@ -83,10 +83,11 @@ class Engine(ABC):
         """Whether ``request_id`` is held."""
 
     @abstractmethod
-    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of a chat prompt (generation prompt appended); ``add_special_tokens``: the tokenizer's own too
-        (a Llama tokenizer's BOS) on the template's text, which usually writes them itself (vLLM's chat default:
-        off).
+    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat prompt (the generation prompt appended unless ``add_generation_prompt`` is False);
+        ``add_special_tokens``: the tokenizer's own too (a Llama tokenizer's BOS) on the template's text, which
+        usually writes them itself (vLLM's chat default: off).
 
         Raises:
             InvalidRequestError: the model's chat template refuses the messages.

@@ -222,10 +222,12 @@ class TargetEngine(Engine):
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of a chat prompt through the model's own chat template (generation prompt appended);
-        ``add_special_tokens``: the template's text tokenized with the tokenizer's own special tokens added (a Llama
-        tokenizer's BOS, which templates usually write themselves: vLLM's chat default is off).
+    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat prompt through the model's own chat template (the generation prompt appended unless
+        ``add_generation_prompt`` is False); ``add_special_tokens``: the template's text tokenized with the
+        tokenizer's own special tokens added (a Llama tokenizer's BOS, which templates usually write themselves:
+        vLLM's chat default is off).
 
         Raises:
             InvalidRequestError: (``param`` "prompt") the model has no chat template (a base model: its prompts are
@@ -237,9 +239,11 @@ class TargetEngine(Engine):
                                       "defines none): send a raw prompt to /v1/completions", param="prompt")
         try:
             if add_special_tokens:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                          tokenize=False)
                 return self.encode(text, add_special_tokens=True)
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                           return_dict=False))
         except jinja2.TemplateError as err:
             raise InvalidRequestError(f"the model's chat template refuses these messages: {err}",
                                       param="prompt") from None

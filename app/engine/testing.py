@@ -65,6 +65,9 @@ class MockTokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(token_text(t) for t in token_ids)
 
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
+        return [token_text(t) for t in token_ids]
+
 
 @dataclass(frozen=True)
 class MockEngineConfig:
@@ -112,8 +115,10 @@ class MockEngine(Engine):
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False) -> list[int]:
-        return self.encode("".join(m["content"] for m in messages)) + [1]
+    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """The messages' characters, then token 1 for the generation prompt."""
+        return self.encode("".join(m["content"] for m in messages)) + [1] * add_generation_prompt
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """One token per character (the mock tokenizer has no special tokens to add)."""

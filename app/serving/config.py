@@ -196,7 +196,8 @@ class AppConfig(BaseModel):
 
     # ------------------------------------------------------------------ HTTP
     api_key: str | None = Field(
-        None, description=f"Bearer key required on /v1 routes (None: read ${API_KEY_ENV}; unset or empty: open)."
+        None, description=f"Bearer key required on /v1 routes, /tokenize and /detokenize (None: read "
+        f"${API_KEY_ENV}; unset or empty: open)."
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 503 overload answers.")
 

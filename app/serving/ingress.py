@@ -23,11 +23,11 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve import context as serve_context
 from ray.exceptions import RayActorError, RayTaskError
@@ -38,10 +38,11 @@ from starlette.requests import ClientDisconnect
 from app.serving.config import AppConfig
 from app.serving.metrics import prometheus_text
 from app.serving.openai_api import (
-    ChatCompletionRequest, CompletionRequest, chat_logprobs, choice_body, chunk_body, completion_body,
-    completion_logprobs, echoed_prompt, error_body, usage, validation_error, vllm_prompt_logprobs,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs, choice_body,
+    chunk_body, completion_body, completion_logprobs, echoed_prompt, error_body, usage, validation_error,
+    vllm_prompt_logprobs,
 )
-from app.serving.protocol import DRAINING, ErrorItem, GenerateRequest, SpecStats, TextChunk, openai_param
+from app.serving.protocol import DRAINING, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenizeCall, openai_param
 
 log = logging.getLogger("ray.serve")
 
@@ -217,7 +218,47 @@ class Ingress:
     async def completions(self, request: Request):
         return await self._complete(request, chat=False)
 
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        """vLLM's: a prompt's or chat's token ids as the completions endpoints take them, their count and the
+        context limit (``max_model_len``); with ``return_token_strs``, each token's vocabulary string."""
+        if (denied := self._auth(request)) is not None:
+            return denied
+        req = await self._validated(request, TokenizeRequest)
+        if isinstance(req, ErrorItem):
+            return error_response(req)
+        chat = req.messages is not None
+        call = TokenizeCall(prompt=req.prompt, messages=req.chat_messages(), token_strs=req.return_token_strs,
+                            add_special_tokens=not chat if req.add_special_tokens is None else req.add_special_tokens,
+                            add_generation_prompt=req.add_generation_prompt is not False)
+        answer = await self._target_call(self.target.tokenize.remote(call))
+        if isinstance(answer, ErrorItem):
+            return error_response(answer)
+        ids, strs = answer
+        return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        """vLLM's: token ids as text (special tokens kept)."""
+        if (denied := self._auth(request)) is not None:
+            return denied
+        req = await self._validated(request, DetokenizeRequest)
+        if isinstance(req, ErrorItem):
+            return error_response(req)
+        answer = await self._target_call(self.target.detokenize.remote(req.tokens))
+        return error_response(answer) if isinstance(answer, ErrorItem) else {"prompt": answer}
+
     # ------------------------------------------------------------------ helpers
+
+    async def _target_call(self, call) -> Any:
+        """A target replica's answer to a call that holds no KV slot (tokenize, detokenize), or the 503 of a
+        replica lost or overloaded."""
+        try:
+            return await call
+        except BackPressureError:
+            return _OVERLOADED
+        except (RayActorError, RayTaskError) as err:
+            return _target_lost(err, "target replica unavailable, retry")
 
     def _model_card(self) -> dict:
         """A ``/v1/models`` entry shaped like vLLM's (``root``: the model served, ``max_model_len``)."""
@@ -265,7 +306,8 @@ class Ingress:
             return ErrorItem(400, "client disconnected before sending the whole request body")
         return bytes(body)
 
-    async def _parse(self, request: Request, chat: bool) -> ChatCompletionRequest | CompletionRequest | ErrorItem:
+    async def _validated(self, request: Request, schema: type[BaseModel]) -> BaseModel | ErrorItem:
+        """The body validated as ``schema``, for the model this server serves (a body without ``model``: any)."""
         raw = await self._read_body(request)
         if isinstance(raw, ErrorItem):
             return raw
@@ -281,11 +323,17 @@ class Ingress:
         if not isinstance(body, dict):
             return ErrorItem(400, "request body must be a JSON object")
         try:
-            req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+            req = schema.model_validate(body)
         except ValidationError as err:
             return validation_error(err)
-        if req.model != self.config.served_model_name:
+        if req.model is not None and req.model != self.config.served_model_name:
             return self._unknown_model(req.model)
+        return req
+
+    async def _parse(self, request: Request, chat: bool) -> ChatCompletionRequest | CompletionRequest | ErrorItem:
+        req = await self._validated(request, ChatCompletionRequest if chat else CompletionRequest)
+        if isinstance(req, ErrorItem):
+            return req
         if req.return_token_ids and (req.num_choices > 1 or not chat and len(req.prompts) > 1):
             return ErrorItem(400, "return_token_ids: needs a single choice (n = 1, one prompt)",
                              param="return_token_ids")

@@ -449,6 +449,55 @@ class CompletionRequest(_Common):
         return self.logprobs if self.echo else None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` body: a text ``prompt`` or chat ``messages`` (one of them), tokenized as
+    ``/v1/completions`` or ``/v1/chat/completions`` tokenizes it."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = Field(None, description=(
+        "The tokenizer's own special tokens (a Llama tokenizer's BOS); None: the endpoint's default, true for a "
+        "prompt, false for messages (their template writes them)."))
+    add_generation_prompt: bool | None = Field(None, description="Messages only; None: true (as a chat request).")
+    return_token_strs: bool = Field(False, description="Also each token's vocabulary string.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, value: str | None) -> str | None:
+        return value if value is None else _text(value, "prompt")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("send either prompt (a text) or messages (a chat)",
+                                      param="messages" if self.messages is not None else "prompt")
+        if self.prompt is not None and self.add_generation_prompt is not None:
+            raise InvalidRequestError("add_generation_prompt applies to messages only", param="add_generation_prompt")
+        return self
+
+    def chat_messages(self) -> list[dict[str, str]] | None:
+        return None if self.messages is None else [{"role": m.role, "content": m.text} for m in self.messages]
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize`` body: token ids to text."""
+
+    model_config = STRICT
+
+    model: str | None = None
+    tokens: list[int] = Field(description="Token ids >= 0 (their range is the model's to check).")
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, value: list[int]) -> list[int]:
+        if any(t < 0 for t in value):
+            raise ValueError("token ids must be integers >= 0")
+        return value
+
+
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 

@@ -271,6 +271,17 @@ class TextChunk:
 
 
 @dataclass(frozen=True)
+class TokenizeCall:
+    """A prompt for a target replica to tokenize as ``generate`` would (``POST /tokenize``): a text or chat messages."""
+
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    add_special_tokens: bool = False  # GenerateRequest.add_special_tokens
+    add_generation_prompt: bool = True  # messages only
+    token_strs: bool = False  # also each token's vocabulary string
+
+
+@dataclass(frozen=True)
 class ErrorItem:
     """A failure the ingress turns into an OpenAI-style JSON error with this HTTP status."""
 

@@ -51,7 +51,9 @@ from app.serving.drafter import DrafterCore
 from app.serving.drafter_client import (
     DRAFTER_FAILURES, ColocatedDrafterError, DrafterClient, RemoteDrafterError, failure_text, fallback_cause,
 )
-from app.serving.protocol import ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenLogprobText, strip_for_drafter
+from app.serving.protocol import (
+    ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenizeCall, TokenLogprobText, openai_param, strip_for_drafter,
+)
 from app.serving.router import TargetLoad
 from app.serving.telemetry import TargetTelemetry
 from app.serving.torch_thread import TorchThread, stuck_thread, thread_cpu_ms
@@ -317,6 +319,30 @@ class TargetReplica:
         except InvalidRequestError as err:
             return invalid_request(request, err)
         return None
+
+    async def tokenize(self, call: TokenizeCall) -> tuple[list[int], list[str] | None] | ErrorItem:
+        """A prompt's token ids as ``generate`` takes them (``POST /tokenize``) and, with ``call.token_strs``, each
+        token's vocabulary string; a 400 naming ``messages`` where the chat template refuses them."""
+        try:
+            return await self._run(self._tokenize, call)
+        except InvalidRequestError as err:
+            return ErrorItem(400, str(err), param=openai_param(err.param, chat=call.messages is not None))
+
+    def _tokenize(self, call: TokenizeCall) -> tuple[list[int], list[str] | None]:
+        if call.messages is not None:
+            ids = self.engine.encode_chat(call.messages, add_special_tokens=call.add_special_tokens,
+                                          add_generation_prompt=call.add_generation_prompt)
+        else:
+            ids = self.engine.encode(call.prompt, add_special_tokens=call.add_special_tokens)
+        return ids, self.engine.tokenizer.convert_ids_to_tokens(ids) if call.token_strs else None
+
+    async def detokenize(self, ids: list[int]) -> str | ErrorItem:
+        """Token ids as text (``POST /detokenize``; special tokens kept, as vLLM decodes them); a 400 naming
+        ``tokens`` for an id outside the vocabulary."""
+        if (bad := next((t for t in ids if t >= self.engine.vocab_size), None)) is not None:
+            return ErrorItem(400, f"token id {bad} is outside the vocabulary [0, {self.engine.vocab_size})",
+                             param="tokens")
+        return await self._run(lambda: self.engine.tokenizer.decode(ids, skip_special_tokens=False))
 
     def _encode(self, request: GenerateRequest) -> tuple[GenerateRequest, list[int]]:
         """The request, its default max_tokens lowered to what the context leaves its prompt (vLLM's rule for a

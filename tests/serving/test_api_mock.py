@@ -634,6 +634,37 @@ def test_prompt_logprobs_in_vllm_shape_for_completions_and_chat(client):
     assert all(1 <= len(d) <= 2 and any(v["rank"] == 1 for v in d.values()) for d in prompt[1:])
 
 
+def test_tokenize_and_detokenize_as_vllm_offers_them(client, url):
+    """``POST /tokenize``: a prompt's or chat's token ids as the completions endpoints count them (usage), with
+    ``max_model_len`` and, on request, each token's string; ``POST /detokenize`` gives the text back. Bad bodies are
+    400s naming the field, another model a 404."""
+    def post(route: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{url}/{route}", headers=AUTH, json=body, timeout=30)
+
+    text = post("tokenize", {"model": MODEL, "prompt": "abc", "return_token_strs": True}).json()
+    assert text == {"count": 3, "max_model_len": MAX_MODEL_LEN, "tokens": [ord(c) for c in "abc"],
+                    "token_strs": [token_text(ord(c)) for c in "abc"]}
+    messages = [{"role": "user", "content": "ab"}]
+    chat_ids = post("tokenize", {"messages": messages}).json()  # model is optional, as in vLLM
+    used = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1).usage.prompt_tokens
+    assert chat_ids["count"] == used == 3 and chat_ids["token_strs"] is None
+    bare = post("tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat_ids["tokens"][:-1]  # the mock's generation prompt is one token
+    assert post("detokenize", {"model": MODEL, "tokens": text["tokens"]}).json() == \
+        {"prompt": "".join(token_text(ord(c)) for c in "abc")}
+    for route, body, status, param in (
+            ("tokenize", {"prompt": "a", "messages": messages}, 400, "messages"),
+            ("tokenize", {}, 400, "prompt"),
+            ("tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+            ("tokenize", {"prompt": "a", "chat_template": "x"}, 400, "chat_template"),
+            ("tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
+            ("detokenize", {"tokens": [VOCAB]}, 400, "tokens"),
+            ("detokenize", {"tokens": [-1]}, 400, "tokens")):
+        r = post(route, body)
+        assert (r.status_code, r.json()["error"]["param"]) == (status, param), r.text
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "a"}, timeout=30).status_code == 401
+
+
 def test_client_token_id_prompts_decode_as_their_text_and_echo_it(client, url):
     """A token-id prompt (one, or a list of them) is the prompt those tokens are; ``echo`` gives its text (the mock
     tokenizer's), scored with ``logprobs``; an id outside the vocabulary is a 400 naming ``prompt``."""

@@ -209,6 +209,24 @@ def test_echo_with_logprobs_scores_a_token_id_prompt_as_the_engine_does(url, eng
     assert sum(a == b for a, b in ranks) >= len(ranks) - 2, ranks  # but at a near-tie, another process's rounding
 
 
+@DEFAULT_PLACEMENT_ONLY
+def test_tokenize_gives_the_ids_the_model_is_prompted_with(url, engine):
+    """``POST /tokenize`` with the real tokenizer: a chat through the model's template and a text as the engine encodes
+    them, the chat's count the usage of a chat request; ``/detokenize`` gives the text back, special tokens kept."""
+    messages = [{"role": "user", "content": "Name a large city in Africa."}]
+    chat_ids = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=60).json()
+    assert chat_ids["tokens"] == engine.encode_chat(messages)
+    used = httpx.post(f"{url}/v1/chat/completions", json=chat_body(messages[0]["content"], max_tokens=1),
+                      timeout=120).json()["usage"]["prompt_tokens"]
+    assert chat_ids["count"] == used
+    text = "Paris \U0001F31F ok"
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=60).json()
+    assert ids["tokens"] == engine.encode(text)
+    assert ids["token_strs"] == engine.tokenizer.convert_ids_to_tokens(ids["tokens"])
+    back = httpx.post(f"{url}/detokenize", json={"tokens": chat_ids["tokens"]}, timeout=60).json()["prompt"]
+    assert back == engine.tokenizer.decode(chat_ids["tokens"]) and back.startswith("<|im_start|>")
+
+
 @pytest.mark.slow
 @DEFAULT_PLACEMENT_ONLY
 def test_a_repeated_prompt_reuses_its_prefix(url, engine):

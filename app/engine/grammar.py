@@ -1,9 +1,10 @@
-"""Structured output: JSON grammars (llguidance) and their token masks over a whole draft block.
+"""Structured output: grammars (llguidance) and their token masks over a whole draft block.
 
-Owns: compiling a ``GuidedDecoding`` (``json_object``: any JSON object; ``json_schema``: JSON matching the schema)
-into an llguidance matcher, once per distinct grammar (cached; each request gets a copy), and per request the
-masks of one verify step. Does not own: applying a mask to logits (``app/engine/logits_process.py``) or deciding
-which tokens are committed (``app/engine/engine.py``).
+Owns: compiling a ``GuidedDecoding`` (``json_object``: any JSON object; ``json_schema``: JSON matching the schema;
+``regex``; ``choice``: one of a list of strings; ``grammar``: Lark or GBNF) into an llguidance matcher, once per
+distinct grammar (cached; each request gets a copy), and per request the masks of one verify step. Does not own:
+applying a mask to logits (``app/engine/logits_process.py``) or deciding which tokens are committed
+(``app/engine/engine.py``).
 
 Verification needs the mask of row i as if drafts 1..i were committed (row 0 follows the pending token).
 ``RequestGrammar.block_masks`` advances the matcher tentatively over the draft, one mask per row, stops at the
@@ -25,9 +26,11 @@ Shape symbols: l verified draft tokens, V vocabulary, W = ceil(V / 32) words of 
 from __future__ import annotations
 
 import functools
+import json
 from typing import Sequence
 
 import llguidance
+import llguidance.gbnf_to_lark
 import llguidance.numpy
 import torch
 
@@ -47,7 +50,7 @@ class GrammarCompiler:
     Args:
         tokenizer: the target's Hugging Face fast tokenizer.
         vocab_size: V, the model's vocabulary (may exceed the tokenizer's; extra ids are never allowed).
-        eos_token_ids: tokens that end a request; the grammar allows them once the JSON is complete.
+        eos_token_ids: tokens that end a request; the grammar allows them once its output is complete.
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
@@ -69,23 +72,45 @@ class GrammarCompiler:
         return RequestGrammar(self._compiled(guided).deep_copy(), self)
 
     def _compile(self, guided: GuidedDecoding) -> llguidance.LLMatcher:
-        schema = guided.schema if guided.kind == "json_schema" else JSON_OBJECT_SCHEMA
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
-        except ValueError as e:
-            raise InvalidRequestError(f"{guided.kind}: the schema is not a JSON object: {e}", param="guided") from None
+        what = "schema" if guided.kind.startswith("json") else guided.kind
+        grammar = _grammar(guided)
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
-            raise InvalidRequestError(f"{guided.kind}: unsupported schema: {error}", param="guided")
+            raise InvalidRequestError(f"{guided.kind}: unsupported {what}: {error}", param="guided")
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequestError(f"{guided.kind}: unsupported schema: {matcher.get_error()}", param="guided")
+            raise InvalidRequestError(f"{guided.kind}: unsupported {what}: {matcher.get_error()}", param="guided")
         probe = matcher.deep_copy()  # the first mask tells whether anything but the end token may come
         llguidance.numpy.fill_next_token_bitmask(probe, llguidance.numpy.allocate_token_bitmask(1, self.vocab_size))
         if probe.is_stopped():  # e.g. a $ref that only refers to itself
-            raise InvalidRequestError(f"{guided.kind}: the schema admits no JSON value", param="guided")
+            output = "JSON value" if what == "schema" else "text"
+            raise InvalidRequestError(f"{guided.kind}: the {what} admits no {output}", param="guided")
         return matcher
+
+
+def _grammar(guided: GuidedDecoding) -> str:
+    """llguidance's grammar for ``guided`` (its ``validate_grammar`` checks it).
+
+    Raises:
+        InvalidRequestError: a JSON schema that is not a JSON object, a GBNF grammar that does not parse.
+    """
+    if guided.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(guided.spec)
+    if guided.kind == "grammar" and "::=" in guided.spec:  # GBNF (llama.cpp's, xgrammar's EBNF) defines rules so
+        try:
+            lark = llguidance.gbnf_to_lark.gbnf_to_lark(guided.spec)
+        except Exception as e:  # its parser raises bare Exceptions for a rule it does not find
+            raise InvalidRequestError(f"grammar: not a GBNF grammar llguidance reads: {e}", param="guided") from None
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    if guided.kind == "grammar":
+        return llguidance.LLMatcher.grammar_from_lark(guided.spec)
+    if guided.kind == "choice":  # Lark string literals take JSON's escapes
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, json.loads(guided.spec))))
+    schema = guided.spec if guided.kind == "json_schema" else JSON_OBJECT_SCHEMA
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_pattern": JSON_WHITESPACE})
+    except ValueError as e:
+        raise InvalidRequestError(f"{guided.kind}: the schema is not a JSON object: {e}", param="guided") from None
 
 
 class RequestGrammar:

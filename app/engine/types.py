@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,31 +41,45 @@ class FinishReason(str, enum.Enum):
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")  # GuidedDecoding.kind
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
 class GuidedDecoding:
-    """Structured output a request must follow (OpenAI's ``response_format``).
+    """Structured output a request must follow (OpenAI's ``response_format``, vLLM's ``structured_outputs``).
 
     Attributes:
-        kind: ``json_object`` (any JSON object) or ``json_schema`` (JSON matching ``schema``).
-        schema: the JSON schema as a JSON string (``json_schema`` only).
+        kind: one of ``GUIDED_KINDS``: ``json_object`` (any JSON object), ``json_schema`` (JSON matching ``spec``),
+            ``regex`` (text ``spec`` matches whole), ``choice`` (exactly one of ``spec``'s strings) or ``grammar``
+            (text the context-free grammar ``spec`` derives).
+        spec: the JSON schema as a JSON string (``json_schema``), the regular expression (``regex``), the choices as
+            a JSON list of strings (``choice``) or the grammar, in llguidance's Lark syntax or in GBNF (``root ::=
+            ...``; ``grammar``); None for ``json_object``.
 
     Raises:
-        InvalidRequestError: (a ValueError; ``param`` "guided") an unknown kind, or a schema missing / given where it
+        InvalidRequestError: (a ValueError; ``param`` "guided") an unknown kind, or a spec missing / given where it
             does not belong.
     """
 
     kind: str
-    schema: str | None = None
+    spec: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("json_object", "json_schema"):
-            raise InvalidRequestError(f"guided decoding kind must be json_object or json_schema, got {self.kind!r}",
+        if self.kind not in GUIDED_KINDS:
+            raise InvalidRequestError(f"guided decoding kind must be one of {', '.join(GUIDED_KINDS)}, got "
+                                      f"{self.kind!r}", param="guided")
+        if (self.kind != "json_object") != (self.spec is not None):
+            raise InvalidRequestError(f"a spec goes with every kind but json_object (kind {self.kind!r})",
                                       param="guided")
-        if (self.kind == "json_schema") != (self.schema is not None):
-            raise InvalidRequestError(f"a schema goes with json_schema only (kind {self.kind!r})", param="guided")
+        if self.kind == "choice":
+            try:
+                choices = json.loads(self.spec)
+            except ValueError:
+                choices = None
+            if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+                raise InvalidRequestError(f"choice: a JSON list of non-empty strings is needed, got {self.spec!r}",
+                                          param="guided")
 
 
 @dataclass(frozen=True)

@@ -360,7 +360,8 @@ class Ingress:
                 out.append((index, GenerateRequest(request_id=rid, params=req.params(j), messages=messages,
                                                    prompt=prompt, max_tokens_param=req.max_tokens_param,
                                                    max_tokens_default=req.max_tokens_default, echo_ids=echo and ids,
-                                                   add_special_tokens=req.add_special_tokens),
+                                                   add_special_tokens=req.add_special_tokens,
+                                                   guided_param=req.guided_param),
                             prompt if echo and not ids else ""))
         return out
 
@@ -431,7 +432,8 @@ class Ingress:
         try:
             generates = self._generates(req, chat=chat, request_id=request_id)
         except ValueError as err:
-            param = openai_param(getattr(err, "param", None), chat=chat, max_tokens_param=req.max_tokens_param)
+            param = openai_param(getattr(err, "param", None), chat=chat, max_tokens_param=req.max_tokens_param,
+                                 guided_param=req.guided_param)
             return error_response(ErrorItem(400, str(err), param=param))
         if (full := self._overloaded(len(generates))) is not None:
             return full

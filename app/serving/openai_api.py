@@ -35,7 +35,7 @@ ACTING_CHAT = ("model", "messages", "max_tokens", "max_completion_tokens", "temp
 ACTING_COMPLETIONS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                       "seed", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "echo", "best_of")
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "spec_stats",
-              "return_token_ids", "prompt_logprobs", "add_special_tokens")
+              "return_token_ids", "prompt_logprobs", "add_special_tokens", "structured_outputs")
 HARMLESS_CHAT = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                  "prompt_cache_options", "service_tier", "prediction", "parallel_tool_calls", "modalities")
 HARMLESS_COMPLETIONS = ("user",)
@@ -145,7 +145,41 @@ class ResponseFormat(BaseModel):
         if self.type == "text":
             return None
         schema = None if self.json_schema is None else json.dumps(self.json_schema.schema_)
-        return GuidedDecoding(kind=self.type, schema=schema)
+        return GuidedDecoding(kind=self.type, spec=schema)
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (one constraint): ``json`` (a JSON schema, as an object or its JSON text),
+    ``json_object``, ``regex``, ``choice`` (the output is exactly one of the strings) or ``grammar`` (a context-free
+    grammar in llguidance's Lark syntax, or GBNF: ``root ::= ...``)."""
+
+    model_config = STRICT
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "StructuredOutputs":
+        given = [name for name in ("json", "json_object", "regex", "choice", "grammar")
+                 if getattr(self, "json_" if name == "json" else name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, json_object, regex, choice, grammar (got {given or 'none'})")
+        return self
+
+    def guided(self) -> GuidedDecoding:
+        """Raises: InvalidRequestError (``GuidedDecoding``: an empty choice)."""
+        if self.json_object:
+            return GuidedDecoding("json_object")
+        if self.json_ is not None:
+            return GuidedDecoding("json_schema", self.json_ if isinstance(self.json_, str) else json.dumps(self.json_))
+        if self.choice is not None:
+            return GuidedDecoding("choice", json.dumps(self.choice))
+        if self.regex is not None:
+            return GuidedDecoding("regex", self.regex)
+        return GuidedDecoding("grammar", self.grammar)
 
 
 class _Common(BaseModel):
@@ -175,6 +209,8 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     spec_stats: bool = Field(False, description="Extension: add speculative statistics to the response.")
     return_token_ids: bool = Field(False, description="Extension: add the completion's token ids (non-streamed).")
+    structured_outputs: StructuredOutputs | None = Field(None, description=(
+        "Extension: vLLM's structured output (json, json_object, regex, choice or grammar)."))
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "Extension: add each prompt token's logprob, rank and this many most likely alternatives (vLLM's "
         "``prompt_logprobs`` field, non-streamed)."))
@@ -221,6 +257,11 @@ class _Common(BaseModel):
     @property
     def num_choices(self) -> int:
         return self.n or 1
+
+    @property
+    def guided_param(self) -> str:
+        """The field that sets the engine's structured output, which errors about it name."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     @property
     def include_usage(self) -> bool:
@@ -324,6 +365,14 @@ class ChatCompletionRequest(_Common):
             raise ValueError("needs logprobs: true")
         return value
 
+    @model_validator(mode="after")
+    def _one_structure(self) -> "ChatCompletionRequest":
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise InvalidRequestError(f"a response_format of type {self.response_format.type!r} is a second "
+                                      "constraint: send one of the two", param="structured_outputs")
+        return self
+
     @property
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -336,6 +385,8 @@ class ChatCompletionRequest(_Common):
         """Raises: ValueError (``SamplingParams``)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         guided = self.response_format.guided() if self.response_format is not None else None
+        if self.structured_outputs is not None:
+            guided = self.structured_outputs.guided()
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
         return self._params(max_tokens, logprobs=logprobs, guided=guided, choice=choice,
                             prompt_logprobs=self.prompt_logprobs if choice == 0 else None)  # one prompt, scored once
@@ -440,7 +491,8 @@ class CompletionRequest(_Common):
         Raises: ValueError (``SamplingParams``)."""
         max_tokens = 1 if self.prompt_only else self.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         scored = [k for k in (self.prompt_logprobs, self.echoed_logprobs) if k is not None]
-        return self._params(max_tokens, logprobs=self.logprobs, guided=None, choice=choice,
+        guided = self.structured_outputs.guided() if self.structured_outputs is not None else None
+        return self._params(max_tokens, logprobs=self.logprobs, guided=guided, choice=choice,
                             prompt_logprobs=max(scored, default=None))
 
     @property

@@ -50,21 +50,25 @@ class GenerateRequest:
     add_special_tokens: bool = False
     # the field that set params.max_tokens, which errors about it name (a chat request may send max_completion_tokens)
     max_tokens_param: str = "max_tokens"
+    # the field that set params.guided, which errors about it name (vLLM's structured_outputs, or response_format)
+    guided_param: str = "response_format"
     # params.max_tokens is not the request's: the API's default (the request set none), lowered to what the context
     # leaves the prompt, or the 1 token of completions' max_tokens 0 (CompletionRequest.prompt_only)
     max_tokens_default: bool = False
 
     def api_param(self, param: str | None) -> str | None:
         """The field of this request's OpenAI body that an engine error's ``param`` names (``openai_param``)."""
-        return openai_param(param, chat=self.messages is not None, max_tokens_param=self.max_tokens_param)
+        return openai_param(param, chat=self.messages is not None, max_tokens_param=self.max_tokens_param,
+                            guided_param=self.guided_param)
 
 
-def openai_param(param: str | None, *, chat: bool, max_tokens_param: str = "max_tokens") -> str | None:
+def openai_param(param: str | None, *, chat: bool, max_tokens_param: str = "max_tokens",
+                 guided_param: str = "response_format") -> str | None:
     """The OpenAI request field for an engine error's ``param`` (a ``SamplingParams`` field, or ``prompt``): the
-    prompt is a chat's ``messages``, ``max_tokens`` the field that set it, ``logprobs`` a chat's ``top_logprobs``,
-    ``guided`` the ``response_format``; other fields keep their names (None stays None)."""
+    prompt is a chat's ``messages``, ``max_tokens`` and ``guided`` the fields that set them, ``logprobs`` a chat's
+    ``top_logprobs``; other fields keep their names (None stays None)."""
     return {"prompt": "messages" if chat else "prompt", "max_tokens": max_tokens_param,
-            "logprobs": "top_logprobs" if chat else "logprobs", "guided": "response_format"}.get(param, param)
+            "logprobs": "top_logprobs" if chat else "logprobs", "guided": guided_param}.get(param, param)
 
 
 @dataclass(frozen=True)

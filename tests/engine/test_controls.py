@@ -13,6 +13,7 @@ probabilities rejects them instead (its output distribution checked).
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -252,6 +253,31 @@ def test_greedy_json_is_valid_and_identical_with_speculation(engine, kind):
     # random drafts are mostly forbidden (outside strings): cut before verification, far fewer verified than the 4
     # proposed per round
     assert sum(x.num_draft for x in noisy) < 2 * sum(x.rounds for x in noisy)
+
+
+GUIDED_TEXT = [  # (kind, spec, question, what every output must match whole)
+    ("regex", r"[0-9]{1,3}(\.[0-9]{1,2})?", "What is 12.5 times 3? Answer with the number only.",
+     r"[0-9]{1,3}(\.[0-9]{1,2})?"),
+    ("choice", json.dumps(["yes", "no", "it depends"]), "Is the sky blue?", r"yes|no|it depends"),
+    ("grammar", 'root ::= ("red" | "green" | "yellow") " apple, " [0-9] " grams"', "Describe an apple.",
+     r"(red|green|yellow) apple, [0-9] grams"),  # GBNF
+    ("grammar", 'start: "The answer is " ("A" | "B" | "C") "."', "Pick A, B or C.", r"The answer is [ABC]\."),  # Lark
+]
+
+
+def test_greedy_regex_choice_and_grammar_outputs_match_and_are_identical_with_speculation(engine):
+    """vLLM's structured outputs beyond JSON, each request of one batch with its own: every output matches whole and
+    ends (EOS once the grammar is complete), with speculation on (perfect and random drafts) as off."""
+    params = [SamplingParams(max_tokens=24, guided=GuidedDecoding(kind, spec)) for kind, spec, _, _ in GUIDED_TEXT]
+    prompts = [engine.encode_chat([{"role": "user", "content": q}]) for _, _, q, _ in GUIDED_TEXT]
+    ref, perfect = plain_and_perfect(engine, prompts, params)
+    noisy, _ = generate(engine, prompts, params, proposer=RandomProposer(engine.vocab_size, [4], seed=2))
+    for (_, _, _, pattern), prompt, p, r, a, b in zip(GUIDED_TEXT, prompts, params, ref, perfect, noisy):
+        for out in (r, a, b):
+            assert out.finish_reason == FinishReason.STOP and re.fullmatch(pattern, out.text), out.text
+        for out in (a, b):
+            if check_same_or_near_tie(engine, prompt, r.token_ids, out.token_ids, p) is None:
+                assert out.text == r.text
 
 
 def test_drafts_the_grammar_forbids_are_cut_before_verification(engine, grammars):

@@ -65,6 +65,20 @@ def test_a_failure_after_the_slot_is_taken_gives_it_back(engine, monkeypatch):
     assert engine.num_free_slots == free and not engine.has_request("s")
 
 
+@pytest.mark.parametrize("kind, spec, match", [
+    ("bogus", None, "kind must be one of json_object, json_schema, regex, choice, grammar"),
+    ("regex", None, "a spec goes with every kind but json_object"),
+    ("json_object", "{}", "a spec goes with every kind but json_object"),
+    ("choice", "[]", "choice: a JSON list of non-empty strings is needed"),
+    ("choice", '["a", ""]', "choice: a JSON list of non-empty strings is needed"),
+    ("choice", "a, b", "choice: a JSON list of non-empty strings is needed"),
+])
+def test_structured_output_values_are_checked_by_name(kind, spec, match):
+    with pytest.raises(InvalidRequestError, match=match) as err:
+        GuidedDecoding(kind, spec)
+    assert err.value.param == "guided"
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -76,6 +90,9 @@ def test_a_failure_after_the_slot_is_taken_gives_it_back(engine, monkeypatch):
         ({"guided": GuidedDecoding("json_schema", "[1, 2")}, "json_schema"),
         ({"guided": GuidedDecoding("json_schema", '{"$ref": "#/$defs/A", "$defs": {"A": {"$ref": "#/$defs/A"}}}')},
          "admits no JSON value"),
+        ({"guided": GuidedDecoding("regex", "(unclosed")}, "regex: unsupported regex: (.|\n)*unclosed group"),
+        ({"guided": GuidedDecoding("grammar", "start: foo")}, "grammar: unsupported grammar: .*unknown name"),
+        ({"guided": GuidedDecoding("grammar", "root ::= foo")}, "not a GBNF grammar llguidance reads: .*'foo'"),
     ],
 )
 def test_bad_controls_are_refused_before_taking_a_slot(engine, kwargs, match):

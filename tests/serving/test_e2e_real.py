@@ -280,7 +280,7 @@ CONTROLS = {
 def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
     """Each sampling control and logprobs through the official client on the speculating server equal plain decoding
     of the same params in this process (speculation off), up to near-ties of the processed logits; a json_schema
-    answer parses, matches the schema and equals plain decoding too."""
+    answer parses, matches the schema and equals plain decoding too, and so does a ``structured_outputs`` choice."""
     import openai
 
     from app.engine.types import GuidedDecoding
@@ -316,3 +316,12 @@ def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
     response = served(response_format=schema_format)
     assert response.model_extra["token_ids"] == plain.token_ids
     assert json.loads(response.choices[0].message.content).keys() == {"answer"}
+    # vLLM's structured_outputs: a choice as plain decoding picks it; a regex that does not compile is a 400 naming it
+    choices = ["apple", "banana", "cherry"]
+    params = SamplingParams(max_tokens=24, guided=GuidedDecoding("choice", json.dumps(choices)))
+    (plain,), _ = generate(engine, [ids], params)
+    response = served(extra_body={"structured_outputs": {"choice": choices}})
+    assert response.choices[0].message.content in choices and response.model_extra["token_ids"] == plain.token_ids
+    with pytest.raises(openai.BadRequestError, match="unclosed group") as err:
+        served(extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert err.value.body["param"] == "structured_outputs"

@@ -47,6 +47,12 @@ MAPPED = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}}},
      "guided", GuidedDecoding("json_schema", json.dumps({"type": "object"}))),
     ({"response_format": {"type": "text"}}, "guided", None),
+    ({"structured_outputs": {"choice": ["a", "b c"]}}, "guided", GuidedDecoding("choice", '["a", "b c"]')),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "guided", GuidedDecoding("regex", "[0-9]+")),
+    ({"structured_outputs": {"grammar": 'root ::= "x"'}}, "guided", GuidedDecoding("grammar", 'root ::= "x"')),
+    ({"structured_outputs": {"json": {"type": "object"}}}, "guided",
+     GuidedDecoding("json_schema", '{"type": "object"}')),
+    ({"structured_outputs": {"json_object": True}}, "guided", GuidedDecoding("json_object")),
 ]
 
 
@@ -90,6 +96,12 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": MESSAGES, "logit_bias": {"\u0661\u0660": 1}}, "logit_bias"),  # Arabic-Indic digits: "10" to int()
     ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),  # a chat has no echo
     ({"messages": MESSAGES, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"messages": MESSAGES, "structured_outputs": {}}, "structured_outputs"),
+    ({"messages": MESSAGES, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"messages": MESSAGES, "structured_outputs": {"whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern"),
+    ({"messages": MESSAGES, "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "structured_outputs"),
     ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # vLLM's rule: not streamed
     ({"messages": MESSAGES, "logit_bias": {"\uff15": 1}}, "logit_bias"),  # a fullwidth 5
     ({"messages": MESSAGES, "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a superscript 2: a digit int() refuses

@@ -265,18 +265,22 @@ GUIDED_TEXT = [  # (kind, spec, question, what every output must match whole)
 ]
 
 
-def test_greedy_regex_choice_and_grammar_outputs_match_and_are_identical_with_speculation(engine):
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 7}], ids=["greedy", "seeded"])
+def test_regex_choice_and_grammar_outputs_match_and_are_the_same_with_speculation(engine, sampling):
     """vLLM's structured outputs beyond JSON, each request of one batch with its own: every output matches whole and
-    ends (EOS once the grammar is complete), with speculation on (perfect and random drafts) as off."""
-    params = [SamplingParams(max_tokens=24, guided=GuidedDecoding(kind, spec)) for kind, spec, _, _ in GUIDED_TEXT]
+    ends (EOS once the grammar is complete), with speculation on (perfect and random drafts) as off: greedy, and
+    seeded (its tokens are plain decoding's with the same seed)."""
+    params = [SamplingParams(max_tokens=24, guided=GuidedDecoding(kind, spec), **sampling)
+              for kind, spec, _, _ in GUIDED_TEXT]
     prompts = [engine.encode_chat([{"role": "user", "content": q}]) for _, _, q, _ in GUIDED_TEXT]
     ref, perfect = plain_and_perfect(engine, prompts, params)
     noisy, _ = generate(engine, prompts, params, proposer=RandomProposer(engine.vocab_size, [4], seed=2))
+    check = check_seeded_same_or_near_tie if sampling else check_same_or_near_tie
     for (_, _, _, pattern), prompt, p, r, a, b in zip(GUIDED_TEXT, prompts, params, ref, perfect, noisy):
         for out in (r, a, b):
             assert out.finish_reason == FinishReason.STOP and re.fullmatch(pattern, out.text), out.text
         for out in (a, b):
-            if check_same_or_near_tie(engine, prompt, r.token_ids, out.token_ids, p) is None:
+            if check(engine, prompt, r.token_ids, out.token_ids, p) is None:
                 assert out.text == r.text
 
 

@@ -14,6 +14,10 @@ import bisect
 import functools
 import json
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.engine.types import SamplingParams
 
 
 class IncrementalDetokenizer:
@@ -21,13 +25,15 @@ class IncrementalDetokenizer:
 
     Decodes a sliding window of recent tokens (``prefix_offset`` .. end) rather than the whole output, so the
     cost per token stays constant. Special tokens read as no text, unless ``skip_special_tokens`` is False (an echoed
-    prompt's).
+    prompt's). The text ends before the first stop string, or after it with ``include_stop``.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), *, skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
         self._tok = tokenizer
         self._stop = stop
         self._skip = skip_special_tokens
+        self._include_stop = include_stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -39,6 +45,12 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of ``text`` already released
         self._released = 0  # tokens whose text is released
         self.stopped = False
+
+    @classmethod
+    def for_request(cls, tokenizer, params: SamplingParams) -> IncrementalDetokenizer:
+        """A request's detokenizer: its stop strings and text options (``SamplingParams``)."""
+        return cls(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
+                   include_stop=params.include_stop_str_in_output)
 
     def add(self, token_id: int, *, check_stop: bool = True) -> None:
         """Append a token; sets ``stopped`` and truncates ``text`` if it completes a stop string (only looked for
@@ -56,9 +68,10 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         if self._stop and check_stop:
             start = max(0, before - self._holdback)
-            hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self._stop) if i >= 0]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, length = min(hits)
+                self.text = self.text[: at + length if self._include_stop else at]
                 self._ends = [min(end, len(self.text)) for end in self._ends]
                 self.stopped = True
 

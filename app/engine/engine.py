@@ -491,7 +491,7 @@ class TargetEngine(Engine):
         controls = (RequestControls(params, request.prompt_ids, eos_token_ids=sorted(self.eos_token_ids),
                                     vocab_size=self.vocab_size) if params.controls() else None)
         req = _Request(request_id=request.request_id, slot=self._take_slot(donor), params=params,
-                       prompt_len=prompt_len, detok=IncrementalDetokenizer(self.tokenizer, params.stop),
+                       prompt_len=prompt_len, detok=IncrementalDetokenizer.for_request(self.tokenizer, params),
                        generator=torch.Generator().manual_seed(seed), controls=controls, grammar=grammar)
         self._requests[request.request_id] = req
         return req

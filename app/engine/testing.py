@@ -143,7 +143,7 @@ class MockEngine(Engine):
         outputs: list[StepOutput | None] = []
         for i, r in enumerate(requests):
             req = _MockRequest(params=r.params, prompt_len=len(r.prompt_ids), last=int(r.prompt_ids[-1]),
-                               detok=IncrementalDetokenizer(self.tokenizer, r.params.stop))
+                               detok=IncrementalDetokenizer.for_request(self.tokenizer, r.params))
             if r.params.prompt_logprobs is not None:
                 req.prompt_logprobs = mock_prompt_logprobs(r.prompt_ids, r.params.prompt_logprobs, self.vocab_size)
             self._requests[r.request_id] = req

@@ -121,7 +121,10 @@ class SamplingParams:
             ``batch_invariant``; otherwise up to near-ties of the logits). None: unseeded, verified by rejection
             sampling with a generator seeded from the OS.
         stop: stop strings (one string: that one); the output ends before the first occurrence (excluded, as
-            OpenAI does).
+            OpenAI does, unless ``include_stop_str_in_output``).
+        include_stop_str_in_output: the text ends after the stop string that ended it (vLLM's option).
+        skip_special_tokens: special tokens (``<|im_end|>``) read as no text (vLLM's default); False: as their
+            text. Neither option changes the tokens.
         ignore_eos: keep generating past EOS (benchmarks).
         presence_penalty: subtracted once from the logit of every token already in the output, in [-2, 2]
             (OpenAI's definition; the prompt does not count).
@@ -152,6 +155,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -170,8 +175,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value):
                 raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}", param=name)
         for name in _INT_FIELDS:
             value = getattr(self, name)
             if not (_is_int(value) or value is None and name in _OPTIONAL):

@@ -6,8 +6,8 @@ chat and completions requests is declared below and either acts as OpenAI docume
 nature (``HARMLESS``: it names, tags, stores or bills the request and cannot change its output), or answers a 400
 naming it when set to anything but its neutral value (``REJECTED``); any other field is a 400 naming it too.
 Extensions, with vLLM's names: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``ignore_eos``, ``prompt_logprobs``, ``return_token_ids``, ``add_special_tokens``; and ``spec_stats`` (the request's
-speculative statistics).
+``ignore_eos``, ``prompt_logprobs``, ``return_token_ids``, ``add_special_tokens``, ``structured_outputs``,
+``include_stop_str_in_output``, ``skip_special_tokens``; and ``spec_stats`` (the request's speculative statistics).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ ACTING_CHAT = ("model", "messages", "max_tokens", "max_completion_tokens", "temp
 ACTING_COMPLETIONS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                       "seed", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "echo", "best_of")
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "spec_stats",
-              "return_token_ids", "prompt_logprobs", "add_special_tokens", "structured_outputs")
+              "return_token_ids", "prompt_logprobs", "add_special_tokens", "structured_outputs",
+              "include_stop_str_in_output", "skip_special_tokens")
 HARMLESS_CHAT = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                  "prompt_cache_options", "service_tier", "prediction", "parallel_tool_calls", "modalities")
 HARMLESS_COMPLETIONS = ("user",)
@@ -207,6 +208,8 @@ class _Common(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = Field(False, description="The text ends after the stop string that ended it.")
+    skip_special_tokens: bool = Field(True, description="False: special tokens show as their text.")
     spec_stats: bool = Field(False, description="Extension: add speculative statistics to the response.")
     return_token_ids: bool = Field(False, description="Extension: add the completion's token ids (non-streamed).")
     structured_outputs: StructuredOutputs | None = Field(None, description=(
@@ -290,6 +293,7 @@ class _Common(BaseModel):
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, seed=seed, stop=stops, ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),

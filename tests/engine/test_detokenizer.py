@@ -16,9 +16,10 @@ class _ByteTokenizer:
         return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
 
 
-def _stream(pieces: list[bytes], stop: tuple[str, ...] = ()) -> tuple[list[tuple[str, list[int]]], str]:
+def _stream(pieces: list[bytes], stop: tuple[str, ...] = (), *,
+            include_stop: bool = False) -> tuple[list[tuple[str, list[int]]], str]:
     """Each token added, then released (the last one final): the (text, text_lens) of each release, and the text."""
-    detok = IncrementalDetokenizer(_ByteTokenizer(pieces), stop)
+    detok = IncrementalDetokenizer(_ByteTokenizer(pieces), stop, include_stop=include_stop)
     releases = []
     for i in range(len(pieces)):
         detok.add(i)
@@ -37,6 +38,13 @@ def test_text_is_released_at_token_boundaries_holding_a_possible_stop_string():
                         (".", [1]), (" The ", [4, 1, 0])]  # " ans": " " is the answer's, "wer" brings nothing
     assert "".join(t for t, _ in releases) == text and sum(sum(lens) for _, lens in releases) == len(text)
     assert sum(len(lens) for _, lens in releases) == 8  # every token of the answer, the stop string's included
+
+
+def test_the_stop_string_itself_is_kept_on_request_the_earliest_one_ending_the_text():
+    words = [b"The", b" capital", b" is", b" Paris", b".", b" The", b" ans", b"wer", b" is"]
+    releases, text = _stream(words, stop=("is Paris", "Paris."), include_stop=True)
+    assert text == "The capital is Paris"
+    assert "".join(t for t, _ in releases) == text and sum(sum(lens) for _, lens in releases) == len(text)
 
 
 def test_a_character_split_between_tokens_is_released_with_its_last_token():

@@ -78,6 +78,20 @@ def test_stop_string_inside_accepted_block(engine, eval_prompts):
     # The stop string was completed by the last returned token, not earlier.
     partial = engine.tokenizer.decode(spec.token_ids[:-1], skip_special_tokens=True)
     assert stop not in partial and stop in engine.tokenizer.decode(spec.token_ids, skip_special_tokens=True)
+    # include_stop_str_in_output (vLLM's): the same tokens, the text through the stop string
+    kept_params = SamplingParams(max_tokens=40, stop=(stop,), include_stop_str_in_output=True)
+    (kept,), _ = generate(engine, [prompt], kept_params, proposer=OracleProposer({"req-0": ref.token_ids}, gamma=7))
+    assert kept.token_ids == spec.token_ids and kept.text == ref.text[: ref.text.index(stop) + len(stop)]
+
+
+def test_special_tokens_show_as_text_on_request_only(engine, short):
+    """``skip_special_tokens`` False (vLLM's option): the EOS that ends the answer shows as its text; the tokens are
+    the same, with drafts too."""
+    prompt, res = short
+    params = SamplingParams(max_tokens=32, skip_special_tokens=False)
+    (shown,), _ = generate(engine, [prompt], params, proposer=OracleProposer({"req-0": res.token_ids}, gamma=7))
+    assert shown.token_ids == res.token_ids and shown.num_accepted > 0
+    assert shown.text == res.text + engine.tokenizer.decode(res.token_ids[-1:]) and shown.text.endswith("<|im_end|>")
 
 
 def test_streamed_text_concatenates_to_final_text(engine, eval_prompts):

@@ -41,6 +41,8 @@ MAPPED = [
     ({"min_tokens": 3}, "min_tokens", 3),
     ({"stop_token_ids": [2, 5]}, "stop_token_ids", (2, 5)),
     ({"ignore_eos": True}, "ignore_eos", True),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output", True),
+    ({"skip_special_tokens": False}, "skip_special_tokens", False),
     ({"logprobs": True}, "logprobs", 0),
     ({"logprobs": True, "top_logprobs": 5}, "logprobs", 5),
     ({"response_format": {"type": "json_object"}}, "guided", GuidedDecoding("json_object")),

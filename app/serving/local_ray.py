@@ -14,6 +14,9 @@ variable can be set from ``deployments/*.yaml``; against a running cluster, set 
   instead of Ray actor calls: more plain-decoding throughput under load (docs/serving.md); in the proxy alone or the
   replicas alone it gained less or nothing. Drafter calls over 1 MiB still go by reference
   (``drafter_client.BY_REFERENCE_BYTES``).
+- ``RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH``: that data plane's largest message, 4 MiB by default, which a scored
+  prompt's response passes (``prompt_logprobs`` 20: ~1.7 kB of JSON a prompt token, per choice): raised to gRPC's
+  own limit, as Ray's actor calls have none.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 SERVE_ENV = {
     "RAY_worker_niceness": "0",
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1),
 }
 
 

@@ -23,6 +23,7 @@ from app.loop import generate
 from app.engine.types import SamplingParams
 from app.serving.builder import build_app
 from app.serving.config import AppConfig
+from tests.conftest import load_prompts
 from tests.engine.near_tie import check_greedy_output, check_same_or_near_tie
 from tests.serving.helpers import delete_in_background, shared_serve, sse_events, stream_text
 
@@ -207,6 +208,18 @@ def test_echo_with_logprobs_scores_a_token_id_prompt_as_the_engine_does(url, eng
         pytest.approx([e.logprob for e in reference[1:]], abs=0.05)
     ranks = [(d[str(t)]["rank"], e.rank) for d, t, e in zip(scored[1:], ids[1:], reference[1:])]
     assert sum(a == b for a, b in ranks) >= len(ranks) - 2, ranks  # but at a near-tie, another process's rounding
+
+
+@DEFAULT_PLACEMENT_ONLY
+def test_a_response_over_serve_s_default_grpc_message_limit_is_answered(url, engine):
+    """A scored prompt makes a large response (``prompt_logprobs`` 20: ~1.7 kB of JSON a prompt token): 3 choices of a
+    1,000-token prompt answer ~5 MB, which Serve's gRPC data plane passes only with the message limit ``SERVE_ENV``
+    raises (4 MiB by default: a bare 500 from the proxy after the whole computation)."""
+    ids = (engine.encode(" ".join(load_prompts("gsm8k", count=40))) * 2)[:1000]
+    r = httpx.post(f"{url}/v1/completions", timeout=300, json={
+        "model": "smollm2-135m", "prompt": ids, "max_tokens": 1, "n": 3, "prompt_logprobs": 20})
+    assert r.status_code == 200, r.text[:300]
+    assert len(r.content) > 4 * 2**20 and [len(c["prompt_logprobs"]) for c in r.json()["choices"]] == [1000] * 3
 
 
 @DEFAULT_PLACEMENT_ONLY

@@ -39,8 +39,8 @@ class ContextLengthError(InvalidRequestError):
         so only a prompt that fills the context fails): the message names the prompt alone."""
         prompt_tokens, _, limit = self.terms
         if max_tokens_default:
-            return (f"prompt of {prompt_tokens} tokens leaves no room for an answer within the context limit of "
-                    f"{limit} tokens")
+            return (f"prompt of {prompt_tokens} tokens leaves no room for a generated token within the context limit "
+                    f"of {limit} tokens")
         return self._message(*self.terms, max_tokens_field)
 
     @staticmethod

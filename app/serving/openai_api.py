@@ -253,7 +253,7 @@ class _Common(BaseModel):
     @field_validator("return_token_ids", "prompt_logprobs")
     @classmethod
     def _not_streamed(cls, value: bool | int | None, info: ValidationInfo) -> bool | int | None:
-        if value not in (None, False) and info.data.get("stream"):
+        if value is not None and value is not False and info.data.get("stream"):  # prompt_logprobs 0 counts
             raise ValueError(f"{info.field_name} is for non-streamed responses (stream: false) only")
         return value
 
@@ -463,10 +463,10 @@ class CompletionRequest(_Common):
             raise InvalidRequestError("best_of must equal n (choosing the best of several is not supported)",
                                       param="best_of")
         if self.prompt_only and not self.echo:
-            raise InvalidRequestError("max_tokens: 0 generates nothing; it needs echo: true (the prompt alone, scored "
-                                      "with logprobs)", param="max_tokens")
+            raise InvalidRequestError("0 generates nothing; it needs echo: true (the prompt alone, scored with "
+                                      "logprobs)", param="max_tokens")
         if self.prompt_only and self.min_tokens:
-            raise InvalidRequestError(f"min_tokens: {self.min_tokens} is more than max_tokens (0)", param="min_tokens")
+            raise InvalidRequestError(f"{self.min_tokens} is more than max_tokens (0)", param="min_tokens")
         if len(self.prompts) * self.num_choices > MAX_CHOICES:
             raise InvalidRequestError(f"prompts x n must be at most {MAX_CHOICES}",
                                       param="n" if self.num_choices > 1 else "prompt")

@@ -185,8 +185,8 @@ def test_context_length_errors_name_the_field_to_change(url):
     r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
                    json={"model": MODEL, "prompt": "x" * MAX_MODEL_LEN, "max_tokens": 0, "echo": True})
     assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt"), r.text
-    assert r.json()["error"]["message"] == (f"prompt of {MAX_MODEL_LEN} tokens leaves no room for an answer within "
-                                            f"the context limit of {MAX_MODEL_LEN} tokens")
+    assert r.json()["error"]["message"] == (f"prompt of {MAX_MODEL_LEN} tokens leaves no room for a generated token "
+                                            f"within the context limit of {MAX_MODEL_LEN} tokens")
 
 
 def test_a_request_without_max_tokens_gets_what_the_context_leaves_its_prompt(url):
@@ -202,7 +202,7 @@ def test_a_request_without_max_tokens_gets_what_the_context_leaves_its_prompt(ur
             prompt_tokens, room, "length")
     for body, param, message in (
             (chat("x" * (MAX_MODEL_LEN - 1)), "messages",
-             f"prompt of {MAX_MODEL_LEN} tokens leaves no room for an answer within the context limit of "
+             f"prompt of {MAX_MODEL_LEN} tokens leaves no room for a generated token within the context limit of "
              f"{MAX_MODEL_LEN} tokens"),  # the default max_tokens it would lower is not named
             (chat("x" * (MAX_MODEL_LEN - 1), max_tokens=5), "messages",
              f"+ max_tokens 5 = {MAX_MODEL_LEN + 5} exceeds"),

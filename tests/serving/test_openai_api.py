@@ -105,6 +105,9 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": MESSAGES, "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
      "structured_outputs"),
     ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # vLLM's rule: not streamed
+    ({"messages": MESSAGES, "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),  # 0 too (0 == False)
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),  # the prompt alone needs echo
+    ({"prompt": "a", "max_tokens": 0, "echo": True, "min_tokens": 2}, "min_tokens"),
     ({"messages": MESSAGES, "logit_bias": {"\uff15": 1}}, "logit_bias"),  # a fullwidth 5
     ({"messages": MESSAGES, "logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a superscript 2: a digit int() refuses
     ({"messages": MESSAGES, "top_k": -5}, "top_k"),

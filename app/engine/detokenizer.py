@@ -52,6 +52,11 @@ class IncrementalDetokenizer:
         return cls(tokenizer, params.stop, skip_special_tokens=params.skip_special_tokens,
                    include_stop=params.include_stop_str_in_output)
 
+    def add_without_text(self, token_id: int) -> None:
+        """Append the token that ends the request (EOS, a stop token id) without its text, as vLLM leaves it out
+        (``release`` gives it no characters)."""
+        self._ids.append(token_id)
+
     def add(self, token_id: int, *, check_stop: bool = True) -> None:
         """Append a token; sets ``stopped`` and truncates ``text`` if it completes a stop string (only looked for
         when ``check_stop``: the engine does not before ``min_tokens``, so a stop string completed earlier is
@@ -68,9 +73,9 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         if self._stop and check_stop:
             start = max(0, before - self._holdback)
-            hits = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self._stop) if i >= 0]
-            if hits:
-                at, length = min(hits)
+            hits = [(at, order, len(s)) for order, s in enumerate(self._stop) if (at := self.text.find(s, start)) >= 0]
+            if hits:  # the earliest; at one position, the first listed (vLLM's order)
+                at, _, length = min(hits)
                 self.text = self.text[: at + length if self._include_stop else at]
                 self._ends = [min(end, len(self.text)) for end in self._ends]
                 self.stopped = True

@@ -780,10 +780,15 @@ class TargetEngine(Engine):
         for tok in tokens:
             kept.append(tok)
             req.output_ids.append(tok)
-            req.detok.add(tok, check_stop=len(req.output_ids) >= p.min_tokens)
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                if p.include_stop_str_in_output:
+                    req.detok.add(tok)
+                else:  # its id is in the output, its text is not (vLLM's rule, as for a stop string)
+                    req.detok.add_without_text(tok)
                 reason = FinishReason.STOP
-            elif req.detok.stopped:
+                break
+            req.detok.add(tok, check_stop=len(req.output_ids) >= p.min_tokens)
+            if req.detok.stopped:
                 reason = FinishReason.STOP
             elif len(req.output_ids) >= p.max_tokens:
                 reason = FinishReason.LENGTH

@@ -122,7 +122,8 @@ class SamplingParams:
             sampling with a generator seeded from the OS.
         stop: stop strings (one string: that one); the output ends before the first occurrence (excluded, as
             OpenAI does, unless ``include_stop_str_in_output``).
-        include_stop_str_in_output: the text ends after the stop string that ended it (vLLM's option).
+        include_stop_str_in_output: the text ends after the stop string, EOS or stop token that ended it (vLLM's
+            option).
         skip_special_tokens: special tokens (``<|im_end|>``) read as no text (vLLM's default); False: as their
             text. Neither option changes the tokens.
         ignore_eos: keep generating past EOS (benchmarks).
@@ -136,7 +137,8 @@ class SamplingParams:
         min_p: drop tokens whose probability is below ``min_p`` times the most likely token's, in [0, 1]; 0 = off.
         min_tokens: EOS and ``stop_token_ids`` cannot end the request before this many tokens (their logits are
             masked), as in vLLM; stop strings are not checked before it either.
-        stop_token_ids: extra token ids that end the request (the token is included in the output, like EOS).
+        stop_token_ids: extra token ids that end the request (the token is included in the output's ids, like EOS;
+            its text, like EOS's, only with ``include_stop_str_in_output``, as vLLM does).
         logprobs: None = off; k >= 0 = return the log-probability of each output token under the target and
             the k most likely alternatives (k <= ``MAX_LOGPROBS``).
         prompt_logprobs: None = off; k >= 0 = return the log-probability under the target of each prompt token

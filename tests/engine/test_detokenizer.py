@@ -45,6 +45,9 @@ def test_the_stop_string_itself_is_kept_on_request_the_earliest_one_ending_the_t
     releases, text = _stream(words, stop=("is Paris", "Paris."), include_stop=True)
     assert text == "The capital is Paris"
     assert "".join(t for t, _ in releases) == text and sum(sum(lens) for _, lens in releases) == len(text)
+    # two stop strings a token completes at one position: the first listed ends the text (vLLM's order)
+    assert _stream(words, stop=("Paris", "Par"), include_stop=True)[1] == "The capital is Paris"
+    assert _stream(words, stop=("Par", "Paris"), include_stop=True)[1] == "The capital is Par"
 
 
 def test_a_character_split_between_tokens_is_released_with_its_last_token():

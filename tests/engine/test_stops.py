@@ -84,14 +84,27 @@ def test_stop_string_inside_accepted_block(engine, eval_prompts):
     assert kept.token_ids == spec.token_ids and kept.text == ref.text[: ref.text.index(stop) + len(stop)]
 
 
-def test_special_tokens_show_as_text_on_request_only(engine, short):
-    """``skip_special_tokens`` False (vLLM's option): the EOS that ends the answer shows as its text; the tokens are
-    the same, with drafts too."""
+def test_the_token_that_ends_a_request_has_no_text_unless_asked(engine, short, eval_prompts):
+    """vLLM's rule: EOS and a stop token id end the output's ids but add no text, unless
+    ``include_stop_str_in_output``; ``skip_special_tokens`` False shows a special token's text (EOS's then). The
+    tokens are the same every way, with drafts too."""
     prompt, res = short
-    params = SamplingParams(max_tokens=32, skip_special_tokens=False)
-    (shown,), _ = generate(engine, [prompt], params, proposer=OracleProposer({"req-0": res.token_ids}, gamma=7))
-    assert shown.token_ids == res.token_ids and shown.num_accepted > 0
-    assert shown.text == res.text + engine.tokenizer.decode(res.token_ids[-1:]) and shown.text.endswith("<|im_end|>")
+    eos_text = engine.tokenizer.decode(res.token_ids[-1:])
+    for skip, include, text in ((True, False, res.text), (False, False, res.text), (True, True, res.text),
+                                (False, True, res.text + eos_text)):
+        params = SamplingParams(max_tokens=32, skip_special_tokens=skip, include_stop_str_in_output=include)
+        (out,), _ = generate(engine, [prompt], params, proposer=OracleProposer({"req-0": res.token_ids}, gamma=7))
+        assert (out.token_ids, out.text) == (res.token_ids, text) and out.num_accepted > 0, (skip, include)
+    assert eos_text == "<|im_end|>"
+    long_prompt = engine.encode_chat([{"role": "user", "content": eval_prompts[1]}])
+    (ref,), _ = generate(engine, [long_prompt], SamplingParams(max_tokens=12))
+    stop = ref.token_ids[5]
+    end = ref.token_ids.index(stop) + 1
+    for include in (False, True):
+        params = SamplingParams(max_tokens=12, stop_token_ids=(stop,), include_stop_str_in_output=include)
+        (out,), _ = generate(engine, [long_prompt], params)
+        assert out.token_ids == ref.token_ids[:end] and out.finish_reason == FinishReason.STOP
+        assert out.text == engine.tokenizer.decode(ref.token_ids[: end if include else end - 1])
 
 
 def test_streamed_text_concatenates_to_final_text(engine, eval_prompts):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Sequence
 
 import llguidance
@@ -42,6 +43,7 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'  # json_object: any JSON object
 # itself allows any amount, and a small model can pad a value forever; Outlines bounds it for the same reason.
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
 GRAMMAR_CACHE_SIZE = 64  # distinct compiled grammars kept per engine
+GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)  # a GBNF rule; Lark writes "name:"
 
 
 class GrammarCompiler:
@@ -96,7 +98,7 @@ def _grammar(guided: GuidedDecoding) -> str:
     """
     if guided.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(guided.spec)
-    if guided.kind == "grammar" and "::=" in guided.spec:  # GBNF (llama.cpp's, xgrammar's EBNF) defines rules so
+    if guided.kind == "grammar" and GBNF_RULE.search(guided.spec):  # GBNF: llama.cpp's, xgrammar's EBNF
         try:
             lark = llguidance.gbnf_to_lark.gbnf_to_lark(guided.spec)
         except Exception as e:  # its parser raises bare Exceptions for a rule it does not find

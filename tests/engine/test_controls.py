@@ -284,6 +284,12 @@ def test_regex_choice_and_grammar_outputs_match_and_are_the_same_with_speculatio
                 assert out.text == r.text
 
 
+def test_a_grammar_is_read_as_gbnf_only_where_it_defines_rules_so(grammars):
+    """GBNF defines rules with ``name ::=`` at a line's start; a Lark grammar may hold "::=" in a literal."""
+    grammars.matcher(GuidedDecoding("grammar", 'start: "a ::= b"'))
+    grammars.matcher(GuidedDecoding("grammar", '# GBNF\n  root ::= "a" | "b"'))
+
+
 def test_drafts_the_grammar_forbids_are_cut_before_verification(engine, grammars):
     params = SamplingParams(max_tokens=64, guided=_guided("json_schema"))
     prompt = engine.encode_chat([{"role": "user", "content": JSON_QUESTIONS["json_schema"][0]}])

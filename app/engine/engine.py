@@ -294,8 +294,8 @@ class TargetEngine(Engine):
 
         Raises:
             InvalidRequestError: duplicate id (held, or twice in the batch), empty prompt, token id outside [0, V)
-                (prompt, ``logit_bias`` or ``stop_token_ids``); a grammar (``guided``) whose schema llguidance
-                rejects, or combined with ``ignore_eos`` or ``min_tokens``.
+                (prompt, ``logit_bias`` or ``stop_token_ids``); structured output (``guided``) llguidance does
+                not compile, or combined with ``ignore_eos`` or ``min_tokens``.
             ContextLengthError: T + max_tokens > max_model_len.
             CapacityError: fewer free slots than requests.
             ValueError: ``limits`` not one positive count per request, or given in batch-invariant mode.
@@ -473,7 +473,7 @@ class TargetEngine(Engine):
             return None
         if params.ignore_eos or params.min_tokens:
             raise InvalidRequestError(
-                f"structured output ({params.guided.kind}) ends at EOS once the JSON is complete: it cannot be "
+                f"structured output ({params.guided.kind}) ends at EOS once its output is complete: it cannot be "
                 f"combined with ignore_eos or min_tokens (got ignore_eos={params.ignore_eos}, "
                 f"min_tokens={params.min_tokens})", param="guided"
             )

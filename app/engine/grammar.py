@@ -68,8 +68,8 @@ class GrammarCompiler:
         """A fresh per-request grammar state for ``guided``.
 
         Raises:
-            InvalidRequestError: the schema is not valid JSON, not a JSON schema llguidance supports (the message
-                is llguidance's), or one no JSON value satisfies.
+            InvalidRequestError: a schema that is not valid JSON, a schema, regex or grammar llguidance does not
+                compile (the message is llguidance's), or one no output satisfies.
         """
         return RequestGrammar(self._compiled(guided).deep_copy(), self)
 

@@ -1,11 +1,12 @@
 """The HTTP ingress: OpenAI-compatible routes on FastAPI, in front of the target replicas.
 
 Owns: ``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and non-streaming), ``/v1/models`` and
-``/v1/models/{id}``, ``/metrics`` (Prometheus text), ``/health``; the API key check (``Authorization: Bearer`` on
-``/v1`` routes); parsing and validation (every failure is an OpenAI-style JSON error with a 4xx, before any work);
-admission (at most ``admission_limit`` target requests in flight per ingress replica: beyond it a JSON 503 with
-``Retry-After`` at once, so Ray Serve's own queues never fill and its plain-text backpressure never reaches a
-client); one target request per choice (``n`` x prompts), each placed by the Router; relaying the target's chunks.
+``/v1/models/{id}``, vLLM's ``/tokenize`` and ``/detokenize``, ``/metrics`` (Prometheus text), ``/health``; the API
+key check (``Authorization: Bearer`` on ``/v1`` routes, ``/tokenize`` and ``/detokenize``); parsing and validation
+(every failure is an OpenAI-style JSON error with a 4xx, before any work); admission (at most ``admission_limit``
+target requests in flight per ingress replica, tokenize calls counted too: beyond it a JSON 503 with ``Retry-After``
+at once, so Ray Serve's own queues never fill and its plain-text backpressure never reaches a client); one target
+request per choice (``n`` x prompts), each placed by the Router; relaying the target's chunks.
 The first chunk of every choice is awaited before any byte is sent, so errors found at admission (context length,
 overload) still get their status code. A client that disconnects cancels the target streams, which frees the
 requests' KV slots and drafter state.
@@ -23,7 +24,7 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -105,6 +106,8 @@ def _target_lost(err: Exception, message: str) -> ErrorItem:
     return ErrorItem(503, message, type="server_error", code="unavailable")
 
 
+_SHUTTING_DOWN = ErrorItem(503, "server shutting down: not accepting new requests, retry on another server",
+                           type="server_error", code="unavailable")
 _OVERLOADED = ErrorItem(503, "server overloaded: the target replicas' request queues are full",
                         type="server_overloaded", code="overloaded")  # Serve's back pressure on a Target call
 
@@ -173,12 +176,7 @@ class Ingress:
     async def health(self):
         """200 ``{"status": "ok"}``; 503 ``{"status": "draining"}`` once a graceful shutdown drains the server (the
         Router says so; a Router that does not answer is soft state and leaves the answer at 200, logged)."""
-        try:
-            draining = await asyncio.wait_for(self.router.is_draining.remote(), timeout=ROUTER_HEALTH_TIMEOUT_S)
-        except (RayActorError, RayTaskError, asyncio.TimeoutError) as err:
-            log.warning("/health: Router unavailable, answering as not draining: %r", err)
-            draining = False
-        if draining:
+        if await self._draining("/health"):
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
@@ -231,9 +229,9 @@ class Ingress:
         call = TokenizeCall(prompt=req.prompt, messages=req.chat_messages(), token_strs=req.return_token_strs,
                             add_special_tokens=not chat if req.add_special_tokens is None else req.add_special_tokens,
                             add_generation_prompt=req.add_generation_prompt is not False)
-        answer = await self._target_call(self.target.tokenize.remote(call))
-        if isinstance(answer, ErrorItem):
-            return error_response(answer)
+        answer = await self._tokenizer_call("/tokenize", lambda: self.target.tokenize.remote(call))
+        if isinstance(answer, (ErrorItem, JSONResponse)):
+            return answer if isinstance(answer, JSONResponse) else error_response(answer, self.config.retry_after_s)
         ids, strs = answer
         return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -245,20 +243,39 @@ class Ingress:
         req = await self._validated(request, DetokenizeRequest)
         if isinstance(req, ErrorItem):
             return error_response(req)
-        answer = await self._target_call(self.target.detokenize.remote(req.tokens))
-        return error_response(answer) if isinstance(answer, ErrorItem) else {"prompt": answer}
+        answer = await self._tokenizer_call("/detokenize", lambda: self.target.detokenize.remote(req.tokens))
+        if isinstance(answer, (ErrorItem, JSONResponse)):
+            return answer if isinstance(answer, JSONResponse) else error_response(answer, self.config.retry_after_s)
+        return {"prompt": answer}
 
     # ------------------------------------------------------------------ helpers
 
-    async def _target_call(self, call) -> Any:
-        """A target replica's answer to a call that holds no KV slot (tokenize, detokenize), or the 503 of a
-        replica lost or overloaded."""
+    async def _draining(self, route: str) -> bool:
+        """Whether the Router says the server drains (a Router that does not answer is soft state: not draining,
+        logged)."""
         try:
-            return await call
+            return await asyncio.wait_for(self.router.is_draining.remote(), timeout=ROUTER_HEALTH_TIMEOUT_S)
+        except (RayActorError, RayTaskError, asyncio.TimeoutError) as err:
+            log.warning("%s: Router unavailable, answering as not draining: %r", route, err)
+            return False
+
+    async def _tokenizer_call(self, route: str, call: Callable[[], Any]) -> Any:
+        """A target replica's answer to ``call()``, a call that holds no KV slot (tokenize, detokenize), admitted and
+        counted in flight like a choice; the 503 of the admission limit (a response), of a drain, or of a replica
+        lost or overloaded (an ``ErrorItem``)."""
+        if (full := self._overloaded(1)) is not None:
+            return full
+        self._inflight += 1
+        try:
+            if await self._draining(route):
+                return _SHUTTING_DOWN
+            return await call()
         except BackPressureError:
             return _OVERLOADED
         except (RayActorError, RayTaskError) as err:
             return _target_lost(err, "target replica unavailable, retry")
+        finally:
+            self._inflight -= 1
 
     def _model_card(self) -> dict:
         """A ``/v1/models`` entry shaped like vLLM's (``root``: the model served, ``max_model_len``)."""
@@ -379,8 +396,7 @@ class Ingress:
             log.warning("Router unavailable, default routing: %s", err)
             key = None
         if key == DRAINING:
-            return None, ErrorItem(503, "server shutting down: not accepting new requests, retry on another server",
-                                   type="server_error", code="unavailable")
+            return None, _SHUTTING_DOWN
         stream = self.target.options(stream=True).generate.remote(generate, replica_key=key)
         try:
             return stream, await stream.__anext__()

@@ -826,8 +826,8 @@ def _router_actor():
 
 
 def test_a_drain_refuses_new_requests_with_503_while_those_in_flight_finish(url):
-    """What the launcher's Ctrl-C does before shutting down (``app.serving.run.drain``): a new request gets a JSON 503
-    with Retry-After and ``/health`` a 503 ``draining``, while a stream already running finishes, exactly. The
+    """What the launcher's Ctrl-C does before shutting down (``app.serving.run.drain``): a new request (a
+    ``/tokenize`` call too) gets a JSON 503 with Retry-After and ``/health`` a 503 ``draining``, while a stream already running finishes, exactly. The
     Router is soft state: the one Serve starts in its place serves again (this module's later tests need it)."""
     router = serve.get_deployment_handle("Router", APP)
     n = 120
@@ -837,10 +837,12 @@ def test_a_drain_refuses_new_requests_with_503_while_those_in_flight_finish(url)
         first = next(line for line in lines if '"content"' in line)
         router.drain.remote().result()
         refused = httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=4), headers=AUTH, timeout=30)
+        untokenized = httpx.post(f"{url}/tokenize", json={"prompt": "hi"}, headers=AUTH, timeout=30)
         health = httpx.get(f"{url}/health", timeout=30)
         events = sse_events(_Lines([first] + list(lines)))
     assert refused.status_code == 503 and refused.headers["retry-after"] == str(ARGS.get("retry_after_s", 1))
     assert refused.json()["error"]["code"] == "unavailable" and "shutting down" in refused.json()["error"]["message"]
+    assert untokenized.status_code == 503 and untokenized.json()["error"]["code"] == "unavailable"
     assert health.status_code == 503 and health.json() == {"status": "draining"}
     assert stream_text(events) == expected_text("hi", n)
     wait_until(lambda: router.in_flight.remote().result() == 0)

@@ -112,6 +112,11 @@ class ChatMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "\n".join(p["text"] for p in self.content)
 
 
+def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them: role and text."""
+    return [{"role": m.role, "content": m.text} for m in messages]
+
+
 class StreamOptions(BaseModel):
     model_config = STRICT
 
@@ -396,7 +401,7 @@ class ChatCompletionRequest(_Common):
                             prompt_logprobs=self.prompt_logprobs if choice == 0 else None)  # one prompt, scored once
 
     def chat_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text} for m in self.messages]
+        return chat_dicts(self.messages)
 
 
 Prompt = str | list[int]  # a completion prompt: text, or token ids
@@ -535,7 +540,7 @@ class TokenizeRequest(BaseModel):
         return self
 
     def chat_messages(self) -> list[dict[str, str]] | None:
-        return None if self.messages is None else [{"role": m.role, "content": m.text} for m in self.messages]
+        return None if self.messages is None else chat_dicts(self.messages)
 
 
 class DetokenizeRequest(BaseModel):

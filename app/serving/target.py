@@ -329,20 +329,40 @@ class TargetReplica:
             return ErrorItem(400, str(err), param=openai_param(err.param, chat=call.messages is not None))
 
     def _tokenize(self, call: TokenizeCall) -> tuple[list[int], list[str] | None]:
-        if call.messages is not None:
-            ids = self.engine.encode_chat(call.messages, add_special_tokens=call.add_special_tokens,
-                                          add_generation_prompt=call.add_generation_prompt)
-        else:
-            ids = self.engine.encode(call.prompt, add_special_tokens=call.add_special_tokens)
+        ids = self._prompt_ids(call.prompt, call.messages, add_special_tokens=call.add_special_tokens,
+                               add_generation_prompt=call.add_generation_prompt)
         return ids, self.engine.tokenizer.convert_ids_to_tokens(ids) if call.token_strs else None
 
     async def detokenize(self, ids: list[int]) -> str | ErrorItem:
         """Token ids as text (``POST /detokenize``; special tokens kept, as vLLM decodes them); a 400 naming
         ``tokens`` for an id outside the vocabulary."""
-        if (bad := next((t for t in ids if t >= self.engine.vocab_size), None)) is not None:
-            return ErrorItem(400, f"token id {bad} is outside the vocabulary [0, {self.engine.vocab_size})",
-                             param="tokens")
+        try:
+            self._check_vocabulary(ids, "tokens")
+        except InvalidRequestError as err:
+            return ErrorItem(400, str(err), param=err.param)
         return await self._run(lambda: self.engine.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def _check_vocabulary(self, ids: list[int], param: str) -> None:
+        """Raises: InvalidRequestError (``param``): an id outside the vocabulary."""
+        if (bad := next((t for t in ids if not 0 <= t < self.engine.vocab_size), None)) is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.engine.vocab_size})",
+                                      param=param)
+
+    def _prompt_ids(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None, *,
+                    add_special_tokens: bool, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of chat ``messages`` through the template, a text prompt, or token ids as sent (checked
+        against the vocabulary).
+
+        Raises:
+            InvalidRequestError: the chat template refuses the messages; a token id outside the vocabulary.
+        """
+        if messages is not None:
+            return self.engine.encode_chat(messages, add_special_tokens=add_special_tokens,
+                                           add_generation_prompt=add_generation_prompt)
+        if isinstance(prompt, list):
+            self._check_vocabulary(prompt, "prompt")
+            return list(prompt)
+        return self.engine.encode(prompt, add_special_tokens=add_special_tokens)
 
     def _encode(self, request: GenerateRequest) -> tuple[GenerateRequest, list[int]]:
         """The request, its default max_tokens lowered to what the context leaves its prompt (vLLM's rule for a
@@ -354,15 +374,7 @@ class TargetReplica:
                 max_tokens; ContextLengthError: the request does not fit (answered before it is queued: in an
                 admission batch it would fail the batched prefill of the others).
         """
-        if request.messages is not None:
-            ids = self.engine.encode_chat(request.messages, add_special_tokens=request.add_special_tokens)
-        elif isinstance(request.prompt, list):
-            ids = list(request.prompt)
-            if (bad := next((t for t in ids if not 0 <= t < self.engine.vocab_size), None)) is not None:
-                raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, "
-                                          f"{self.engine.vocab_size})", param="prompt")
-        else:
-            ids = self.engine.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        ids = self._prompt_ids(request.prompt, request.messages, add_special_tokens=request.add_special_tokens)
         room = self.config.max_model_len - len(ids)
         if request.max_tokens_default and 1 <= room < request.params.max_tokens:
             if request.params.min_tokens > room:

@@ -68,3 +68,27 @@ def test_a_body_that_stalls_is_a_408_and_a_client_gone_mid_body_is_no_500(monkey
     gone = asyncio.run(ingress._read_body(_Request(b'{"mod', ClientDisconnect())))
     assert gone.status == 400 and "disconnected" in gone.message
     assert asyncio.run(ingress._read_body(_Request(b'{"model"', b': "m"}'))) == b'{"model": "m"}'
+
+
+def test_each_choice_s_target_request_carries_the_fields_that_set_it():
+    """Besides the sampling params, the target needs whether a text prompt takes the tokenizer's special tokens
+    (completions: on unless the request says otherwise; a chat: off unless it says so, as in vLLM) and which field
+    errors about structured output name."""
+    from app.serving.openai_api import ChatCompletionRequest, CompletionRequest
+
+    ingress = Ingress(AppConfig(mock_engine=True, drafter="mock"), target=None, router=None)
+    for prompt, echo_ids, echo in (("a", False, "a"), ([5], True, "")):  # a token-id prompt's text comes decoded
+        texts = CompletionRequest.model_validate({"model": "m", "prompt": prompt, "n": 2, "echo": True,
+                                                  "structured_outputs": {"regex": "x+"}})
+        assert [(i, g.add_special_tokens, g.guided_param, g.echo_ids, e)
+                for i, g, e in ingress._generates(texts, chat=False, request_id="r")] == [
+            (0, True, "structured_outputs", echo_ids, echo), (1, True, "structured_outputs", echo_ids, echo)]
+    bare = CompletionRequest.model_validate({"model": "m", "prompt": "a", "add_special_tokens": False})
+    assert [g.add_special_tokens for _, g, _ in ingress._generates(bare, chat=False, request_id="r")] == [False]
+    messages = [{"role": "user", "content": "hi"}]
+    for fields, special, guided_param in (({}, False, "response_format"),
+                                          ({"add_special_tokens": True, "response_format": {"type": "json_object"}},
+                                           True, "response_format")):
+        chat = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields})
+        ((_, g, _),) = ingress._generates(chat, chat=True, request_id="r")
+        assert (g.add_special_tokens, g.guided_param, g.messages) == (special, guided_param, messages)

@@ -136,6 +136,28 @@ def prompt_text(tokenizer, prompt_ids: list[int]) -> tuple[str, list[int]]:
     return detok.release(final=True)
 
 
+def lens_within(text: str, lens: list[int], shown: str) -> list[int]:
+    """``lens`` (the characters of ``text`` each prompt token brings, ``prompt_text``) counted within ``shown``, the
+    prompt text a response echoes: where the tokenizer added special tokens around a text prompt (a Llama tokenizer's
+    BOS), ``text`` holds their text and ``shown`` does not, so the characters before and after ``shown`` are taken
+    off the tokens that bring them. ``lens`` as they are where ``shown`` is not inside ``text``."""
+    if len(shown) == len(text):
+        return lens
+    # a prefix added (BOS), a suffix added, or both
+    start = len(text) - len(shown) if text.endswith(shown) else 0 if text.startswith(shown) else text.find(shown)
+    if start < 0:
+        return lens
+    out, drop = list(lens), start
+    for i in range(len(out)):  # the leading surplus
+        take = min(out[i], drop)
+        out[i], drop = out[i] - take, drop - take
+    drop = len(text) - start - len(shown)
+    for i in reversed(range(len(out))):  # the trailing surplus
+        take = min(out[i], drop)
+        out[i], drop = out[i] - take, drop - take
+    return out
+
+
 def prompt_logprob_texts(text: TokenTexts, prompt_ids: list[int], logprobs: list[TokenLogprob | None] | None,
                          token_bytes: TokenBytes, text_lens: list[int]) -> list[TokenLogprobText] | None:
     """``StepOutput.prompt_logprobs`` as ``logprob_texts`` gives an output's, each entry with the characters of the
@@ -698,6 +720,8 @@ class TargetReplica:
         echo_text, echo_lens = None, []
         if first and (stream.request.echo_ids or out.prompt_logprobs is not None):
             echo_text, echo_lens = prompt_text(self.engine.tokenizer, stream.prompt_ids)
+            if isinstance(stream.request.prompt, str):  # the ingress echoes the text as sent
+                echo_lens = lens_within(echo_text, echo_lens, stream.request.prompt)
         chunk = TextChunk(
             text=out.text, token_ids=token_ids, prompt_tokens=len(stream.prompt_ids),
             finish_reason=out.finish_reason.value if out.finished else None,

@@ -807,3 +807,22 @@ def test_an_echoed_prompt_s_text_and_the_characters_each_token_brings():
     decoded, lens = target_module.prompt_text(tokenizer, ids)
     assert decoded == text and sum(lens) == len(text) and len(lens) == len(ids)
     assert 0 in lens and max(lens) == len("<|im_end|>")
+
+
+def test_an_echoed_text_prompt_s_offsets_leave_out_the_special_tokens_the_tokenizer_added():
+    """A Llama tokenizer adds a BOS to a text prompt: its text is in the decoded prompt but not in the echoed text
+    (the prompt as sent), so it brings no characters there, and every token's offset indexes the echo."""
+    from transformers import AutoTokenizer
+
+    from app.engine.loader import local_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(str(local_checkpoint()))
+    prompt = "Paris \U0001F31F ok"
+    bos, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    for ids in ([bos] + tokenizer.encode(prompt), [bos] + tokenizer.encode(prompt) + [eos]):
+        decoded, lens = target_module.prompt_text(tokenizer, ids)
+        fitted = target_module.lens_within(decoded, lens, prompt)
+        assert fitted[0] == 0 and sum(fitted) == len(prompt) and fitted[1:-1] == lens[1:-1]
+    decoded, lens = target_module.prompt_text(tokenizer, tokenizer.encode(prompt))
+    assert target_module.lens_within(decoded, lens, prompt) == lens  # nothing added: as they are
+    assert target_module.lens_within("<s>s", [3, 1], "s") == [0, 1]  # the prompt inside the BOS's text

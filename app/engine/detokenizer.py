@@ -10,6 +10,7 @@ bytes (``TokenBytes``: OpenAI's logprobs ``bytes``).
 
 from __future__ import annotations
 
+import abc
 import bisect
 import functools
 import json
@@ -115,10 +116,8 @@ def byte_level_alphabet() -> dict[str, int]:
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
 
 
-class TokenTexts:
-    """A token decoded alone (``tokenizer.decode([id])``: the text logprobs give a token; one that ends inside a UTF-8
-    character reads U+FFFD), worked out once per token id, on first use: a prompt scored with k alternatives needs
-    k + 1 texts a token, on the serving replica's event loop.
+class _PerToken(abc.ABC):
+    """A value per token id (``_value``), worked out once, on first use.
 
     Args:
         tokenizer: the engine's tokenizer (``decode`` at least).
@@ -126,17 +125,29 @@ class TokenTexts:
 
     def __init__(self, tokenizer) -> None:
         self._tok = tokenizer
-        self._cache: dict[int, str] = {}
+        self._cache: dict[int, object] = {}
 
-    def __call__(self, token_id: int) -> str:
-        """The text of ``token_id`` alone."""
+    def __call__(self, token_id: int):
         found = self._cache.get(token_id)
         if found is None:
-            found = self._cache[token_id] = self._tok.decode([token_id])
+            found = self._cache[token_id] = self._value(token_id)
         return found
 
+    @abc.abstractmethod
+    def _value(self, token_id: int):
+        """The value of ``token_id``, worked out."""
 
-class TokenBytes:
+
+class TokenTexts(_PerToken):
+    """A token decoded alone (``tokenizer.decode([id])``: the text logprobs give a token; one that ends inside a UTF-8
+    character reads U+FFFD), worked out once per token id: a prompt scored with k alternatives needs k + 1 texts a
+    token, on the serving replica's event loop."""
+
+    def _value(self, token_id: int) -> str:
+        return self._tok.decode([token_id])
+
+
+class TokenBytes(_PerToken):
     """A token's own bytes as the tokenizer's vocabulary spells them (OpenAI's logprobs ``bytes``: a token that ends
     inside a UTF-8 character has the bytes it holds, which a client joins with its neighbours' to rebuild the text;
     the token decoded alone reads U+FFFD there).
@@ -145,23 +156,9 @@ class TokenBytes:
     pieces (``▁`` for a space, ``<0xAB>`` byte-fallback tokens, as Llama 2 and Mistral spell them). Added tokens
     (``<|im_end|>``) are their text in UTF-8. Any other tokenizer (no ``backend_tokenizer``, another decoder): the
     UTF-8 of the token decoded alone. Worked out once per token id, on first use.
-
-    Args:
-        tokenizer: the engine's tokenizer (``decode`` at least).
     """
 
-    def __init__(self, tokenizer) -> None:
-        self._tok = tokenizer
-        self._cache: dict[int, bytes] = {}
-
-    def __call__(self, token_id: int) -> bytes:
-        """The bytes of ``token_id``."""
-        found = self._cache.get(token_id)
-        if found is None:
-            found = self._cache[token_id] = self._bytes(token_id)
-        return found
-
-    def _bytes(self, token_id: int) -> bytes:
+    def _value(self, token_id: int) -> bytes:
         added = self._added.get(token_id)
         if added is not None:
             return added

@@ -32,7 +32,7 @@ from app.engine.contract import Engine
 from app.engine.coupling import NoiseRows, accept_coupled
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
-from app.engine.grammar import GrammarCompiler, RequestGrammar
+from app.engine.grammar import GrammarCompiler, GrammarError, RequestGrammar
 from app.engine.greedy_head import ScreenedArgmax
 from app.engine.loader import LoadedTarget, load_target
 from app.engine.model import EAGER, Elementwise, KVCache, StepLayout, compile_problem, flash_varlen_problem
@@ -62,6 +62,7 @@ class _Request:
     generator: torch.Generator
     controls: RequestControls | None = None  # set when the request has any sampling control
     grammar: RequestGrammar | None = None  # set for structured output
+    failed: str | None = None  # why the request cannot go on (its grammar failed): it ends in the next commit
     noise: NoiseRows | None = None  # a seeded sampled request's coupling noise (``coupling.py``), made at first use
     num_cached: int = 0
     pending: int = -1
@@ -426,7 +427,7 @@ class TargetEngine(Engine):
                 self._prefix.store(req.slot, ids, rows)
             req.prompt, req.prompt_rows = None, []
             head = heads[i].cpu()
-            allowed = req.grammar.block_masks([])[1] if req.grammar is not None else None
+            allowed = self._block_masks(req, [])[1] if req.grammar is not None else None
             # the first token's position is T, the prompt's length (a verify step's row j: num_cached + 1 + j)
             result = self._decide(req, empty, None, head, allowed, first_position=len(ids))
             outputs.append(self._commit(req, result.tokens, num_draft=0, num_accepted=0, features=rows, head=head,
@@ -561,7 +562,7 @@ class TargetEngine(Engine):
                 masks.append(None)
                 continue
             rejection = blocks[i].verified_against_probs(req.params)  # ``_decide`` reads q
-            kept, allowed = req.grammar.block_masks(drafts[i].tolist(), through_forbidden=rejection)
+            kept, allowed = self._block_masks(req, drafts[i].tolist(), through_forbidden=rejection)
             drafts[i] = drafts[i][:kept]
             masks.append(allowed)
         tokens, starts, lengths = [], [], []
@@ -766,6 +767,21 @@ class TargetEngine(Engine):
             probs = sampling_probs(logits, p)
         return accept_sampled(draft, draft_probs.cpu() if draft_probs is not None else None, probs, req.generator)
 
+    def _block_masks(self, req: _Request, draft: list[int], *,
+                     through_forbidden: bool = False) -> tuple[int, torch.Tensor]:
+        """``req.grammar.block_masks``; a grammar that fails (``GrammarError``) ends its request alone: the request's
+        rows allow the end tokens only, no draft kept, and ``_commit`` finishes it with ``FinishReason.ERROR``."""
+        try:
+            return req.grammar.block_masks(draft, through_forbidden=through_forbidden)
+        except GrammarError as err:
+            self._fail_request(req, err)
+            return 0, req.grammar.eos_only()[None]
+
+    def _fail_request(self, req: _Request, err: Exception) -> None:
+        if req.failed is None:
+            req.failed = str(err)
+            log.warning("request %s ends with an error: %s", req.request_id, err)
+
     def _commit(
         self, req: _Request, tokens: list[int], *, num_draft: int, num_accepted: int, features: torch.Tensor,
         head: torch.Tensor, cached_tokens: int = 0, prompt_logprobs: list[TokenLogprob | None] | None = None,
@@ -795,14 +811,18 @@ class TargetEngine(Engine):
             if reason is not None:
                 break
         req.pending = kept[-1]
+        if reason is None and req.grammar is not None and req.failed is None:
+            try:
+                req.grammar.commit(kept)
+            except GrammarError as err:
+                self._fail_request(req, err)
+        if req.failed is not None:
+            reason = FinishReason.ERROR
         finished = reason is not None
         if finished:
             self.release(req.request_id)
-        else:
-            if req.controls is not None:
-                req.controls.commit(kept)
-            if req.grammar is not None:
-                req.grammar.commit(kept)
+        elif req.controls is not None:
+            req.controls.commit(kept)
         text, text_lens = req.detok.release(final=finished)
         return StepOutput(
             request_id=req.request_id,
@@ -817,4 +837,5 @@ class TargetEngine(Engine):
             logprobs=token_logprobs(head, kept, p.logprobs) if p.logprobs is not None else None,
             num_cached_tokens=cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            error=req.failed,
         )

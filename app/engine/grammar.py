@@ -46,6 +46,11 @@ GRAMMAR_CACHE_SIZE = 64  # distinct compiled grammars kept per engine
 GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)  # a GBNF rule; Lark writes "name:"
 
 
+class GrammarError(RuntimeError):
+    """llguidance stopped following a request's grammar (its parser gave up, e.g. ``ParserTooComplex`` past its
+    per-step limit, after which its masks no longer hold): that request cannot go on, the others of its step can."""
+
+
 class GrammarCompiler:
     """Compiles ``GuidedDecoding`` values for one tokenizer; hands out one ``RequestGrammar`` per request.
 
@@ -142,7 +147,8 @@ class RequestGrammar:
             forbidden draft's row repeats the row before it).
 
         Raises:
-            RuntimeError: the matcher refused a token its own mask allowed, or could not roll back (a bug).
+            GrammarError: the matcher is in an error state, refused a token its own mask allowed, or could not roll
+                back.
         """
         rows, consumed, kept = [self._mask()], 0, 0
         for tok in draft:
@@ -153,34 +159,37 @@ class RequestGrammar:
                 break
             kept += 1
             if tok in self._eos:  # ends the request if accepted: nothing after it can be committed
-                rows.append(self._eos_only())
+                rows.append(self.eos_only())
                 break
             if not self._matcher.consume_token(tok):
-                raise RuntimeError(f"grammar refused draft token {tok} that its mask allowed: "
+                raise GrammarError(f"grammar refused draft token {tok} that its mask allowed: "
                                    f"{self._matcher.get_error()}")
             consumed += 1
             rows.append(self._mask())
         if consumed and not self._matcher.rollback(consumed):
-            raise RuntimeError(f"grammar could not roll back {consumed} draft tokens: {self._matcher.get_error()}")
+            raise GrammarError(f"grammar could not roll back {consumed} draft tokens: {self._matcher.get_error()}")
         return kept, torch.stack(rows)
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance over committed tokens (an end token last is skipped: it ends the request).
 
         Raises:
-            RuntimeError: a committed token the grammar forbids (masks make that impossible: a bug).
+            GrammarError: a committed token the grammar refuses (its masks allowed it: the matcher gave up).
         """
         body = [t for t in tokens if t not in self._eos]
         if body and not self._matcher.consume_tokens(body):
-            raise RuntimeError(f"grammar refused committed tokens {body}: {self._matcher.get_error()}")
+            raise GrammarError(f"grammar refused committed tokens {body}: {self._matcher.get_error()}")
 
     def _mask(self) -> torch.Tensor:
         """[V] bool: the tokens allowed next in the matcher's current state."""
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask_np)
+        if self._matcher.is_error():
+            raise GrammarError(f"structured output stopped: {self._matcher.get_error()}")
         bits = (self._bitmask[0].unsqueeze(-1) >> self._shifts) & 1  # [W, 32], bit j of word w is token 32 w + j
         return bits.reshape(-1)[: self._vocab_size].bool()
 
-    def _eos_only(self) -> torch.Tensor:
+    def eos_only(self) -> torch.Tensor:
+        """[V] bool: the end tokens only (a request that ends: its grammar failed, or an accepted EOS draft)."""
         mask = torch.zeros(self._vocab_size, dtype=torch.bool)
         mask[list(self._eos)] = True
         return mask

@@ -38,6 +38,7 @@ class FinishReason(str, enum.Enum):
 
     STOP = "stop"  # EOS token or a stop string
     LENGTH = "length"  # max_tokens reached
+    ERROR = "error"  # the request could not go on (``StepOutput.error`` says why); the others of its step do
 
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
@@ -381,6 +382,7 @@ class StepOutput:
     # after the prefill that completes a prompt of T tokens, when SamplingParams.prompt_logprobs is set: T entries,
     # None for the first token (nothing predicts it), then token j's logprob given tokens 0..j-1
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # with FinishReason.ERROR: why the request could not go on
 
 
 def accepted_length(accepted: int, rounds: int) -> float:

@@ -706,6 +706,12 @@ class TargetReplica:
         spec = stream.spec
         self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished, spec=spec,
                               length=out.finish_reason is FinishReason.LENGTH, arrived_at=stream.arrived_at)
+        if out.finish_reason is FinishReason.ERROR:  # the engine ended this request alone (its grammar failed)
+            if stream.held is not None:
+                stream.queue.put_nowait(stream.held)
+            stream.queue.put_nowait(ErrorItem(500, f"the request could not go on: {out.error}", type="server_error",
+                                              code="request_failed"))
+            return
         # a chunk carries the tokens whose text it carries, each logprob with the characters its token brings
         stream.unreleased += out.new_token_ids
         n = len(out.text_lens)

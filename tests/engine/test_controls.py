@@ -284,6 +284,37 @@ def test_regex_choice_and_grammar_outputs_match_and_are_the_same_with_speculatio
                 assert out.text == r.text
 
 
+@pytest.mark.parametrize("where", ["masks", "commit"])
+def test_a_grammar_that_fails_ends_its_request_alone(engine, monkeypatch, where):
+    """llguidance may give up on a request (its parser past a per-step limit: ``ParserTooComplex``), after which its
+    masks no longer hold: that request ends with ``FinishReason.ERROR`` and the reason, at the next verify step or
+    commit, while the request beside it in the same steps decodes exactly as alone (it failed the whole step)."""
+    from app.engine.grammar import GrammarError
+    from app.engine.types import NewRequest
+
+    prompt = engine.encode_chat([{"role": "user", "content": JSON_QUESTIONS["json_object"][1]}])
+    plain = SamplingParams(max_tokens=12)
+    (alone,), _ = generate(engine, [prompt], plain)
+    guided = SamplingParams(max_tokens=12, guided=_guided("json_object"))
+    outs = {o.request_id: [o] for o in engine.add_requests([NewRequest("json", prompt, guided),
+                                                            NewRequest("plain", prompt, plain)])}
+    grammar = engine._requests["json"].grammar
+
+    def gives_up(*args, **kwargs):
+        raise GrammarError("Parser Error: ParserTooComplex")
+
+    monkeypatch.setattr(grammar, "block_masks" if where == "masks" else "commit", gives_up)
+    while any(not o[-1].finished for o in outs.values()):
+        live = [rid for rid, o in outs.items() if not o[-1].finished]
+        for out in engine.verify([DraftBlock(rid, torch.zeros(0, dtype=torch.long)) for rid in live]):
+            outs[out.request_id].append(out)
+    failed = outs["json"][-1]
+    assert failed.finish_reason == FinishReason.ERROR and "ParserTooComplex" in failed.error
+    assert len([t for o in outs["json"] for t in o.new_token_ids]) <= 2  # it ended at once
+    assert [t for o in outs["plain"] for t in o.new_token_ids] == alone.token_ids
+    assert outs["plain"][-1].error is None and not engine.has_request("json")
+
+
 def test_a_grammar_is_read_as_gbnf_only_where_it_defines_rules_so(grammars):
     """GBNF defines rules with ``name ::=`` at a line's start; a Lark grammar may hold "::=" in a literal."""
     grammars.matcher(GuidedDecoding("grammar", 'start: "a ::= b"'))

@@ -826,3 +826,16 @@ def test_an_echoed_text_prompt_s_offsets_leave_out_the_special_tokens_the_tokeni
     decoded, lens = target_module.prompt_text(tokenizer, tokenizer.encode(prompt))
     assert target_module.lens_within(decoded, lens, prompt) == lens  # nothing added: as they are
     assert target_module.lens_within("<s>s", [3, 1], "s") == [0, 1]  # the prompt inside the BOS's text
+
+
+def test_a_request_the_engine_ends_with_an_error_answers_a_500_naming_why(replica):
+    """``FinishReason.ERROR`` (the engine ended that request alone: its grammar failed) reaches the client as a JSON
+    500 with the engine's reason, after any text held back for the stream interval."""
+    from app.engine.types import FinishReason, StepOutput
+
+    stream = _stream("e", 8)
+    replica._emit(stream, StepOutput("e", [2], finished=True, finish_reason=FinishReason.ERROR, text="",
+                                     text_lens=[0], error="structured output stopped: ParserTooComplex"))
+    item = stream.queue.get_nowait()
+    assert isinstance(item, ErrorItem) and (item.status, item.code) == (500, "request_failed") and stream.done
+    assert "ParserTooComplex" in item.message and stream.queue.empty()

@@ -4,12 +4,12 @@ Owns: ``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and non-st
 ``/v1/models/{id}``, vLLM's ``/tokenize`` and ``/detokenize``, ``/metrics`` (Prometheus text), ``/health``; the API
 key check (``Authorization: Bearer`` on ``/v1`` routes, ``/tokenize`` and ``/detokenize``); parsing and validation
 (every failure is an OpenAI-style JSON error with a 4xx, before any work); admission (at most ``admission_limit``
-target requests in flight per ingress replica, tokenize calls counted too: beyond it a JSON 503 with ``Retry-After``
-at once, so Ray Serve's own queues never fill and its plain-text backpressure never reaches a client); one target
-request per choice (``n`` x prompts), each placed by the Router; relaying the target's chunks.
-The first chunk of every choice is awaited before any byte is sent, so errors found at admission (context length,
-overload) still get their status code. A client that disconnects cancels the target streams, which frees the
-requests' KV slots and drafter state.
+target requests in flight per ingress replica, and ``TOKENIZE_LIMIT`` tokenize calls apart from them: beyond either a
+JSON 503 with ``Retry-After`` at once, so Ray Serve's own queues never fill and its plain-text backpressure never
+reaches a client); one target request per choice (``n`` x prompts), each placed by the Router; relaying the
+target's chunks. The first chunk of every choice is awaited before any byte is sent, so errors found at admission
+(context length, overload) still get their status code. A client that disconnects cancels the target streams, which
+frees the requests' KV slots and drafter state.
 """
 
 from __future__ import annotations
@@ -106,6 +106,9 @@ def _target_lost(err: Exception, message: str) -> ErrorItem:
     return ErrorItem(503, message, type="server_error", code="unavailable")
 
 
+# /tokenize and /detokenize calls one ingress replica lets in flight (the target replicas' Serve margin,
+# ``builder.SERVE_QUEUE_MARGIN``, takes them beside their generate requests)
+TOKENIZE_LIMIT = 8
 _SHUTTING_DOWN = ErrorItem(503, "server shutting down: not accepting new requests, retry on another server",
                            type="server_error", code="unavailable")
 _OVERLOADED = ErrorItem(503, "server overloaded: the target replicas' request queues are full",
@@ -171,6 +174,7 @@ class Ingress:
         self.created = int(time.time())
         self.limit = admission_limit(config)
         self._inflight = 0
+        self._tokenizing = 0  # /tokenize and /detokenize calls in flight
 
     @app.get("/health")
     async def health(self):
@@ -230,8 +234,8 @@ class Ingress:
                             add_special_tokens=not chat if req.add_special_tokens is None else req.add_special_tokens,
                             add_generation_prompt=req.add_generation_prompt is not False)
         answer = await self._tokenizer_call("/tokenize", lambda: self.target.tokenize.remote(call))
-        if isinstance(answer, (ErrorItem, JSONResponse)):
-            return answer if isinstance(answer, JSONResponse) else error_response(answer, self.config.retry_after_s)
+        if isinstance(answer, ErrorItem):
+            return error_response(answer, self.config.retry_after_s)
         ids, strs = answer
         return {"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -244,8 +248,8 @@ class Ingress:
         if isinstance(req, ErrorItem):
             return error_response(req)
         answer = await self._tokenizer_call("/detokenize", lambda: self.target.detokenize.remote(req.tokens))
-        if isinstance(answer, (ErrorItem, JSONResponse)):
-            return answer if isinstance(answer, JSONResponse) else error_response(answer, self.config.retry_after_s)
+        if isinstance(answer, ErrorItem):
+            return error_response(answer, self.config.retry_after_s)
         return {"prompt": answer}
 
     # ------------------------------------------------------------------ helpers
@@ -260,12 +264,15 @@ class Ingress:
             return False
 
     async def _tokenizer_call(self, route: str, call: Callable[[], Any]) -> Any:
-        """A target replica's answer to ``call()``, a call that holds no KV slot (tokenize, detokenize), admitted and
-        counted in flight like a choice; the 503 of the admission limit (a response), of a drain, or of a replica
-        lost or overloaded (an ``ErrorItem``)."""
-        if (full := self._overloaded(1)) is not None:
-            return full
-        self._inflight += 1
+        """A target replica's answer to ``call()``, a call that holds no KV slot (tokenize, detokenize): at most
+        ``TOKENIZE_LIMIT`` in flight, apart from the generate requests' admission limit (as in vLLM, they take no
+        engine capacity, so a burst of them does not turn requests away); the 503 of that limit, of a drain, or of
+        a replica lost or overloaded (an ``ErrorItem``)."""
+        if self._tokenizing >= TOKENIZE_LIMIT:
+            return ErrorItem(503, f"server overloaded: {self._tokenizing} tokenize calls in flight, the limit is "
+                             f"{TOKENIZE_LIMIT}; retry after {self.config.retry_after_s} s", type="server_overloaded",
+                             code="overloaded")
+        self._tokenizing += 1
         try:
             if await self._draining(route):
                 return _SHUTTING_DOWN
@@ -275,7 +282,7 @@ class Ingress:
         except (RayActorError, RayTaskError) as err:
             return _target_lost(err, "target replica unavailable, retry")
         finally:
-            self._inflight -= 1
+            self._tokenizing -= 1
 
     def _model_card(self) -> dict:
         """A ``/v1/models`` entry shaped like vLLM's (``root``: the model served, ``max_model_len``)."""

@@ -92,3 +92,35 @@ def test_each_choice_s_target_request_carries_the_fields_that_set_it():
         chat = ChatCompletionRequest.model_validate({"model": "m", "messages": messages, **fields})
         ((_, g, _),) = ingress._generates(chat, chat=True, request_id="r")
         assert (g.add_special_tokens, g.guided_param, g.messages) == (special, guided_param, messages)
+
+
+def test_tokenize_calls_have_their_own_limit_beside_the_generate_admission_limit():
+    """At most ``TOKENIZE_LIMIT`` tokenize calls in flight (a JSON 503 beyond), none of them counted against the
+    generate requests' admission limit: a burst of token counting does not turn requests away."""
+    from app.serving.ingress import TOKENIZE_LIMIT
+
+    class _Router:
+        class is_draining:  # noqa: N801 (Ray's handle method shape: router.is_draining.remote())
+            @staticmethod
+            async def remote() -> bool:
+                return False
+
+    async def run() -> tuple[list, object]:
+        ingress = Ingress(AppConfig(mock_engine=True, drafter="mock"), target=None, router=_Router())
+        release = asyncio.Event()
+
+        async def slow_tokenize():
+            await release.wait()
+            return [1, 2], None
+
+        calls = [asyncio.create_task(ingress._tokenizer_call("/tokenize", slow_tokenize))
+                 for _ in range(TOKENIZE_LIMIT + 1)]
+        await asyncio.sleep(0.05)
+        assert ingress._overloaded(ingress.limit) is None  # generate admission untouched
+        release.set()
+        return await asyncio.gather(*calls), ingress
+
+    answers, ingress = asyncio.run(run())
+    refused = [a for a in answers if not isinstance(a, tuple)]
+    assert len(refused) == 1 and (refused[0].status, refused[0].code) == (503, "overloaded")
+    assert answers.count(([1, 2], None)) == TOKENIZE_LIMIT and ingress._tokenizing == 0

@@ -79,8 +79,8 @@ class GuidedDecoding:
             except ValueError:
                 choices = None
             if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
-                raise InvalidRequestError(f"choice: a JSON list of non-empty strings is needed, got {self.spec!r}",
-                                          param="guided")
+                raise InvalidRequestError(f"choice: the choices must be one or more non-empty strings (spec "
+                                          f"{self.spec!r}, a JSON list)", param="guided")
 
 
 @dataclass(frozen=True)

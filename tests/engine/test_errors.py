@@ -69,9 +69,9 @@ def test_a_failure_after_the_slot_is_taken_gives_it_back(engine, monkeypatch):
     ("bogus", None, "kind must be one of json_object, json_schema, regex, choice, grammar"),
     ("regex", None, "a spec goes with every kind but json_object"),
     ("json_object", "{}", "a spec goes with every kind but json_object"),
-    ("choice", "[]", "choice: a JSON list of non-empty strings is needed"),
-    ("choice", '["a", ""]', "choice: a JSON list of non-empty strings is needed"),
-    ("choice", "a, b", "choice: a JSON list of non-empty strings is needed"),
+    ("choice", "[]", "choice: the choices must be one or more non-empty strings"),
+    ("choice", '["a", ""]', "choice: the choices must be one or more non-empty strings"),
+    ("choice", "a, b", "choice: the choices must be one or more non-empty strings"),
 ])
 def test_structured_output_values_are_checked_by_name(kind, spec, match):
     with pytest.raises(InvalidRequestError, match=match) as err:

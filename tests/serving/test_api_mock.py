@@ -827,8 +827,9 @@ def _router_actor():
 
 def test_a_drain_refuses_new_requests_with_503_while_those_in_flight_finish(url):
     """What the launcher's Ctrl-C does before shutting down (``app.serving.run.drain``): a new request (a
-    ``/tokenize`` call too) gets a JSON 503 with Retry-After and ``/health`` a 503 ``draining``, while a stream already running finishes, exactly. The
-    Router is soft state: the one Serve starts in its place serves again (this module's later tests need it)."""
+    ``/tokenize`` call too) gets a JSON 503 with Retry-After and ``/health`` a 503 ``draining``, while a stream
+    already running finishes, exactly. The Router is soft state: the one Serve starts in its place serves again (this
+    module's later tests need it)."""
     router = serve.get_deployment_handle("Router", APP)
     n = 120
     with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, timeout=60,

@@ -215,6 +215,7 @@ class RequestResult:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     speculates: bool = False  # its state lives on the drafter (and in the prompt lookup)
     fallback_cause: str | None = None  # why it was moved to plain decoding (``SpecLoop.fail_over``), or None
+    error: str | None = None  # with FinishReason.ERROR: why the engine ended it (``StepOutput.error``)
 
     @property
     def accepted_length(self) -> float:
@@ -232,7 +233,7 @@ class RequestResult:
             self.logprobs.extend(out.logprobs)
         self.text += out.text
         if out.finished:
-            self.finish_reason = out.finish_reason
+            self.finish_reason, self.error = out.finish_reason, out.error
 
 
 @dataclass(frozen=True)

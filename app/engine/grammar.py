@@ -89,6 +89,9 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{guided.kind}: unsupported {what}: {matcher.get_error()}", param="guided")
         probe = matcher.deep_copy()  # the first mask tells whether anything but the end token may come
         llguidance.numpy.fill_next_token_bitmask(probe, llguidance.numpy.allocate_token_bitmask(1, self.vocab_size))
+        if probe.is_error():
+            raise InvalidRequestError(f"{guided.kind}: llguidance gives up on the {what} at its start: "
+                                      f"{probe.get_error()}", param="guided")
         if probe.is_stopped():  # e.g. a $ref that only refers to itself
             output = "JSON value" if what == "schema" else "text"
             raise InvalidRequestError(f"{guided.kind}: the {what} admits no {output}", param="guided")
@@ -146,28 +149,37 @@ class RequestGrammar:
             [kept + 1, V] bool, row i the tokens the grammar allows after the committed output + drafts 1..i (a kept
             forbidden draft's row repeats the row before it).
 
+        The drafts advance the matcher tentatively: a copy of it taken first is put back after, so a draft the
+        parser gives up on (an error state is permanent in llguidance) cuts the block there and leaves the committed
+        state as it was: speculation ends no request plain decoding would go on with.
+
         Raises:
-            GrammarError: the matcher is in an error state, refused a token its own mask allowed, or could not roll
-                back.
+            GrammarError: the parser gave up on the committed state (its mask cannot be computed).
         """
-        rows, consumed, kept = [self._mask()], 0, 0
-        for tok in draft:
-            if not bool(rows[-1][tok]):
-                if through_forbidden:  # verified and rejected there (target probability 0); never gone past
+        rows, kept = [self._mask()], 0
+        if not draft:
+            return 0, rows[0][None]
+        committed = self._matcher.deep_copy()
+        try:
+            for tok in draft:
+                if not bool(rows[-1][tok]):
+                    if through_forbidden:  # verified and rejected there (target probability 0); never gone past
+                        kept += 1
+                        rows.append(rows[-1])
+                    break
+                if tok in self._eos:  # ends the request if accepted: nothing after it can be committed
                     kept += 1
-                    rows.append(rows[-1])
-                break
-            kept += 1
-            if tok in self._eos:  # ends the request if accepted: nothing after it can be committed
-                rows.append(self.eos_only())
-                break
-            if not self._matcher.consume_token(tok):
-                raise GrammarError(f"grammar refused draft token {tok} that its mask allowed: "
-                                   f"{self._matcher.get_error()}")
-            consumed += 1
-            rows.append(self._mask())
-        if consumed and not self._matcher.rollback(consumed):
-            raise GrammarError(f"grammar could not roll back {consumed} draft tokens: {self._matcher.get_error()}")
+                    rows.append(self.eos_only())
+                    break
+                if not self._matcher.consume_token(tok):
+                    raise GrammarError(f"grammar refused draft token {tok} that its mask allowed: "
+                                       f"{self._matcher.get_error()}")
+                rows.append(self._mask())
+                kept += 1
+        except GrammarError:  # the drafts verified up to the one the parser gave up on
+            pass
+        finally:
+            self._matcher = committed
         return kept, torch.stack(rows)
 
     def commit(self, tokens: Sequence[int]) -> None:

@@ -26,6 +26,7 @@ import collections
 import contextvars
 import copy
 import dataclasses
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -143,8 +144,13 @@ def lens_within(text: str, lens: list[int], shown: str) -> list[int]:
     off the tokens that bring them. ``lens`` as they are where ``shown`` is not inside ``text``."""
     if len(shown) == len(text):
         return lens
-    # a prefix added (BOS), a suffix added, or both
-    start = len(text) - len(shown) if text.endswith(shown) else 0 if text.startswith(shown) else text.find(shown)
+    # a prefix added (BOS), a suffix added, or both: the occurrence of ``shown`` between token boundaries (added
+    # tokens bring whole texts), else the one at the end or the start (a SentencePiece BOS decodes with a space
+    # after it that the next token brings)
+    bounds = set(itertools.accumulate(lens, initial=0))
+    starts = list(_occurrences(text, shown))
+    start = next((i for i in starts if i in bounds and i + len(shown) in bounds),
+                 len(text) - len(shown) if text.endswith(shown) else starts[0] if starts else -1)
     if start < 0:
         return lens
     out, drop = list(lens), start
@@ -156,6 +162,14 @@ def lens_within(text: str, lens: list[int], shown: str) -> list[int]:
         take = min(out[i], drop)
         out[i], drop = out[i] - take, drop - take
     return out
+
+
+def _occurrences(text: str, part: str):
+    """Where ``part`` starts in ``text``, each position."""
+    at = text.find(part)
+    while at >= 0:
+        yield at
+        at = text.find(part, at + 1)
 
 
 def prompt_logprob_texts(text: TokenTexts, prompt_ids: list[int], logprobs: list[TokenLogprob | None] | None,
@@ -704,14 +718,15 @@ class TargetReplica:
         """Stream a committed output (its tokens are already in ``stream.record``)."""
         stream.done = out.finished
         spec = stream.spec
-        self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished, spec=spec,
-                              length=out.finish_reason is FinishReason.LENGTH, arrived_at=stream.arrived_at)
         if out.finish_reason is FinishReason.ERROR:  # the engine ended this request alone (its grammar failed)
+            self.telemetry.dropped(stream.request.request_id)  # not a finished request: no latency sample
             if stream.held is not None:
                 stream.queue.put_nowait(stream.held)
             stream.queue.put_nowait(ErrorItem(500, f"the request could not go on: {out.error}", type="server_error",
                                               code="request_failed"))
             return
+        self.telemetry.tokens(stream.request.request_id, len(out.new_token_ids), finished=out.finished, spec=spec,
+                              length=out.finish_reason is FinishReason.LENGTH, arrived_at=stream.arrived_at)
         # a chunk carries the tokens whose text it carries, each logprob with the characters its token brings
         stream.unreleased += out.new_token_ids
         n = len(out.text_lens)

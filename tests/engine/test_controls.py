@@ -315,6 +315,32 @@ def test_a_grammar_that_fails_ends_its_request_alone(engine, monkeypatch, where)
     assert outs["plain"][-1].error is None and not engine.has_request("json")
 
 
+def test_llguidance_giving_up_is_a_grammar_error_at_the_committed_state_and_a_cut_block_at_a_draft(engine, grammars):
+    """A matcher past llguidance's per-step item limit (here set to 20) is in an error state for good: at the
+    committed state that is a ``GrammarError`` (the engine ends the request); at a draft the block is cut there and
+    the committed state is left as it was (speculation ends no request plain decoding would go on with)."""
+    import llguidance
+
+    from app.engine.grammar import GrammarError, RequestGrammar, _grammar
+
+    def tight() -> RequestGrammar:
+        limits = llguidance.LLParserLimits(step_max_items=20)
+        matcher = llguidance.LLMatcher(grammars._tokenizer, _grammar(_guided("json_object")), log_level=0,
+                                       limits=limits)
+        return RequestGrammar(matcher, grammars)
+
+    ids = engine.encode('{"name": "Ada", "age": 36')
+    committed = tight()
+    committed.commit(ids)
+    with pytest.raises(GrammarError, match="Too many items"):
+        committed.block_masks([])
+    drafted = tight()
+    kept, allowed = drafted.block_masks(ids)  # the parser gives up on the drafts
+    assert kept < len(ids) and allowed.shape == (kept + 1, engine.vocab_size)
+    assert not drafted._matcher.is_error()  # the committed state as it was: its mask holds again
+    assert torch.equal(drafted.block_masks([])[1][0], allowed[0])
+
+
 def test_a_grammar_is_read_as_gbnf_only_where_it_defines_rules_so(grammars):
     """GBNF defines rules with ``name ::=`` at a line's start; a Lark grammar may hold "::=" in a literal."""
     grammars.matcher(GuidedDecoding("grammar", 'start: "a ::= b"'))

@@ -826,6 +826,8 @@ def test_an_echoed_text_prompt_s_offsets_leave_out_the_special_tokens_the_tokeni
     decoded, lens = target_module.prompt_text(tokenizer, tokenizer.encode(prompt))
     assert target_module.lens_within(decoded, lens, prompt) == lens  # nothing added: as they are
     assert target_module.lens_within("<s>s", [3, 1], "s") == [0, 1]  # the prompt inside the BOS's text
+    assert target_module.lens_within("<s>s</s>", [3, 1, 4], "s") == [0, 1, 0]  # at token boundaries
+    assert target_module.lens_within("<s> Hi", [3, 3], "Hi") == [0, 2]  # a SentencePiece BOS's space
 
 
 def test_a_request_the_engine_ends_with_an_error_answers_a_500_naming_why(replica):
@@ -834,8 +836,12 @@ def test_a_request_the_engine_ends_with_an_error_answers_a_500_naming_why(replic
     from app.engine.types import FinishReason, StepOutput
 
     stream = _stream("e", 8)
+    stream.held = TextChunk(text="{", token_ids=[5], prompt_tokens=3)  # the stream interval held a token back
+    finished = replica.telemetry.counters.requests_finished
     replica._emit(stream, StepOutput("e", [2], finished=True, finish_reason=FinishReason.ERROR, text="",
                                      text_lens=[0], error="structured output stopped: ParserTooComplex"))
+    assert stream.queue.get_nowait() == stream.held
     item = stream.queue.get_nowait()
     assert isinstance(item, ErrorItem) and (item.status, item.code) == (500, "request_failed") and stream.done
     assert "ParserTooComplex" in item.message and stream.queue.empty()
+    assert replica.telemetry.counters.requests_finished == finished  # not counted as a finished request

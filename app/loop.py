@@ -216,6 +216,7 @@ class RequestResult:
     speculates: bool = False  # its state lives on the drafter (and in the prompt lookup)
     fallback_cause: str | None = None  # why it was moved to plain decoding (``SpecLoop.fail_over``), or None
     error: str | None = None  # with FinishReason.ERROR: why the engine ended it (``StepOutput.error``)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (``StepOutput``'s)
 
     @property
     def accepted_length(self) -> float:
@@ -233,7 +234,7 @@ class RequestResult:
             self.logprobs.extend(out.logprobs)
         self.text += out.text
         if out.finished:
-            self.finish_reason, self.error = out.finish_reason, out.error
+            self.finish_reason, self.error, self.stop_reason = out.finish_reason, out.error, out.stop_reason
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class IncrementalDetokenizer:
         self._emitted = 0  # chars of ``text`` already released
         self._released = 0  # tokens whose text is released
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text, once ``stopped``
 
     @classmethod
     def for_request(cls, tokenizer, params: SamplingParams) -> IncrementalDetokenizer:
@@ -59,9 +60,9 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
 
     def add(self, token_id: int, *, check_stop: bool = True) -> None:
-        """Append a token; sets ``stopped`` and truncates ``text`` if it completes a stop string (only looked for
-        when ``check_stop``: the engine does not before ``min_tokens``, so a stop string completed earlier is
-        kept as text)."""
+        """Append a token; sets ``stopped`` and ``stop_string`` and truncates ``text`` if it completes a stop string
+        (only looked for when ``check_stop``: the engine does not before ``min_tokens``, so a stop string completed
+        earlier is kept as text)."""
         self._ids.append(token_id)
         prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=self._skip)
         full = self._tok.decode(self._ids[self._prefix_offset :], skip_special_tokens=self._skip)
@@ -74,10 +75,11 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         if self._stop and check_stop:
             start = max(0, before - self._holdback)
-            hits = [(at, order, len(s)) for order, s in enumerate(self._stop) if (at := self.text.find(s, start)) >= 0]
+            hits = [(at, order) for order, s in enumerate(self._stop) if (at := self.text.find(s, start)) >= 0]
             if hits:  # the earliest; at one position, the first listed (vLLM's order)
-                at, _, length = min(hits)
-                self.text = self.text[: at + length if self._include_stop else at]
+                at, order = min(hits)
+                self.stop_string = self._stop[order]
+                self.text = self.text[: at + len(self.stop_string) if self._include_stop else at]
                 self._ends = [min(end, len(self.text)) for end in self._ends]
                 self.stopped = True
 

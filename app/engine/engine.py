@@ -792,20 +792,21 @@ class TargetEngine(Engine):
         ``prompt_logprobs``: a prefill's, passed on."""
         p = req.params
         kept: list[int] = []
-        reason = None
+        reason = stop_reason = None
         for tok in tokens:
             kept.append(tok)
             req.output_ids.append(tok)
-            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            eos = tok in self.eos_token_ids and not p.ignore_eos
+            if eos or tok in p.stop_token_ids:
                 if p.include_stop_str_in_output:
                     req.detok.add(tok)
                 else:  # its id is in the output, its text is not (vLLM's rule, as for a stop string)
                     req.detok.add_without_text(tok)
-                reason = FinishReason.STOP
+                reason, stop_reason = FinishReason.STOP, None if eos else tok  # vLLM looks for EOS first
                 break
             req.detok.add(tok, check_stop=len(req.output_ids) >= p.min_tokens)
             if req.detok.stopped:
-                reason = FinishReason.STOP
+                reason, stop_reason = FinishReason.STOP, req.detok.stop_string
             elif len(req.output_ids) >= p.max_tokens:
                 reason = FinishReason.LENGTH
             if reason is not None:
@@ -817,7 +818,7 @@ class TargetEngine(Engine):
             except GrammarError as err:
                 self._fail_request(req, err)
         if req.failed is not None:
-            reason = FinishReason.ERROR
+            reason, stop_reason = FinishReason.ERROR, None
         finished = reason is not None
         if finished:
             self.release(req.request_id)
@@ -838,4 +839,5 @@ class TargetEngine(Engine):
             num_cached_tokens=cached_tokens,
             prompt_logprobs=prompt_logprobs,
             error=req.failed,
+            stop_reason=stop_reason,
         )

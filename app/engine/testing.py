@@ -237,5 +237,5 @@ class MockEngine(Engine):
             request_id=request_id, new_token_ids=kept, num_draft=num_draft,
             num_accepted=min(num_accepted, len(kept)), finished=reason is not None, finish_reason=reason,
             text=text, text_lens=text_lens, features=torch.zeros(rows, MOCK_FEATURE_DIM),
-            logprobs=logprobs if req.params.logprobs is not None else None,
+            logprobs=logprobs if req.params.logprobs is not None else None, stop_reason=req.detok.stop_string,
         )

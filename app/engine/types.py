@@ -383,6 +383,9 @@ class StepOutput:
     # None for the first token (nothing predicts it), then token j's logprob given tokens 0..j-1
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # with FinishReason.ERROR: why the request could not go on
+    # vLLM's ``stop_reason`` once finished: the stop string, or the ``stop_token_ids`` id, that ended the request;
+    # None when EOS, max_tokens or an error ended it
+    stop_reason: str | int | None = None
 
 
 def accepted_length(accepted: int, rounds: int) -> float:

@@ -143,7 +143,7 @@ def _prompt_alone(first: TextChunk | ErrorItem) -> TextChunk | ErrorItem:
     if isinstance(first, ErrorItem):
         return first
     return dataclasses.replace(first, text="", token_ids=[], logprobs=None if first.logprobs is None else [],
-                               finish_reason=first.finish_reason and "length")
+                               finish_reason=first.finish_reason and "length", stop_reason=None)
 
 
 class _InFlight:
@@ -518,7 +518,8 @@ class Ingress:
                 logprobs = chat_logprobs(entries) if chat else completion_logprobs(
                     entries, offset=len(c.echo), prompt=echoed_prompt(c.chunks[0].prompt_logprobs, req.echoed_logprobs))
             choices.append(choice_body(chat=chat, index=c.index, text=c.echo + "".join(x.text for x in c.chunks),
-                                       finish_reason=c.chunks[-1].finish_reason, logprobs=logprobs))
+                                       finish_reason=c.chunks[-1].finish_reason, logprobs=logprobs,
+                                       stop_reason=c.chunks[-1].stop_reason))
             if not chat and req.prompt_logprobs is not None:  # vLLM's: per choice, a chat's for the whole response
                 choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(c.chunks[0].prompt_logprobs, req.prompt_logprobs)
         token_ids = [t for chunk in flight.choices[0].chunks for t in chunk.token_ids]
@@ -602,7 +603,8 @@ class Ingress:
                 if chunk.finish_reason is not None:
                     choice.done, remaining = True, remaining - 1
                     final = chunk_body(chat=chat, request_id=request_id, created=created, model=model,
-                                       text=None if chat else "", index=choice.index, finish_reason=chunk.finish_reason)
+                                       text=None if chat else "", index=choice.index, finish_reason=chunk.finish_reason,
+                                       stop_reason=chunk.stop_reason)
                     if req.spec_stats and chunk.spec is not None:
                         final["spec_stats"] = chunk.spec.to_json()
                     yield event(final)

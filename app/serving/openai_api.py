@@ -668,19 +668,24 @@ def completion_body(
     return body
 
 
-def choice_body(*, chat: bool, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+def choice_body(*, chat: bool, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+                stop_reason: str | int | None = None) -> dict:
+    """One choice of a non-streamed response; ``stop_reason`` is vLLM's: the stop string or stop token id that ended
+    the choice (None for EOS or ``length``)."""
     if chat:
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def chunk_body(
     *, chat: bool, request_id: str, created: int, model: str, text: str | None, index: int = 0,
     finish_reason: str | None = None, role: bool = False, logprobs: dict | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict:
     """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice ``index``; ``created`` (Unix
-    seconds) is the stream's, the same in every chunk."""
+    seconds) is the stream's, the same in every chunk; ``stop_reason`` as in ``choice_body`` (on the last chunk)."""
     if chat:
         delta: dict = {"role": "assistant"} if role else {}
         if text is not None:
@@ -688,6 +693,7 @@ def chunk_body(
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+    choice["stop_reason"] = stop_reason
     return {
         "id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
         "created": created, "model": model, "choices": [choice],

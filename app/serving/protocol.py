@@ -252,6 +252,7 @@ class TextChunk:
     token_ids: list[int]  # tokens committed in this step
     prompt_tokens: int
     finish_reason: str | None = None  # 'stop' | 'length' on the last chunk
+    stop_reason: str | int | None = None  # on the last chunk: StepOutput's (the stop string or stop token id)
     cached_tokens: int = 0  # on the first chunk: prompt tokens reused from the prefix cache
     spec: SpecStats | None = None  # on the last chunk
     logprobs: list[TokenLogprobText] | None = None  # one per token id when the request asked for logprobs
@@ -268,7 +269,8 @@ class TextChunk:
         logprobs = None if self.logprobs is None and later.logprobs is None else \
             (self.logprobs or []) + (later.logprobs or [])
         return TextChunk(text=self.text + later.text, token_ids=self.token_ids + later.token_ids,
-                         prompt_tokens=later.prompt_tokens, finish_reason=later.finish_reason, spec=later.spec,
+                         prompt_tokens=later.prompt_tokens, finish_reason=later.finish_reason,
+                         stop_reason=later.stop_reason, spec=later.spec,
                          logprobs=logprobs, cached_tokens=self.cached_tokens + later.cached_tokens,
                          prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
                          prompt_text=self.prompt_text if self.prompt_text is not None else later.prompt_text)

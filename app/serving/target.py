@@ -745,7 +745,7 @@ class TargetReplica:
                 echo_lens = lens_within(echo_text, echo_lens, stream.request.prompt)
         chunk = TextChunk(
             text=out.text, token_ids=token_ids, prompt_tokens=len(stream.prompt_ids),
-            finish_reason=out.finish_reason.value if out.finished else None,
+            finish_reason=out.finish_reason.value if out.finished else None, stop_reason=out.stop_reason,
             spec=spec if out.finished else None, logprobs=logprobs, cached_tokens=out.num_cached_tokens,
             prompt_logprobs=prompt_logprob_texts(self._token_texts, stream.prompt_ids, out.prompt_logprobs,
                                                  self._token_bytes, echo_lens),

@@ -48,6 +48,12 @@ def test_the_stop_string_itself_is_kept_on_request_the_earliest_one_ending_the_t
     # two stop strings a token completes at one position: the first listed ends the text (vLLM's order)
     assert _stream(words, stop=("Paris", "Par"), include_stop=True)[1] == "The capital is Paris"
     assert _stream(words, stop=("Par", "Paris"), include_stop=True)[1] == "The capital is Par"
+    for stop, hit in ((("Paris", "Par"), "Paris"), (("Par", "Paris"), "Par"), (("Paris.", "is Pa"), "is Pa")):
+        detok = IncrementalDetokenizer(_ByteTokenizer(words), stop)
+        for i in range(4):
+            assert detok.stop_string is None
+            detok.add(i)
+        assert detok.stopped and detok.stop_string == hit  # vLLM's stop_reason
 
 
 def test_a_character_split_between_tokens_is_released_with_its_last_token():

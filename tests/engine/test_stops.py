@@ -36,7 +36,7 @@ def test_eos_inside_accepted_block_ends_exactly(engine, short):
     proposer = OracleProposer({"req-0": reference}, gamma=7)
     (spec,), _ = generate(engine, [prompt], SamplingParams(max_tokens=32), proposer=proposer)
     assert spec.token_ids == res.token_ids
-    assert spec.finish_reason == FinishReason.STOP
+    assert spec.finish_reason == FinishReason.STOP and spec.stop_reason is None  # EOS: no stop_reason (vLLM's)
     # The block ran past EOS, but nothing after EOS is returned or counted as accepted:
     # Every round but the last committed its accepted drafts plus a bonus token; the last ends on the accepted
     # EOS draft with no bonus. So the prefill token + one bonus per earlier round are the only non-drafts.
@@ -58,7 +58,7 @@ def test_max_tokens_inside_accepted_block(engine, short, max_tokens):
     proposer = OracleProposer({"req-0": reference}, gamma=7)
     (spec,), _ = generate(engine, [prompt], SamplingParams(max_tokens=max_tokens), proposer=proposer)
     assert spec.token_ids == res.token_ids[:max_tokens]
-    assert spec.finish_reason == FinishReason.LENGTH
+    assert spec.finish_reason == FinishReason.LENGTH and spec.stop_reason is None
     assert spec.num_accepted <= max_tokens - 1
 
 
@@ -73,7 +73,7 @@ def test_stop_string_inside_accepted_block(engine, eval_prompts):
     params = SamplingParams(max_tokens=40, stop=(stop,))
     (spec,), _ = generate(engine, [prompt], params, proposer=proposer)
     assert spec.text == ref.text[: ref.text.index(stop)]
-    assert spec.finish_reason == FinishReason.STOP
+    assert spec.finish_reason == FinishReason.STOP and spec.stop_reason == stop
     assert len(spec.token_ids) < len(ref.token_ids)
     # The stop string was completed by the last returned token, not earlier.
     partial = engine.tokenizer.decode(spec.token_ids[:-1], skip_special_tokens=True)
@@ -96,6 +96,12 @@ def test_the_token_that_ends_a_request_has_no_text_unless_asked(engine, short, e
         (out,), _ = generate(engine, [prompt], params, proposer=OracleProposer({"req-0": res.token_ids}, gamma=7))
         assert (out.token_ids, out.text) == (res.token_ids, text) and out.num_accepted > 0, (skip, include)
     assert eos_text == "<|im_end|>"
+    # vLLM looks for EOS before stop_token_ids: EOS listed there too gives no stop_reason, unless EOS is ignored
+    eos = res.token_ids[-1]
+    for ignore_eos, reason in ((False, None), (True, eos)):
+        params = SamplingParams(max_tokens=32, stop_token_ids=(eos,), ignore_eos=ignore_eos)
+        (out,), _ = generate(engine, [prompt], params, proposer=OracleProposer({"req-0": res.token_ids}, gamma=7))
+        assert (out.token_ids, out.stop_reason) == (res.token_ids, reason), ignore_eos
     long_prompt = engine.encode_chat([{"role": "user", "content": eval_prompts[1]}])
     (ref,), _ = generate(engine, [long_prompt], SamplingParams(max_tokens=12))
     stop = ref.token_ids[5]
@@ -104,6 +110,7 @@ def test_the_token_that_ends_a_request_has_no_text_unless_asked(engine, short, e
         params = SamplingParams(max_tokens=12, stop_token_ids=(stop,), include_stop_str_in_output=include)
         (out,), _ = generate(engine, [long_prompt], params)
         assert out.token_ids == ref.token_ids[:end] and out.finish_reason == FinishReason.STOP
+        assert out.stop_reason == stop
         assert out.text == engine.tokenizer.decode(ref.token_ids[: end if include else end - 1])
 
 

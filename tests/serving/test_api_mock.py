@@ -103,13 +103,19 @@ def test_completions_and_stop_string(url):
     r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
                    json={"model": MODEL, "prompt": "ab", "max_tokens": 8, "temperature": 0})
     assert r.status_code == 200 and r.json()["object"] == "text_completion"
-    assert r.json()["usage"]["completion_tokens"] == 8
+    assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["choices"][0]["stop_reason"] is None
     full = expected_text("hi", 12)
     stop = full.split()[5]  # the 6th word
-    r = httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=12, stop=[stop]), headers=AUTH, timeout=30)
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=12, stop=["zz", stop]), headers=AUTH,
+                   timeout=30)
     body = r.json()
-    assert body["choices"][0]["finish_reason"] == "stop"
+    assert (body["choices"][0]["finish_reason"], body["choices"][0]["stop_reason"]) == ("stop", stop)  # vLLM's
     assert body["choices"][0]["message"]["content"] == full[: full.index(stop)]
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, timeout=30,
+                      json=chat(max_tokens=12, stop=[stop], stream=True)) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    ends = [(c["finish_reason"], c["stop_reason"]) for e in events for c in e["choices"]]
+    assert ends[-1] == ("stop", stop) and set(ends[:-1]) == {(None, None)}
 
 
 BAD = [

@@ -205,6 +205,9 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = Field(None, description=(
+        "Guided decoding to JSON (``json_object``, ``json_schema``) or none (``text``); on completions as vLLM "
+        "offers it."))
     user: str | None = None
     # extensions (vLLM's names)
     top_k: int | None = Field(None, description="Keep the k most likely tokens; 0 or -1 = off.")
@@ -255,6 +258,14 @@ class _Common(BaseModel):
             raise ValueError("stream_options is only allowed with stream: true")
         return value
 
+    @model_validator(mode="after")
+    def _one_structure(self) -> "_Common":
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise InvalidRequestError(f"a response_format of type {self.response_format.type!r} is a second "
+                                      "constraint: send one of the two", param="structured_outputs")
+        return self
+
     @field_validator("return_token_ids", "prompt_logprobs")
     @classmethod
     def _not_streamed(cls, value: bool | int | None, info: ValidationInfo) -> bool | int | None:
@@ -285,8 +296,18 @@ class _Common(BaseModel):
         """Whether the request sets no max_tokens (the default then gives way to the context, as in vLLM)."""
         return self.max_tokens is None
 
-    def _params(self, max_tokens: int, *, logprobs: int | None, guided: GuidedDecoding | None,
-                choice: int, prompt_logprobs: int | None = None) -> SamplingParams:
+    def guided(self) -> GuidedDecoding | None:
+        """The structured output ``structured_outputs`` or ``response_format`` sets (at most one does), or None.
+
+        Raises:
+            InvalidRequestError: an empty ``choice`` (``GuidedDecoding``).
+        """
+        if self.structured_outputs is not None:
+            return self.structured_outputs.guided()
+        return self.response_format.guided() if self.response_format is not None else None
+
+    def _params(self, max_tokens: int, *, logprobs: int | None, choice: int,
+                prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's settings for choice ``choice`` (``seed + choice`` with a seed, so choices differ).
 
         Raises:
@@ -303,7 +324,7 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             top_k=self.top_k or 0, min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
-            stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs, guided=guided,
+            stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs, guided=self.guided(),
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -316,7 +337,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     # harmless by nature: they label, store, cache or bill the request, never change its tokens
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -374,14 +394,6 @@ class ChatCompletionRequest(_Common):
             raise ValueError("needs logprobs: true")
         return value
 
-    @model_validator(mode="after")
-    def _one_structure(self) -> "ChatCompletionRequest":
-        if self.structured_outputs is not None and self.response_format is not None \
-                and self.response_format.type != "text":
-            raise InvalidRequestError(f"a response_format of type {self.response_format.type!r} is a second "
-                                      "constraint: send one of the two", param="structured_outputs")
-        return self
-
     @property
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -393,11 +405,8 @@ class ChatCompletionRequest(_Common):
     def params(self, choice: int = 0) -> SamplingParams:
         """Raises: ValueError (``SamplingParams``)."""
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        guided = self.response_format.guided() if self.response_format is not None else None
-        if self.structured_outputs is not None:
-            guided = self.structured_outputs.guided()
         max_tokens = self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
-        return self._params(max_tokens, logprobs=logprobs, guided=guided, choice=choice,
+        return self._params(max_tokens, logprobs=logprobs, choice=choice,
                             prompt_logprobs=self.prompt_logprobs if choice == 0 else None)  # one prompt, scored once
 
     def chat_messages(self) -> list[dict[str, str]]:
@@ -500,8 +509,7 @@ class CompletionRequest(_Common):
         Raises: ValueError (``SamplingParams``)."""
         max_tokens = 1 if self.prompt_only else self.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         scored = [k for k in (self.prompt_logprobs, self.echoed_logprobs) if k is not None]
-        guided = self.structured_outputs.guided() if self.structured_outputs is not None else None
-        return self._params(max_tokens, logprobs=self.logprobs, guided=guided, choice=choice,
+        return self._params(max_tokens, logprobs=self.logprobs, choice=choice,
                             prompt_logprobs=max(scored, default=None))
 
     @property

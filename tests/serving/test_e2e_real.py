@@ -318,6 +318,7 @@ def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
             assert NEWLINE not in got
         if name == "stop_token_ids" and NEWLINE in got:
             assert got[-1] == NEWLINE and response.choices[0].finish_reason == "stop"
+            assert response.choices[0].model_extra["stop_reason"] == NEWLINE  # vLLM's: the stop token id
         if name == "logprobs" and got == plain.token_ids:
             content = response.choices[0].logprobs.content
             assert len(content) == len(got) and all(len(c.top_logprobs) == 3 for c in content)
@@ -329,6 +330,13 @@ def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
     response = served(response_format=schema_format)
     assert response.model_extra["token_ids"] == plain.token_ids
     assert json.loads(response.choices[0].message.content).keys() == {"answer"}
+    # response_format on completions too (vLLM's), with the text prompt tokenized as the engine does
+    params = SamplingParams(max_tokens=24, guided=GuidedDecoding("json_object"))
+    (plain,), _ = generate(engine, [engine.encode(prompt, add_special_tokens=True)], params)
+    response = client.completions.create(model="smollm2-135m", prompt=prompt, temperature=0, max_tokens=24,
+                                         extra_body={"response_format": {"type": "json_object"},
+                                                     "return_token_ids": True})
+    assert response.model_extra["token_ids"] == plain.token_ids and response.choices[0].text.lstrip()[0] == "{"
     # vLLM's structured_outputs: a choice as plain decoding picks it; a regex that does not compile is a 400 naming it
     choices = ["apple", "banana", "cherry"]
     params = SamplingParams(max_tokens=24, guided=GuidedDecoding("choice", json.dumps(choices)))

@@ -64,6 +64,16 @@ def test_chat_fields_reach_sampling_params(fields, param, value):
     assert getattr(req.params(), param) == value
 
 
+COMPLETIONS_MAPPED = [m for m in MAPPED if not {"max_completion_tokens", "logprobs"} & set(m[0])]  # chat's own
+
+
+@pytest.mark.parametrize("fields,param,value", COMPLETIONS_MAPPED, ids=[f"{p}={v}" for _, p, v in COMPLETIONS_MAPPED])
+def test_completion_fields_reach_sampling_params(fields, param, value):
+    """The fields both endpoints share act alike (``response_format`` on completions too, as vLLM has it)."""
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "a", **fields})
+    assert getattr(req.params(), param) == value
+
+
 def test_defaults_seeds_per_choice_and_completion_logprobs():
     params = ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES}).params()
     assert (params.temperature, params.top_p, params.max_tokens, params.logprobs) == (1.0, 1.0, 256, None)
@@ -104,6 +114,9 @@ REFUSED = [  # request -> the field the 400 must name
      "structured_outputs.whitespace_pattern"),
     ({"messages": MESSAGES, "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
      "structured_outputs"),
+    ({"prompt": "a", "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "structured_outputs"),
+    ({"prompt": "a", "response_format": {"type": "xml"}}, "response_format.type"),
     ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # vLLM's rule: not streamed
     ({"messages": MESSAGES, "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),  # 0 too (0 == False)
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),  # the prompt alone needs echo

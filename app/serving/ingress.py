@@ -380,13 +380,15 @@ class Ingress:
                 index = i * n + j
                 rid = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
                 echo = not chat and bool(req.echo)
-                ids = isinstance(prompt, list)
+                as_sent = isinstance(prompt, str) and req.truncate_prompt_tokens is None  # else the prompt's tokens
                 out.append((index, GenerateRequest(request_id=rid, params=req.params(j), messages=messages,
                                                    prompt=prompt, max_tokens_param=req.max_tokens_param,
-                                                   max_tokens_default=req.max_tokens_default, echo_ids=echo and ids,
+                                                   max_tokens_default=req.max_tokens_default,
+                                                   echo_ids=echo and not as_sent,
+                                                   truncate_prompt_tokens=req.truncate_prompt_tokens,
                                                    add_special_tokens=req.add_special_tokens,
                                                    guided_param=req.guided_param),
-                            prompt if echo and not ids else ""))
+                            prompt if echo and as_sent else ""))
         return out
 
     async def _start(self, generate: GenerateRequest, *, own_context: bool):

@@ -222,6 +222,9 @@ class _Common(BaseModel):
     return_token_ids: bool = Field(False, description="Extension: add the completion's token ids (non-streamed).")
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "Extension: vLLM's structured output (json, json_object, regex, choice or grammar)."))
+    truncate_prompt_tokens: int | None = Field(None, description=(
+        "Extension (vLLM's): keep only the prompt's last k tokens (after the chat template and special tokens); -1: "
+        "as many as the context holds. An echoed prompt is then the kept tokens' text."))
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
         "Extension: add each prompt token's logprob, rank and this many most likely alternatives (vLLM's "
         "``prompt_logprobs`` field, non-streamed)."))
@@ -232,6 +235,13 @@ class _Common(BaseModel):
         if isinstance(value, int) and not isinstance(value, bool) and value < -1:
             raise ValueError(f"must be a number of tokens >= 1, or 0 or -1 for off (vLLM's), got {value}")
         return 0 if value == -1 else value  # vLLM's "off"
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        if value is not None and value != -1 and value < 1:
+            raise ValueError(f"must be a number of tokens >= 1, or -1 for the context length (vLLM's), got {value}")
+        return value
 
     @field_validator("stop")
     @classmethod

@@ -43,8 +43,11 @@ class GenerateRequest:
     params: SamplingParams
     messages: list[dict[str, str]] | None = None
     prompt: str | list[int] | None = None
-    # a token-id prompt the response echoes: its first chunk brings the prompt's text (TextChunk.prompt_text)
+    # a prompt the response echoes as the model takes it (token ids, or a truncated prompt): its first chunk brings
+    # the prompt's text (TextChunk.prompt_text)
     echo_ids: bool = False
+    # vLLM's: keep only the prompt's last k token ids (-1: the context length), after tokenization
+    truncate_prompt_tokens: int | None = None
     # a text prompt or chat template's text tokenized with the tokenizer's own special tokens (a Llama tokenizer's
     # BOS): completions' default, as in vLLM (a chat template writes them itself); token-id prompts are taken as sent
     add_special_tokens: bool = False

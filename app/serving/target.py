@@ -404,13 +404,21 @@ class TargetReplica:
         """The request, its default max_tokens lowered to what the context leaves its prompt (vLLM's rule for a
         request that sets none), and its prompt token ids, once they are known to fit the context.
 
+        ``truncate_prompt_tokens`` keeps the last tokens of the prompt (vLLM's rule) before the context is checked.
+
         Raises:
             InvalidRequestError: the chat template refuses the messages, a prompt token id is outside the
-                vocabulary, or ``min_tokens`` exceeds the lowered
+                vocabulary, ``truncate_prompt_tokens`` exceeds the context, or ``min_tokens`` exceeds the lowered
                 max_tokens; ContextLengthError: the request does not fit (answered before it is queued: in an
                 admission batch it would fail the batched prefill of the others).
         """
         ids = self._prompt_ids(request.prompt, request.messages, add_special_tokens=request.add_special_tokens)
+        if (keep := request.truncate_prompt_tokens) is not None:
+            keep = self.config.max_model_len if keep == -1 else keep
+            if keep > self.config.max_model_len:
+                raise InvalidRequestError(f"{keep} is more than the context length of {self.config.max_model_len} "
+                                          "tokens", param="truncate_prompt_tokens")
+            ids = ids[-keep:]
         room = self.config.max_model_len - len(ids)
         if request.max_tokens_default and 1 <= room < request.params.max_tokens:
             if request.params.min_tokens > room:
@@ -741,7 +749,7 @@ class TargetReplica:
         echo_text, echo_lens = None, []
         if first and (stream.request.echo_ids or out.prompt_logprobs is not None):
             echo_text, echo_lens = prompt_text(self.engine.tokenizer, stream.prompt_ids)
-            if isinstance(stream.request.prompt, str):  # the ingress echoes the text as sent
+            if isinstance(stream.request.prompt, str) and not stream.request.echo_ids:  # echoed as sent
                 echo_lens = lens_within(echo_text, echo_lens, stream.request.prompt)
         chunk = TextChunk(
             text=out.text, token_ids=token_ids, prompt_tokens=len(stream.prompt_ids),

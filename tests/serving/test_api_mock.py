@@ -693,6 +693,22 @@ def test_client_token_id_prompts_decode_as_their_text_and_echo_it(client, url):
     assert f"token id {VOCAB} is outside the vocabulary" in r.json()["error"]["message"]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(client):
+    """vLLM's ``truncate_prompt_tokens``: the target takes the prompt's last k tokens, ``usage`` counts them and
+    ``echo`` shows their text (a text prompt's too), for token-id and text prompts and chats."""
+    kept = token_text(ord("a")) + token_text(ord("b"))
+    answer = client.completions.create(model=MODEL, prompt="ab", max_tokens=3, temperature=0).choices[0].text
+    for prompt in ([ord(c) for c in "wxab"], "wxab"):
+        cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                        extra_body={"truncate_prompt_tokens": 2})
+        assert (cut.choices[0].text, cut.usage.prompt_tokens) == (kept + answer, 2), prompt
+    messages = [{"role": "user", "content": "hello there"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 3})
+    assert whole.usage.prompt_tokens > 3 and cut.usage.prompt_tokens == 3
+
+
 def _mock_answer(last: int, n: int) -> list[int]:
     out = []
     for _ in range(n):

@@ -83,6 +83,10 @@ def test_each_choice_s_target_request_carries_the_fields_that_set_it():
         assert [(i, g.add_special_tokens, g.guided_param, g.echo_ids, e)
                 for i, g, e in ingress._generates(texts, chat=False, request_id="r")] == [
             (0, True, "structured_outputs", echo_ids, echo), (1, True, "structured_outputs", echo_ids, echo)]
+    cut = CompletionRequest.model_validate({"model": "m", "prompt": "abc", "echo": True, "truncate_prompt_tokens": 2})
+    assert [(g.truncate_prompt_tokens, g.echo_ids, e) for _, g, e in ingress._generates(cut, chat=False,
+                                                                                       request_id="r")] == [
+        (2, True, "")]  # a truncated text prompt is echoed as the tokens the model took
     bare = CompletionRequest.model_validate({"model": "m", "prompt": "a", "add_special_tokens": False})
     assert [g.add_special_tokens for _, g, _ in ingress._generates(bare, chat=False, request_id="r")] == [False]
     messages = [{"role": "user", "content": "hi"}]

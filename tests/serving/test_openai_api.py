@@ -117,6 +117,9 @@ REFUSED = [  # request -> the field the 400 must name
     ({"prompt": "a", "structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
      "structured_outputs"),
     ({"prompt": "a", "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"prompt": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"messages": MESSAGES, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"messages": MESSAGES, "truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
     ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # vLLM's rule: not streamed
     ({"messages": MESSAGES, "prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),  # 0 too (0 == False)
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),  # the prompt alone needs echo

@@ -244,6 +244,27 @@ def test_text_prompts_are_tokenized_with_special_tokens_as_the_request_says(repl
         assert (seen[0][0], seen[0][1]["add_special_tokens"]) == first_call if first_call else not seen
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens_before_the_context_is_checked(replica):
+    """vLLM's ``truncate_prompt_tokens``: the last k prompt ids (-1: the context length); more than the context is a
+    400 naming the field, and the context check sees the kept prompt."""
+    limit = replica.config.max_model_len
+    params = SamplingParams(max_tokens=2)
+    long = list(range(3, 3 + limit + 5))
+    assert replica._encode(GenerateRequest("a", params, prompt=[5, 6, 7], truncate_prompt_tokens=2))[1] == [6, 7]
+    assert replica._encode(GenerateRequest("b", params, prompt=[5, 6], truncate_prompt_tokens=4))[1] == [5, 6]
+    with pytest.raises(target_module.InvalidRequestError) as err:
+        replica._encode(GenerateRequest("c", params, prompt=long))
+    assert err.value.param == "prompt"
+    assert replica._encode(GenerateRequest("d", params, prompt=long, truncate_prompt_tokens=limit - 2))[1] == \
+        long[-(limit - 2):]
+    with pytest.raises(target_module.InvalidRequestError) as err:
+        replica._encode(GenerateRequest("e", params, prompt=[5], truncate_prompt_tokens=limit + 1))
+    assert err.value.param == "truncate_prompt_tokens" and str(limit) in str(err.value)
+    with pytest.raises(target_module.InvalidRequestError) as err:  # the whole context: no room left (as in vLLM)
+        replica._encode(GenerateRequest("f", params, prompt=long, truncate_prompt_tokens=-1, max_tokens_default=True))
+    assert err.value.param == "prompt" and f"prompt of {limit} tokens" in str(err.value)
+
+
 def _stream(rid: str, max_tokens: int) -> target_module._Stream:
     request = GenerateRequest(request_id=rid, prompt="x", params=SamplingParams(max_tokens=max_tokens))
     return target_module._Stream(request=request, prompt_ids=[1, 2, 3], arrived_at=time.monotonic())

@@ -14,7 +14,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from app.engine.types import DraftBlock, NewRequest, SamplingParams, StepOutput
+from app.engine.types import ChatTemplateOptions, DraftBlock, NewRequest, SamplingParams, StepOutput
 
 
 class Proposer(Protocol):
@@ -84,13 +84,14 @@ class Engine(ABC):
 
     @abstractmethod
     def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False,
-                    add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat prompt (the generation prompt appended unless ``add_generation_prompt`` is False);
+                    options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
+        """Token ids of a chat prompt rendered as ``options`` say (the generation prompt appended, by default);
         ``add_special_tokens``: the tokenizer's own too (a Llama tokenizer's BOS) on the template's text, which
         usually writes them itself (vLLM's chat default: off).
 
         Raises:
-            InvalidRequestError: the model's chat template refuses the messages.
+            InvalidRequestError: the model's chat template refuses the messages or the options (``param`` names the
+                request field).
         """
 
     @abstractmethod

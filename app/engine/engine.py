@@ -18,7 +18,9 @@ overwritten.
 
 from __future__ import annotations
 
+import functools
 import heapq
+import inspect
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -41,7 +43,8 @@ from app.engine.prepack import PrepackedLinear, prepack_linears, prepack_support
 from app.engine.logits_process import RequestControls, sampling_probs, token_logprobs
 from app.engine.sampling import Acceptance, accept_greedy, accept_sampled, accept_sampled_batch, target_probs
 from app.engine.static_step import BucketedStep
-from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob
+from app.engine.types import (ChatTemplateOptions, DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput,
+                              TokenLogprob)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,14 @@ log = logging.getLogger(__name__)
 # (on the CPU each new count costs oneDNN a new primitive, ~1 MB held in its caches; a float32 row's values do not
 # depend on the rows beside it: app/engine/prepack.py)
 PROMPT_LOGPROB_ROWS, PROMPT_LOGPROB_BUCKET = 512, 64
+
+
+@functools.cache
+def _renderer_args(tokenizer_type: type) -> frozenset[str]:
+    """The names Hugging Face's chat renderer takes itself (``apply_chat_template``'s arguments and the template's
+    ``messages``): not template variables a request may set."""
+    return frozenset(inspect.signature(tokenizer_type.apply_chat_template).parameters) - {"self", "kwargs"} | {
+        "messages"}
 
 
 @dataclass
@@ -224,30 +235,45 @@ class TargetEngine(Engine):
         return request_id in self._requests
 
     def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False,
-                    add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat prompt through the model's own chat template (the generation prompt appended unless
-        ``add_generation_prompt`` is False); ``add_special_tokens``: the template's text tokenized with the
+                    options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
+        """Token ids of a chat prompt through the model's own chat template, rendered as ``options`` say (the
+        generation prompt appended, by default); ``add_special_tokens``: the template's text tokenized with the
         tokenizer's own special tokens added (a Llama tokenizer's BOS, which templates usually write themselves:
         vLLM's chat default is off).
 
         Raises:
             InvalidRequestError: (``param`` "prompt") the model has no chat template (a base model: its prompts are
                 raw text), or the template refuses the messages (some models' templates raise on roles that do not
-                alternate, or on a system message).
+                alternate, or on a system message); (``continue_final_message``) the template does not keep the final
+                message as sent, so it cannot be left open; (``chat_template_kwargs``) a name the renderer itself
+                takes (``messages``, ``tokenize``, ...), or values the template cannot use.
         """
         if not self.tokenizer.chat_template:
             raise InvalidRequestError(f"the model {self.config.model!r} has no chat template (its tokenizer "
                                       "defines none): send a raw prompt to /v1/completions", param="prompt")
+        if reserved := sorted(set(options.template_kwargs) & _renderer_args(type(self.tokenizer))):
+            raise InvalidRequestError(f"{reserved} are the chat renderer's own arguments, not template variables",
+                                      param="chat_template_kwargs")
+        render = dict(options.template_kwargs, add_generation_prompt=options.add_generation_prompt,
+                      continue_final_message=options.continue_final_message)
         try:
             if add_special_tokens:
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                          tokenize=False)
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, **render)
                 return self.encode(text, add_special_tokens=True)
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                           return_dict=False))
+            return list(self.tokenizer.apply_chat_template(messages, return_dict=False, **render))
         except jinja2.TemplateError as err:
             raise InvalidRequestError(f"the model's chat template refuses these messages: {err}",
                                       param="prompt") from None
+        except ValueError as err:  # Hugging Face's: the final message is not in the rendered text as sent
+            if not options.continue_final_message:
+                raise
+            raise InvalidRequestError("the model's chat template does not keep the final message as sent, so it "
+                                      "cannot be continued", param="continue_final_message") from err
+        except TypeError as err:  # a template variable of a type the template cannot use
+            if not options.template_kwargs:
+                raise
+            raise InvalidRequestError(f"the chat template cannot use these variables: {err}",
+                                      param="chat_template_kwargs") from err
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of a text; ``add_special_tokens``: with the tokenizer's own special tokens (a Llama tokenizer's

@@ -28,7 +28,8 @@ import torch
 from app.engine.contract import Engine
 from app.engine.detokenizer import IncrementalDetokenizer
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError, UnknownRequestError
-from app.engine.types import DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput, TokenLogprob
+from app.engine.types import (ChatTemplateOptions, DraftBlock, FinishReason, NewRequest, SamplingParams, StepOutput,
+                              TokenLogprob)
 
 MOCK_FEATURE_DIM = 4
 
@@ -116,9 +117,9 @@ class MockEngine(Engine):
         return request_id in self._requests
 
     def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False,
-                    add_generation_prompt: bool = True) -> list[int]:
-        """The messages' characters, then token 1 for the generation prompt."""
-        return self.encode("".join(m["content"] for m in messages)) + [1] * add_generation_prompt
+                    options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
+        """The messages' characters, then token 1 for the generation prompt (template variables are ignored)."""
+        return self.encode("".join(m["content"] for m in messages)) + [1] * options.add_generation_prompt
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """One token per character (the mock tokenizer has no special tokens to add)."""

@@ -47,6 +47,31 @@ MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How the model's chat template renders a chat (vLLM's chat request fields of the same names).
+
+    Attributes:
+        add_generation_prompt: end with the header that opens the assistant's turn (a chat request's default).
+        continue_final_message: leave the final message open, without its end-of-turn tokens, so the model continues
+            it (a reply the client started); excludes ``add_generation_prompt``.
+        template_kwargs: more variables for the template (``chat_template_kwargs``: Qwen3's ``enable_thinking``, for
+            one), JSON values by name.
+
+    Raises:
+        InvalidRequestError: both ``add_generation_prompt`` and ``continue_final_message``.
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError("continue_final_message leaves the final message open: it excludes "
+                                      "add_generation_prompt (set that to false)", param="continue_final_message")
+
+
+@dataclass(frozen=True)
 class GuidedDecoding:
     """Structured output a request must follow (OpenAI's ``response_format``, vLLM's ``structured_outputs``).
 

@@ -36,6 +36,7 @@ from ray.serve.exceptions import BackPressureError, RequestCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from app.engine.types import ChatTemplateOptions
 from app.serving.config import AppConfig
 from app.serving.metrics import prometheus_text
 from app.serving.openai_api import (
@@ -232,7 +233,7 @@ class Ingress:
         chat = req.messages is not None
         call = TokenizeCall(prompt=req.prompt, messages=req.chat_messages(), token_strs=req.return_token_strs,
                             add_special_tokens=not chat if req.add_special_tokens is None else req.add_special_tokens,
-                            add_generation_prompt=req.add_generation_prompt is not False)
+                            template=req.template_options())
         answer = await self._tokenizer_call("/tokenize", lambda: self.target.tokenize.remote(call))
         if isinstance(answer, ErrorItem):
             return error_response(answer, self.config.retry_after_s)
@@ -374,6 +375,7 @@ class Ingress:
         n = req.num_choices
         prompts = [None] if chat else req.prompts
         messages = req.chat_messages() if chat else None
+        template = req.template_options() if chat else ChatTemplateOptions()
         out = []
         for i, prompt in enumerate(prompts):
             for j in range(n):
@@ -382,7 +384,8 @@ class Ingress:
                 echo = not chat and bool(req.echo)
                 as_sent = isinstance(prompt, str) and req.truncate_prompt_tokens is None  # else the prompt's tokens
                 out.append((index, GenerateRequest(request_id=rid, params=req.params(j), messages=messages,
-                                                   prompt=prompt, max_tokens_param=req.max_tokens_param,
+                                                   template=template, prompt=prompt,
+                                                   max_tokens_param=req.max_tokens_param,
                                                    max_tokens_default=req.max_tokens_default,
                                                    echo_ids=echo and not as_sent,
                                                    truncate_prompt_tokens=req.truncate_prompt_tokens,

@@ -20,7 +20,7 @@ from typing import Any, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from app.engine.errors import InvalidRequestError
-from app.engine.types import MAX_LOGPROBS, GuidedDecoding, SamplingParams
+from app.engine.types import MAX_LOGPROBS, ChatTemplateOptions, GuidedDecoding, SamplingParams
 from app.serving.protocol import ErrorItem, SpecStats, TokenLogprobText
 
 DEFAULT_MAX_TOKENS = 256  # a chat request's without max_tokens or max_completion_tokens
@@ -188,6 +188,33 @@ class StructuredOutputs(BaseModel):
         return GuidedDecoding("grammar", self.grammar)
 
 
+class _TemplateFields(BaseModel):
+    """vLLM's fields that say how the model's chat template renders the messages (chat requests, ``/tokenize``)."""
+
+    model_config = STRICT
+
+    add_generation_prompt: bool | None = Field(None, description=(
+        "End with the header that opens the assistant's turn; None: true, unless continue_final_message."))
+    continue_final_message: bool = Field(False, description=(
+        "Leave the final message open, without its end-of-turn tokens, so the model continues it (a reply the "
+        "client started)."))
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description=(
+        "More variables for the chat template (Qwen3's enable_thinking, for one)."))
+
+    @model_validator(mode="after")
+    def _template(self) -> "_TemplateFields":
+        self.template_options()
+        return self
+
+    def template_options(self) -> ChatTemplateOptions:
+        """Raises: InvalidRequestError (``ChatTemplateOptions``: both add_generation_prompt and
+        continue_final_message)."""
+        generation = self.add_generation_prompt
+        return ChatTemplateOptions(add_generation_prompt=not self.continue_final_message if generation is None
+                                   else generation, continue_final_message=self.continue_final_message,
+                                   template_kwargs=dict(self.chat_template_kwargs or {}))
+
+
 class _Common(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -339,7 +366,7 @@ class _Common(BaseModel):
         )
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(_Common, _TemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     add_special_tokens: bool = Field(False, description=(
         "Extension (vLLM's): also add the tokenizer's special tokens (a Llama tokenizer's BOS) to the chat "
@@ -528,7 +555,7 @@ class CompletionRequest(_Common):
         return self.logprobs if self.echo else None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_TemplateFields):
     """vLLM's ``POST /tokenize`` body: a text ``prompt`` or chat ``messages`` (one of them), tokenized as
     ``/v1/completions`` or ``/v1/chat/completions`` tokenizes it."""
 
@@ -540,7 +567,6 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool | None = Field(None, description=(
         "The tokenizer's own special tokens (a Llama tokenizer's BOS); None: the endpoint's default, true for a "
         "prompt, false for messages (their template writes them)."))
-    add_generation_prompt: bool | None = Field(None, description="Messages only; None: true (as a chat request).")
     return_token_strs: bool = Field(False, description="Also each token's vocabulary string.")
 
     @field_validator("prompt")
@@ -553,8 +579,10 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("send either prompt (a text) or messages (a chat)",
                                       param="messages" if self.messages is not None else "prompt")
-        if self.prompt is not None and self.add_generation_prompt is not None:
-            raise InvalidRequestError("add_generation_prompt applies to messages only", param="add_generation_prompt")
+        if self.prompt is not None:
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+                if name in self.model_fields_set:
+                    raise InvalidRequestError(f"{name} applies to messages only", param=name)
         return self
 
     def chat_messages(self) -> list[dict[str, str]] | None:

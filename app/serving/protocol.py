@@ -14,7 +14,7 @@ import bisect
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from app.engine.types import DRAFT_TOP_K, SamplingParams, StepOutput, accepted_length
+from app.engine.types import DRAFT_TOP_K, ChatTemplateOptions, SamplingParams, StepOutput, accepted_length
 
 if TYPE_CHECKING:  # the drafter call's own types (app/loop.py) need torch; the ingress reads this module without it
     from app.loop import DraftCall, DraftRound
@@ -42,6 +42,7 @@ class GenerateRequest:
     request_id: str
     params: SamplingParams
     messages: list[dict[str, str]] | None = None
+    template: ChatTemplateOptions = ChatTemplateOptions()  # how the chat template renders ``messages``
     prompt: str | list[int] | None = None
     # a prompt the response echoes as the model takes it (token ids, or a truncated prompt): its first chunk brings
     # the prompt's text (TextChunk.prompt_text)
@@ -286,7 +287,7 @@ class TokenizeCall:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     add_special_tokens: bool = False  # GenerateRequest.add_special_tokens
-    add_generation_prompt: bool = True  # messages only
+    template: ChatTemplateOptions = ChatTemplateOptions()  # messages only
     token_strs: bool = False  # also each token's vocabulary string
 
 

@@ -40,7 +40,7 @@ from app.drafters.lookup import PromptLookup, read_lookup_rates
 from app.engine.contract import Engine
 from app.engine.detokenizer import IncrementalDetokenizer, TokenBytes, TokenTexts
 from app.engine.errors import CapacityError, ContextLengthError, InvalidRequestError
-from app.engine.types import FinishReason, NewRequest, StepOutput, TokenLogprob
+from app.engine.types import ChatTemplateOptions, FinishReason, NewRequest, StepOutput, TokenLogprob
 from app.loop import DraftCall, DraftRound, RequestResult, Round, SpecLoop
 from app.scheduling.guard import SpeculationGuard
 from app.scheduling.policies import make_policy
@@ -366,7 +366,7 @@ class TargetReplica:
 
     def _tokenize(self, call: TokenizeCall) -> tuple[list[int], list[str] | None]:
         ids = self._prompt_ids(call.prompt, call.messages, add_special_tokens=call.add_special_tokens,
-                               add_generation_prompt=call.add_generation_prompt)
+                               template=call.template)
         return ids, self.engine.tokenizer.convert_ids_to_tokens(ids) if call.token_strs else None
 
     async def detokenize(self, ids: list[int]) -> str | ErrorItem:
@@ -385,16 +385,16 @@ class TargetReplica:
                                       param=param)
 
     def _prompt_ids(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None, *,
-                    add_special_tokens: bool, add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of chat ``messages`` through the template, a text prompt, or token ids as sent (checked
-        against the vocabulary).
+                    add_special_tokens: bool, template: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
+        """The token ids of chat ``messages`` through the template (rendered as ``template`` says), a text prompt, or
+        token ids as sent (checked against the vocabulary).
 
         Raises:
-            InvalidRequestError: the chat template refuses the messages; a token id outside the vocabulary.
+            InvalidRequestError: the chat template refuses the messages or ``template``; a token id outside the
+                vocabulary.
         """
         if messages is not None:
-            return self.engine.encode_chat(messages, add_special_tokens=add_special_tokens,
-                                           add_generation_prompt=add_generation_prompt)
+            return self.engine.encode_chat(messages, add_special_tokens=add_special_tokens, options=template)
         if isinstance(prompt, list):
             self._check_vocabulary(prompt, "prompt")
             return list(prompt)
@@ -412,7 +412,8 @@ class TargetReplica:
                 max_tokens; ContextLengthError: the request does not fit (answered before it is queued: in an
                 admission batch it would fail the batched prefill of the others).
         """
-        ids = self._prompt_ids(request.prompt, request.messages, add_special_tokens=request.add_special_tokens)
+        ids = self._prompt_ids(request.prompt, request.messages, add_special_tokens=request.add_special_tokens,
+                               template=request.template)
         if (keep := request.truncate_prompt_tokens) is not None:
             keep = self.config.max_model_len if keep == -1 else keep
             if keep > self.config.max_model_len:

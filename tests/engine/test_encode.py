@@ -18,3 +18,38 @@ def test_the_tokenizer_s_special_tokens_are_added_on_request_only(engine, monkey
     assert engine.encode("Hello world", add_special_tokens=True) == [bos] + plain
     messages = [{"role": "user", "content": "hi"}]
     assert engine.encode_chat(messages, add_special_tokens=True) == [bos] + engine.encode_chat(messages)
+
+
+def test_chat_template_options_render_as_vllm_s_fields_say(engine, monkeypatch):
+    """``ChatTemplateOptions``: no generation prompt; the final message left open (a reply the client started, which
+    the model continues); template variables reach the template; the renderer's own argument names and a template
+    that drops the final message are 400s naming the field."""
+    import pytest
+
+    from app.engine.errors import InvalidRequestError
+    from app.engine.types import ChatTemplateOptions
+
+    user = [{"role": "user", "content": "Say hi"}]
+    started = user + [{"role": "assistant", "content": "Hello, I am"}]
+    text = engine.tokenizer.decode
+    assert text(engine.encode_chat(user)).endswith("Say hi<|im_end|>\n<|im_start|>assistant\n")
+    assert text(engine.encode_chat(user, options=ChatTemplateOptions(add_generation_prompt=False))).endswith(
+        "Say hi<|im_end|>\n")
+    opened = engine.encode_chat(started, options=ChatTemplateOptions(False, continue_final_message=True))
+    assert text(opened).endswith("<|im_start|>assistant\nHello, I am")
+    with pytest.raises(InvalidRequestError, match="continue_final_message"):
+        ChatTemplateOptions(continue_final_message=True)  # the generation prompt too
+    monkeypatch.setattr(engine.tokenizer, "chat_template", engine.tokenizer.chat_template.replace(
+        "{% for message in messages %}", "{% if shout %}LOUD {% endif %}{% for message in messages %}"))
+    assert text(engine.encode_chat(user, options=ChatTemplateOptions(template_kwargs={"shout": True}))).startswith(
+        "LOUD ")
+    assert engine.encode_chat(user, options=ChatTemplateOptions(template_kwargs={"unused": 1})) == \
+        engine.encode_chat(user)
+    for reserved in ("messages", "tokenize", "tools"):
+        with pytest.raises(InvalidRequestError) as err:
+            engine.encode_chat(user, options=ChatTemplateOptions(template_kwargs={reserved: []}))
+        assert err.value.param == "chat_template_kwargs" and reserved in str(err.value)
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "{% for m in messages %}{{ m['role'] }}\n{% endfor %}")
+    with pytest.raises(InvalidRequestError) as err:  # a template that leaves the content out
+        engine.encode_chat(started, options=ChatTemplateOptions(False, continue_final_message=True))
+    assert err.value.param == "continue_final_message"

@@ -656,12 +656,16 @@ def test_tokenize_and_detokenize_as_vllm_offers_them(client, url):
     assert chat_ids["count"] == used == 3 and chat_ids["token_strs"] is None
     bare = post("tokenize", {"messages": messages, "add_generation_prompt": False}).json()
     assert bare["tokens"] == chat_ids["tokens"][:-1]  # the mock's generation prompt is one token
+    assert post("tokenize", {"messages": messages, "continue_final_message": True}).json()["tokens"] == bare["tokens"]
     assert post("detokenize", {"model": MODEL, "tokens": text["tokens"]}).json() == \
         {"prompt": "".join(token_text(ord(c)) for c in "abc")}
     for route, body, status, param in (
             ("tokenize", {"prompt": "a", "messages": messages}, 400, "messages"),
             ("tokenize", {}, 400, "prompt"),
             ("tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt"),
+            ("tokenize", {"prompt": "a", "chat_template_kwargs": {"x": 1}}, 400, "chat_template_kwargs"),
+            ("tokenize", {"messages": messages, "continue_final_message": True, "add_generation_prompt": True}, 400,
+             "continue_final_message"),
             ("tokenize", {"prompt": "a", "chat_template": "x"}, 400, "chat_template"),
             ("tokenize", {"prompt": "a", "model": "other"}, 404, "model"),
             ("detokenize", {"tokens": [VOCAB]}, 400, "tokens"),
@@ -691,6 +695,21 @@ def test_client_token_id_prompts_decode_as_their_text_and_echo_it(client, url):
                    headers=AUTH, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     assert f"token id {VOCAB} is outside the vocabulary" in r.json()["error"]["message"]
+
+
+def test_a_chat_can_continue_its_final_message(client):
+    """vLLM's ``continue_final_message``: the prompt ends inside the final message (no generation prompt), so the
+    model continues the reply the client started; with ``add_generation_prompt`` too it is a 400 naming it."""
+    started = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ab"}]
+    whole = client.chat.completions.create(model=MODEL, messages=started, max_tokens=3, temperature=0)
+    opened = client.chat.completions.create(model=MODEL, messages=started, max_tokens=3, temperature=0,
+                                            extra_body={"continue_final_message": True})
+    assert opened.usage.prompt_tokens == whole.usage.prompt_tokens - 1  # the mock's generation prompt: one token
+    assert opened.choices[0].message.content == "".join(token_text(t) for t in _mock_answer(ord("b"), 3))
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=started, max_tokens=3, extra_body={
+            "continue_final_message": True, "add_generation_prompt": True})
+    assert err.value.body["param"] == "continue_final_message"
 
 
 def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(client):

@@ -238,6 +238,14 @@ def test_tokenize_gives_the_ids_the_model_is_prompted_with(url, engine):
     assert ids["token_strs"] == engine.tokenizer.convert_ids_to_tokens(ids["tokens"])
     back = httpx.post(f"{url}/detokenize", json={"tokens": chat_ids["tokens"]}, timeout=60).json()["prompt"]
     assert back == engine.tokenizer.decode(chat_ids["tokens"]) and back.startswith("<|im_start|>")
+    # a reply the client started, left open for the model to continue (vLLM's continue_final_message)
+    started = messages + [{"role": "assistant", "content": "One large city in Africa is"}]
+    opened = httpx.post(f"{url}/tokenize", json={"messages": started, "continue_final_message": True,
+                                                 "chat_template_kwargs": {"unused": 1}}, timeout=60).json()
+    assert engine.tokenizer.decode(opened["tokens"]).endswith("<|im_start|>assistant\nOne large city in Africa is")
+    reserved = httpx.post(f"{url}/tokenize", json={"messages": messages, "chat_template_kwargs": {"tokenize": False}},
+                          timeout=60)
+    assert (reserved.status_code, reserved.json()["error"]["param"]) == (400, "chat_template_kwargs")
 
 
 @pytest.mark.slow

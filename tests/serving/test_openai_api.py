@@ -9,7 +9,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from app.engine.types import GuidedDecoding
+from app.engine.types import ChatTemplateOptions, GuidedDecoding
 from app.serving.config import AppConfig
 from app.serving.ingress import admission_limit, json_too_deep
 from prometheus_client.parser import text_string_to_metric_families
@@ -118,6 +118,10 @@ REFUSED = [  # request -> the field the 400 must name
      "structured_outputs"),
     ({"prompt": "a", "response_format": {"type": "xml"}}, "response_format.type"),
     ({"prompt": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ({"prompt": "a", "continue_final_message": True}, "continue_final_message"),
+    ({"prompt": "a", "chat_template_kwargs": {}}, "chat_template_kwargs"),
+    ({"messages": MESSAGES, "chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
     ({"messages": MESSAGES, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"messages": MESSAGES, "truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
     ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # vLLM's rule: not streamed
@@ -326,3 +330,14 @@ def test_chat_logprobs_bytes_rebuild_text_split_inside_characters():
     assert any(item["token"] == "\ufffd" for item in content)
     assert bytes(b for item in content for b in item["bytes"]) == text.encode()
     assert all(item["top_logprobs"][0]["bytes"] == item["bytes"] for item in content)
+
+
+def test_chat_template_fields_give_the_template_options():
+    """vLLM's chat fields: the generation prompt unless the final message is continued; template variables as sent."""
+    def options(**fields):
+        return ChatCompletionRequest.model_validate({"model": "m", "messages": MESSAGES, **fields}).template_options()
+
+    assert options() == ChatTemplateOptions()
+    assert options(continue_final_message=True) == ChatTemplateOptions(False, True)
+    assert options(add_generation_prompt=False) == ChatTemplateOptions(False)
+    assert options(chat_template_kwargs={"enable_thinking": False}).template_kwargs == {"enable_thinking": False}

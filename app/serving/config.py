@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from app.engine.config import EngineConfig
+from app.serving.reasoning import ReasoningParserName
 from autoscale.config import SLOAutoscalingConfig
 
 log = logging.getLogger("ray.serve")
@@ -68,6 +69,11 @@ class AppConfig(BaseModel):
     served_model_name: str = Field(
         "smollm2-135m", min_length=1, description="Name clients pass as `model`; anything else answers 404. Unset: "
         "`engine.model` as written (vLLM's default)."
+    )
+    reasoning_parser: ReasoningParserName | None = Field(
+        None, description="vLLM's `--reasoning-parser`: a reasoning model's `<think>` ... `</think>` text apart from "
+        "its answer in chat responses (`message.reasoning`, streamed `delta.reasoning`): `deepseek_r1` or `qwen3` "
+        "(app/serving/reasoning.py). Unset: the text as the model wrote it."
     )
     mock_engine: bool = Field(
         False, description="Replace the TargetEngine by a deterministic weight-free engine (tests; `engine` unused)."

@@ -45,6 +45,7 @@ from app.serving.openai_api import (
     vllm_prompt_logprobs,
 )
 from app.serving.protocol import DRAINING, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenizeCall, openai_param
+from app.serving.reasoning import ReasoningParser
 
 log = logging.getLogger("ray.serve")
 
@@ -522,9 +523,12 @@ class Ingress:
             if c.chunks[0].logprobs is not None:
                 logprobs = chat_logprobs(entries) if chat else completion_logprobs(
                     entries, offset=len(c.echo), prompt=echoed_prompt(c.chunks[0].prompt_logprobs, req.echoed_logprobs))
-            choices.append(choice_body(chat=chat, index=c.index, text=c.echo + "".join(x.text for x in c.chunks),
-                                       finish_reason=c.chunks[-1].finish_reason, logprobs=logprobs,
-                                       stop_reason=c.chunks[-1].stop_reason))
+            text, reasoning = c.echo + "".join(x.text for x in c.chunks), None
+            if chat and self.config.reasoning_parser is not None:
+                reasoning, text = ReasoningParser(self.config.reasoning_parser).split(text)
+                reasoning = reasoning if req.include_reasoning else None
+            choices.append(choice_body(chat=chat, index=c.index, text=text, finish_reason=c.chunks[-1].finish_reason,
+                                       logprobs=logprobs, stop_reason=c.chunks[-1].stop_reason, reasoning=reasoning))
             if not chat and req.prompt_logprobs is not None:  # vLLM's: per choice, a chat's for the whole response
                 choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(c.chunks[0].prompt_logprobs, req.prompt_logprobs)
         token_ids = [t for chunk in flight.choices[0].chunks for t in chunk.token_ids]
@@ -583,6 +587,8 @@ class Ingress:
 
         tasks = [asyncio.create_task(pump(c)) for c in flight.choices]
         offsets = {c.index: 0 for c in flight.choices}  # characters sent per choice (completions' text_offset)
+        parser = self.config.reasoning_parser if chat else None
+        splits = {c.index: ReasoningParser(parser).stream() for c in flight.choices} if parser is not None else {}
         completion_tokens, remaining = 0, len(flight.choices)
         try:
             if chat:
@@ -601,8 +607,15 @@ class Ingress:
                 if chunk is choice.first and choice.echo:
                     text = choice.echo + text
                     offsets[choice.index] = len(choice.echo)
-                if text or chunk.logprobs:
-                    yield event(chunk_body(chat=chat, request_id=request_id, created=created, model=model, text=text,
+                reasoning = None
+                if (split := splits.get(choice.index)) is not None:  # a chat's reasoning apart from its answer
+                    reasoning, text = split.feed(text)
+                    if chunk.finish_reason is not None:
+                        reasoning, text = (x + y for x, y in zip((reasoning, text), split.finish()))
+                    reasoning = reasoning if req.include_reasoning else ""
+                if text or reasoning or chunk.logprobs:
+                    yield event(chunk_body(chat=chat, request_id=request_id, created=created, model=model,
+                                           text=None if reasoning and not text else text, reasoning=reasoning or None,
                                            index=choice.index, logprobs=logprobs(chunk, offsets[choice.index])))
                     offsets[choice.index] += len(chunk.text)
                 if chunk.finish_reason is not None:

@@ -372,6 +372,8 @@ class ChatCompletionRequest(_Common, _TemplateFields):
         "Extension (vLLM's): also add the tokenizer's special tokens (a Llama tokenizer's BOS) to the chat "
         "template's text, which usually writes them itself."))
     max_completion_tokens: int | None = Field(None, ge=1)
+    include_reasoning: bool = Field(True, description=(
+        "Extension (vLLM's): with a reasoning parser, false leaves the reasoning out of the response."))
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # harmless by nature: they label, store, cache or bill the request, never change its tokens
@@ -714,13 +716,14 @@ def completion_body(
     return body
 
 
-def choice_body(*, chat: bool, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
-                stop_reason: str | int | None = None) -> dict:
+def choice_body(*, chat: bool, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
+                stop_reason: str | int | None = None, reasoning: str | None = None) -> dict:
     """One choice of a non-streamed response; ``stop_reason`` is vLLM's: the stop string or stop token id that ended
-    the choice (None for EOS or ``length``)."""
+    the choice (None for EOS or ``length``); a chat message's ``reasoning`` is vLLM's (``app/serving/reasoning.py``:
+    None without a reasoning parser)."""
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason, "stop_reason": stop_reason}
+        return {"index": index, "message": {"role": "assistant", "content": text, "reasoning": reasoning},
+                "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
@@ -728,12 +731,15 @@ def choice_body(*, chat: bool, index: int, text: str, finish_reason: str | None,
 def chunk_body(
     *, chat: bool, request_id: str, created: int, model: str, text: str | None, index: int = 0,
     finish_reason: str | None = None, role: bool = False, logprobs: dict | None = None,
-    stop_reason: str | int | None = None,
+    stop_reason: str | int | None = None, reasoning: str | None = None,
 ) -> dict:
     """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice ``index``; ``created`` (Unix
-    seconds) is the stream's, the same in every chunk; ``stop_reason`` as in ``choice_body`` (on the last chunk)."""
+    seconds) is the stream's, the same in every chunk; ``stop_reason`` as in ``choice_body`` (on the last chunk); a
+    chat delta has ``reasoning`` (vLLM's) when given."""
     if chat:
         delta: dict = {"role": "assistant"} if role else {}
+        if reasoning is not None:
+            delta["reasoning"] = reasoning
         if text is not None:
             delta["content"] = text
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

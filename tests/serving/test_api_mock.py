@@ -75,7 +75,7 @@ def test_chat_non_streaming_schema_usage_and_stats(url):
     body = r.json()
     assert body["object"] == "chat.completion" and body["model"] == MODEL
     choice = body["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": expected_text("hi", 20)}
+    assert choice["message"] == {"role": "assistant", "content": expected_text("hi", 20), "reasoning": None}
     assert choice["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 20, "total_tokens": 23,
                              "prompt_tokens_details": {"cached_tokens": 0}}

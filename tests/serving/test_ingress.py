@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 from ray.exceptions import ActorDiedError
@@ -128,3 +129,52 @@ def test_tokenize_calls_have_their_own_limit_beside_the_generate_admission_limit
     refused = [a for a in answers if not isinstance(a, tuple)]
     assert len(refused) == 1 and (refused[0].status, refused[0].code) == (503, "overloaded")
     assert answers.count(([1, 2], None)) == TOKENIZE_LIMIT and ingress._tokenizing == 0
+
+
+class _Chunks:
+    """A target stream that yields ``chunks`` (after the first chunk, which the flight holds)."""
+
+    def __init__(self, chunks: list[TextChunk]) -> None:
+        self._chunks = iter(chunks)
+
+    async def __anext__(self) -> TextChunk:
+        return next(self._chunks)
+
+    def cancel(self) -> None:
+        pass
+
+
+def _answer(ingress: Ingress, texts: list[str]) -> _InFlight:
+    """One choice whose chunks carry ``texts``, the last one finishing it."""
+    chunks = [TextChunk(text=t, token_ids=[i], prompt_tokens=3) for i, t in enumerate(texts)]
+    chunks[-1] = dataclasses.replace(chunks[-1], finish_reason="stop")
+    flight = _InFlight(ingress, 1)
+    flight.choices.append(_Choice(index=0, stream=_Chunks(chunks[1:]), first=chunks[0]))
+    return flight
+
+
+def test_a_reasoning_parser_gives_the_thinking_apart_from_the_answer_streamed_and_not():
+    """vLLM's ``reasoning``: with a parser set, a chat's ``<think>`` text is ``message.reasoning`` (streamed:
+    ``delta.reasoning``, tags split between chunks included) and the rest its content; ``include_reasoning: false``
+    leaves it out; without a parser the text is the content as written."""
+    from app.serving.openai_api import ChatCompletionRequest
+
+    texts = ["<thi", "nk>Two and", " three</th", "ink>\n\nFive", "."]
+
+    async def streamed(ingress: Ingress, req) -> list[dict]:
+        events = [e async for e in ingress._sse(_answer(ingress, texts), chat=True, request_id="r", req=req)]
+        return [json.loads(e[6:])["choices"][0]["delta"] for e in events if e.startswith("data: {")]
+
+    for parser, include, reasoning, content in (("qwen3", True, "Two and three", "\n\nFive."),
+                                                ("deepseek_r1", False, None, "\n\nFive."),
+                                                (None, True, None, "".join(texts))):
+        ingress = Ingress(AppConfig(mock_engine=True, drafter="mock", reasoning_parser=parser), target=None,
+                          router=None)
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "2+3?"}],
+                                                    "include_reasoning": include})
+        body = asyncio.run(ingress._body(_answer(ingress, texts), chat=True, request_id="r", req=req))
+        message = body["choices"][0]["message"]
+        assert (message["reasoning"], message["content"]) == (reasoning, content), parser
+        deltas = asyncio.run(streamed(ingress, req))
+        assert "".join(d.get("reasoning", "") for d in deltas) == (reasoning or ""), parser
+        assert "".join(d.get("content") or "" for d in deltas) == content, parser

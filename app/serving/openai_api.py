@@ -77,19 +77,38 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """A message; ``content`` is a string or a list of text parts (joined with a newline, as vLLM does)."""
+    """A message; ``content`` is a string or a list of text parts (joined with a newline, as vLLM does); an earlier
+    assistant turn may come back as a response gave it: ``content`` null, its ``reasoning`` (vLLM's field, or its
+    older name ``reasoning_content``), which the chat template receives as ``reasoning_content``."""
 
     model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     # what an SDK sends back with an earlier assistant turn; only their empty values are accepted
     refusal: str | None = None
     tool_calls: list | None = None
 
+    @model_validator(mode="after")
+    def _assistant_fields(self) -> "ChatMessage":
+        if self.role != "assistant" and self.content is None:
+            raise ValueError("content may be null in assistant messages only")
+        if self.role != "assistant" and (self.reasoning is not None or self.reasoning_content is not None):
+            raise ValueError("reasoning is for assistant messages only")
+        return self
+
+    @field_validator("reasoning", "reasoning_content")
+    @classmethod
+    def _reasoning_text(cls, value: str | None, info) -> str | None:
+        return value if value is None else _text(value, info.field_name)
+
     @field_validator("content")
     @classmethod
-    def _text_only(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    def _text_only(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if value is None:
+            return value
         if isinstance(value, list):
             for i, part in enumerate(value):
                 kind = part.get("type")
@@ -109,12 +128,19 @@ class ChatMessage(BaseModel):
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "\n".join(p["text"] for p in self.content)
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as the chat template takes it: role, text and any reasoning."""
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        return {"role": self.role, "content": self.text} | ({} if reasoning is None else {"reasoning": reasoning})
 
 
 def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them: role and text."""
-    return [{"role": m.role, "content": m.text} for m in messages]
+    """Messages as the chat template takes them (``ChatMessage.template_dict``)."""
+    return [m.template_dict() for m in messages]
 
 
 class StreamOptions(BaseModel):

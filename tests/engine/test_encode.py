@@ -45,6 +45,8 @@ def test_chat_template_options_render_as_vllm_s_fields_say(engine, monkeypatch):
         "LOUD ")
     assert engine.encode_chat(user, options=ChatTemplateOptions(template_kwargs={"unused": 1})) == \
         engine.encode_chat(user)
+    reasoned = [*user, {"role": "assistant", "content": "Hi", "reasoning": "a greeting"}, *user]
+    assert engine.encode_chat(reasoned) == engine.encode_chat([*user, {"role": "assistant", "content": "Hi"}, *user])
     for reserved in ("messages", "tokenize", "tools"):
         with pytest.raises(InvalidRequestError) as err:
             engine.encode_chat(user, options=ChatTemplateOptions(template_kwargs={reserved: []}))

@@ -341,3 +341,20 @@ def test_chat_template_fields_give_the_template_options():
     assert options(continue_final_message=True) == ChatTemplateOptions(False, True)
     assert options(add_generation_prompt=False) == ChatTemplateOptions(False)
     assert options(chat_template_kwargs={"enable_thinking": False}).template_kwargs == {"enable_thinking": False}
+
+
+def test_an_assistant_turn_comes_back_as_a_response_gave_it():
+    """An earlier assistant message with ``content`` null and its ``reasoning`` (vLLM's field or older name) is
+    accepted and reaches the template as ``reasoning``, which Hugging Face's renderer gives templates as
+    ``reasoning_content``; on other roles they are 400s."""
+    turn = {"role": "assistant", "content": None, "reasoning": "2 + 3 = 5", "refusal": None}
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [*MESSAGES, turn, *MESSAGES]})
+    assert req.chat_messages()[1] == {"role": "assistant", "content": "", "reasoning": "2 + 3 = 5"}
+    old = {"role": "assistant", "content": "5", "reasoning_content": "adding"}
+    assert ChatCompletionRequest.model_validate({"model": "m", "messages": [*MESSAGES, old]}).chat_messages()[1] == \
+        {"role": "assistant", "content": "5", "reasoning": "adding"}
+    for bad in ({"role": "user", "content": None}, {"role": "user", "content": "x", "reasoning": "y"}):
+        with pytest.raises(ValidationError) as err:
+            ChatCompletionRequest.model_validate({"model": "m", "messages": [bad]})
+        item = validation_error(err.value)
+        assert item.status == 400 and item.param.startswith("messages.0"), item

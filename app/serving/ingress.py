@@ -521,8 +521,10 @@ class Ingress:
             entries = [e for chunk in c.chunks for e in chunk.logprobs or ()]
             logprobs = None
             if c.chunks[0].logprobs is not None:
-                logprobs = chat_logprobs(entries) if chat else completion_logprobs(
-                    entries, offset=len(c.echo), prompt=echoed_prompt(c.chunks[0].prompt_logprobs, req.echoed_logprobs))
+                by_id = req.return_tokens_as_token_ids
+                logprobs = chat_logprobs(entries, token_ids=by_id) if chat else completion_logprobs(
+                    entries, offset=len(c.echo), prompt=echoed_prompt(c.chunks[0].prompt_logprobs, req.echoed_logprobs),
+                    token_ids=by_id)
             text, reasoning = c.echo + "".join(x.text for x in c.chunks), None
             if chat and self.config.reasoning_parser is not None:
                 reasoning, text = ReasoningParser(self.config.reasoning_parser).split(text)
@@ -581,9 +583,10 @@ class Ingress:
             if chunk.logprobs is None:
                 return None
             if chat:
-                return chat_logprobs(chunk.logprobs)
+                return chat_logprobs(chunk.logprobs, token_ids=req.return_tokens_as_token_ids)
             return completion_logprobs(chunk.logprobs, offset,
-                                       prompt=echoed_prompt(chunk.prompt_logprobs, req.echoed_logprobs))
+                                       prompt=echoed_prompt(chunk.prompt_logprobs, req.echoed_logprobs),
+                                       token_ids=req.return_tokens_as_token_ids)
 
         tasks = [asyncio.create_task(pump(c)) for c in flight.choices]
         offsets = {c.index: 0 for c in flight.choices}  # characters sent per choice (completions' text_offset)

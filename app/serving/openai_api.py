@@ -273,6 +273,8 @@ class _Common(BaseModel):
     skip_special_tokens: bool = Field(True, description="False: special tokens show as their text.")
     spec_stats: bool = Field(False, description="Extension: add speculative statistics to the response.")
     return_token_ids: bool = Field(False, description="Extension: add the completion's token ids (non-streamed).")
+    return_tokens_as_token_ids: bool = Field(False, description=(
+        "Extension (vLLM's): name each logprobs token \"token_id:<id>\" instead of its text."))
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "Extension: vLLM's structured output (json, json_object, regex, choice or grammar)."))
     truncate_prompt_tokens: int | None = Field(None, description=(
@@ -664,8 +666,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def chat_logprobs(entries: list[TokenLogprobText]) -> dict:
-    """OpenAI's chat ``logprobs`` object: per token its text, logprob, UTF-8 bytes and top alternatives."""
+def tokens_as_ids(entries: Sequence[TokenLogprobText]) -> list[TokenLogprobText]:
+    """vLLM's ``return_tokens_as_token_ids``: each token and alternative named ``"token_id:<id>"`` instead of its text
+    (its bytes those of that name); ``text_len`` stays the characters the token brings to the text."""
+    return [dataclasses.replace(e, token=f"token_id:{e.token_id}", token_bytes=None, top_bytes=None,
+                                top=tuple((f"token_id:{t}", lp) for t, (_, lp) in zip(e.top_ids, e.top, strict=True)))
+            for e in entries]
+
+
+def chat_logprobs(entries: Sequence[TokenLogprobText], *, token_ids: bool = False) -> dict:
+    """OpenAI's chat ``logprobs`` object: per token its text, logprob, UTF-8 bytes and top alternatives
+    (``token_ids``: tokens named by id, ``tokens_as_ids``)."""
+    entries = tokens_as_ids(entries) if token_ids else entries
+
     def item(token: str, logprob: float, raw: bytes | None) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode() if raw is None else raw)}
 
@@ -678,13 +691,14 @@ def chat_logprobs(entries: list[TokenLogprobText]) -> dict:
 
 
 def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int,
-                        prompt: Sequence[TokenLogprobText] = ()) -> dict:
+                        prompt: Sequence[TokenLogprobText] = (), *, token_ids: bool = False) -> dict:
     """OpenAI's completions ``logprobs`` object; ``offset`` is the text offset of the first token (characters), and
     ``text_offset`` indexes the response text (a token inside a UTF-8 character starts where the character does).
     ``top_logprobs`` maps the k alternatives and the chosen token to their logprobs (up to k + 1 entries).
 
     ``prompt``: with ``echo``, the echoed prompt's tokens (``TextChunk.prompt_logprobs``), listed first from text
-    offset 0, the first one's logprob and alternatives null (as OpenAI and vLLM give them)."""
+    offset 0, the first one's logprob and alternatives null (as OpenAI and vLLM give them). ``token_ids``: tokens
+    named by id (``tokens_as_ids``)."""
     def offsets(tokens: Sequence[TokenLogprobText], at: int) -> list[int]:
         out = []
         for e in tokens:
@@ -692,11 +706,12 @@ def completion_logprobs(entries: Sequence[TokenLogprobText], offset: int,
             at += len(e.token) if e.text_len is None else e.text_len
         return out
 
-    every = [*prompt, *entries]
+    text_offset = offsets(prompt, 0) + offsets(entries, offset)
+    every = tokens_as_ids([*prompt, *entries]) if token_ids else [*prompt, *entries]
     return {
         "tokens": [e.token for e in every], "token_logprobs": [e.logprob for e in every],
         "top_logprobs": [None if e.logprob is None else {**dict(e.top), e.token: e.logprob} for e in every],
-        "text_offset": offsets(prompt, 0) + offsets(entries, offset),
+        "text_offset": text_offset,
     }
 
 

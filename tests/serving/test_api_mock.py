@@ -697,6 +697,28 @@ def test_client_token_id_prompts_decode_as_their_text_and_echo_it(client, url):
     assert f"token id {VOCAB} is outside the vocabulary" in r.json()["error"]["message"]
 
 
+def test_logprobs_tokens_can_be_named_by_id(client):
+    """vLLM's ``return_tokens_as_token_ids``: every logprobs token (chat and completions, streamed and not) reads
+    ``token_id:<id>``, the ids the completion has."""
+    extra = {"return_tokens_as_token_ids": True}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={**extra, "return_token_ids": True})
+    ids = chat.model_extra["token_ids"]
+    assert [c.token for c in chat.choices[0].logprobs.content] == [f"token_id:{t}" for t in ids]
+    assert [t.token for t in chat.choices[0].logprobs.content[0].top_logprobs] == [f"token_id:{ids[0]}",
+                                                                                   f"token_id:{ids[0] + 1}"]
+    streamed = [c.token for chunk in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, logprobs=True,
+        stream=True, extra_body=extra) for ch in chunk.choices if ch.logprobs for c in ch.logprobs.content]
+    assert streamed == [f"token_id:{t}" for t in ids]
+    text = client.completions.create(model=MODEL, prompt="ab", max_tokens=3, temperature=0, logprobs=0,
+                                     extra_body=extra).choices[0]
+    answer = _mock_answer(ord("b"), 3)
+    assert text.logprobs.tokens == [f"token_id:{t}" for t in answer]
+    assert text.logprobs.text_offset == [sum(len(token_text(t)) for t in answer[:i]) for i in range(3)]  # the text's
+
+
 def test_a_chat_can_continue_its_final_message(client):
     """vLLM's ``continue_final_message``: the prompt ends inside the final message (no generation prompt), so the
     model continues the reply the client started; with ``add_generation_prompt`` too it is a 400 naming it."""

@@ -3,6 +3,7 @@ logprobs JSON shapes, ``GET /metrics``' text, the JSON depth check and the ingre
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -235,6 +236,15 @@ def test_logprobs_json_shapes():
     split_prompt = [TokenLogprobText("a", None, text_len=1), TokenLogprobText("\ufffd", -1.0, text_len=0),
                     TokenLogprobText("\ufffd", -1.0, text_len=1)]
     assert completion_logprobs(ENTRIES, offset=2, prompt=split_prompt)["text_offset"] == [0, 1, 1, 2, 5]
+    # vLLM's return_tokens_as_token_ids: tokens named by id, their bytes those of the name, offsets still the text's
+    ids = [dataclasses.replace(e, token_id=i, top_ids=tuple(range(10 * i, 10 * i + len(e.top)))) for i, e in
+           enumerate(ENTRIES, start=1)]
+    named = chat_logprobs(ids, token_ids=True)["content"][0]
+    assert (named["token"], named["bytes"]) == ("token_id:1", list(b"token_id:1"))
+    assert [t["token"] for t in named["top_logprobs"]] == ["token_id:10", "token_id:11"]
+    assert completion_logprobs(ids, offset=4, token_ids=True) == {
+        "tokens": ["token_id:1", "token_id:2"], "token_logprobs": [-0.5, -0.25], "text_offset": [4, 7],
+        "top_logprobs": [{"token_id:10": -0.5, "token_id:11": -1.5, "token_id:1": -0.5}, {"token_id:2": -0.25}]}
 
 
 def test_metrics_text_has_vllm_spec_decode_counters():

@@ -388,7 +388,7 @@ class Ingress:
                                                    template=template, prompt=prompt,
                                                    max_tokens_param=req.max_tokens_param,
                                                    max_tokens_default=req.max_tokens_default,
-                                                   echo_ids=echo and not as_sent,
+                                                   echo=("sent" if as_sent else "tokens") if echo else "no",
                                                    truncate_prompt_tokens=req.truncate_prompt_tokens,
                                                    add_special_tokens=req.add_special_tokens,
                                                    guided_param=req.guided_param),

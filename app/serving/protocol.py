@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from app.engine.types import DRAFT_TOP_K, ChatTemplateOptions, SamplingParams, StepOutput, accepted_length
 
@@ -44,9 +44,10 @@ class GenerateRequest:
     messages: list[dict[str, str]] | None = None
     template: ChatTemplateOptions = ChatTemplateOptions()  # how the chat template renders ``messages``
     prompt: str | list[int] | None = None
-    # a prompt the response echoes as the model takes it (token ids, or a truncated prompt): its first chunk brings
-    # the prompt's text (TextChunk.prompt_text)
-    echo_ids: bool = False
+    # completions' echo: the response shows the prompt as sent (a text prompt), or as the model takes it ("tokens": a
+    # token-id or truncated prompt, whose text the first chunk then brings: TextChunk.prompt_text); scored prompt
+    # tokens then carry the characters each brings to the echoed text (TokenLogprobText.text_len)
+    echo: Literal["no", "sent", "tokens"] = "no"
     # vLLM's: keep only the prompt's last k token ids (-1: the context length), after tokenization
     truncate_prompt_tokens: int | None = None
     # a text prompt or chat template's text tokenized with the tokenizer's own special tokens (a Llama tokenizer's

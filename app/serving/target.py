@@ -173,15 +173,17 @@ def _occurrences(text: str, part: str):
 
 
 def prompt_logprob_texts(text: TokenTexts, prompt_ids: list[int], logprobs: list[TokenLogprob | None] | None,
-                         token_bytes: TokenBytes, text_lens: list[int]) -> list[TokenLogprobText] | None:
+                         token_bytes: TokenBytes, text_lens: list[int] | None) -> list[TokenLogprobText] | None:
     """``StepOutput.prompt_logprobs`` as ``logprob_texts`` gives an output's, each entry with the characters of the
-    prompt's text its token brings (``text_lens``, from ``prompt_text``); the first prompt token (None there) with
-    its text and a logprob of None."""
+    echoed prompt's text its token brings (``text_lens``, from ``prompt_text``; None: not echoed, no ``text_len``);
+    the first prompt token (None there) with its text and a logprob of None."""
     if logprobs is None:
         return None
     first = TokenLogprobText(text(prompt_ids[0]), None, token_bytes=token_bytes(prompt_ids[0]),
                              token_id=prompt_ids[0])
     entries = [first] + logprob_texts(text, logprobs[1:], token_bytes)
+    if text_lens is None:
+        return entries
     return [replace(entry, text_len=chars) for entry, chars in zip(entries, text_lens, strict=True)]
 
 
@@ -747,10 +749,10 @@ class TargetReplica:
             logprobs = [replace(entry, text_len=chars)
                         for entry, chars in zip(stream.unreleased_logprobs[:n], out.text_lens, strict=True)]
             stream.unreleased_logprobs = stream.unreleased_logprobs[n:]
-        echo_text, echo_lens = None, []
-        if first and (stream.request.echo_ids or out.prompt_logprobs is not None):
+        echo, echo_text, echo_lens = stream.request.echo, None, None
+        if first and echo != "no":
             echo_text, echo_lens = prompt_text(self.engine.tokenizer, stream.prompt_ids)
-            if isinstance(stream.request.prompt, str) and not stream.request.echo_ids:  # echoed as sent
+            if echo == "sent":
                 echo_lens = lens_within(echo_text, echo_lens, stream.request.prompt)
         chunk = TextChunk(
             text=out.text, token_ids=token_ids, prompt_tokens=len(stream.prompt_ids),
@@ -758,7 +760,7 @@ class TargetReplica:
             spec=spec if out.finished else None, logprobs=logprobs, cached_tokens=out.num_cached_tokens,
             prompt_logprobs=prompt_logprob_texts(self._token_texts, stream.prompt_ids, out.prompt_logprobs,
                                                  self._token_bytes, echo_lens),
-            prompt_text=echo_text if stream.request.echo_ids else None,
+            prompt_text=echo_text if echo == "tokens" else None,
         )
         if stream.held is not None:
             chunk = stream.held.then(chunk)

@@ -78,16 +78,16 @@ def test_each_choice_s_target_request_carries_the_fields_that_set_it():
     from app.serving.openai_api import ChatCompletionRequest, CompletionRequest
 
     ingress = Ingress(AppConfig(mock_engine=True, drafter="mock"), target=None, router=None)
-    for prompt, echo_ids, echo in (("a", False, "a"), ([5], True, "")):  # a token-id prompt's text comes decoded
+    for prompt, echo_mode, echo in (("a", "sent", "a"), ([5], "tokens", "")):  # a token-id prompt's text: decoded
         texts = CompletionRequest.model_validate({"model": "m", "prompt": prompt, "n": 2, "echo": True,
                                                   "structured_outputs": {"regex": "x+"}})
-        assert [(i, g.add_special_tokens, g.guided_param, g.echo_ids, e)
+        assert [(i, g.add_special_tokens, g.guided_param, g.echo, e)
                 for i, g, e in ingress._generates(texts, chat=False, request_id="r")] == [
-            (0, True, "structured_outputs", echo_ids, echo), (1, True, "structured_outputs", echo_ids, echo)]
+            (0, True, "structured_outputs", echo_mode, echo), (1, True, "structured_outputs", echo_mode, echo)]
     cut = CompletionRequest.model_validate({"model": "m", "prompt": "abc", "echo": True, "truncate_prompt_tokens": 2})
-    assert [(g.truncate_prompt_tokens, g.echo_ids, e) for _, g, e in ingress._generates(cut, chat=False,
+    assert [(g.truncate_prompt_tokens, g.echo, e) for _, g, e in ingress._generates(cut, chat=False,
                                                                                        request_id="r")] == [
-        (2, True, "")]  # a truncated text prompt is echoed as the tokens the model took
+        (2, "tokens", "")]  # a truncated text prompt is echoed as the tokens the model took
     bare = CompletionRequest.model_validate({"model": "m", "prompt": "a", "add_special_tokens": False})
     assert [g.add_special_tokens for _, g, _ in ingress._generates(bare, chat=False, request_id="r")] == [False]
     messages = [{"role": "user", "content": "hi"}]

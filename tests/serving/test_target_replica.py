@@ -866,3 +866,23 @@ def test_a_request_the_engine_ends_with_an_error_answers_a_500_naming_why(replic
     assert isinstance(item, ErrorItem) and (item.status, item.code) == (500, "request_failed") and stream.done
     assert "ParserTooComplex" in item.message and stream.queue.empty()
     assert replica.telemetry.counters.requests_finished == finished  # not counted as a finished request
+
+
+def test_prompt_logprobs_without_echo_leave_the_prompt_text_undecoded(replica, monkeypatch):
+    """Scored prompt tokens need the prompt's text (each token's characters in it) only when the response echoes the
+    prompt: vLLM's ``prompt_logprobs`` alone give each token's own text, without decoding the whole prompt."""
+    from app.engine.types import StepOutput, TokenLogprob
+    from app.loop import RequestResult
+
+    decoded = []
+    prompt_text = target_module.prompt_text
+    monkeypatch.setattr(target_module, "prompt_text", lambda *a: decoded.append(1) or prompt_text(*a))
+    scored = [None, TokenLogprob(2, -1.0, rank=1), TokenLogprob(3, -2.0, rank=4)]
+    for echo, decodes in (("no", 0), ("tokens", 1)):
+        stream = _stream("p", 8)
+        stream.request, stream.record = replace(stream.request, echo=echo), RequestResult("p", token_ids=[4])
+        decoded.clear()
+        replica._emit(stream, StepOutput("p", [4], text=" w4", text_lens=[3], prompt_logprobs=scored))
+        chunk = stream.queue.get_nowait()
+        assert len(decoded) == decodes and [e.token_id for e in chunk.prompt_logprobs] == [1, 2, 3]
+        assert all((e.text_len is None) == (echo == "no") for e in chunk.prompt_logprobs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import math
@@ -185,6 +186,11 @@ class Ingress:
         if await self._draining("/health"):
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version(self):
+        """vLLM's: the server's version (this package's), open like ``/health``."""
+        return {"version": importlib.metadata.version("dspark-serve")}
 
     @app.get("/v1/models")
     async def models(self, request: Request):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import importlib.metadata
 import json
 import math
 import time
@@ -59,6 +60,7 @@ def chat(content: str = "hi", **extra) -> dict:
 
 def test_health_open_and_api_key(url):
     assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/version").json() == {"version": importlib.metadata.version("dspark-serve")}  # vLLM's
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.get(f"{url}/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

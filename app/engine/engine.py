@@ -246,7 +246,9 @@ class TargetEngine(Engine):
                 raw text), or the template refuses the messages (some models' templates raise on roles that do not
                 alternate, or on a system message); (``continue_final_message``) the template does not keep the final
                 message as sent, so it cannot be left open; (``chat_template_kwargs``) a name the renderer itself
-                takes (``messages``, ``tokenize``, ...), or values the template cannot use.
+                takes (``messages``, ``tokenize``, ...), or values the template cannot use; (``add_special_tokens``)
+                with ``options.sanitize_control_tokens`` (Hugging Face's sanitizing tokenizes the template's text
+                itself, without special tokens).
         """
         if not self.tokenizer.chat_template:
             raise InvalidRequestError(f"the model {self.config.model!r} has no chat template (its tokenizer "
@@ -256,6 +258,11 @@ class TargetEngine(Engine):
                                       param="chat_template_kwargs")
         render = dict(options.template_kwargs, add_generation_prompt=options.add_generation_prompt,
                       continue_final_message=options.continue_final_message)
+        if options.sanitize_control_tokens:
+            if add_special_tokens:
+                raise InvalidRequestError("this server encodes control tokens in messages as text, which leaves the "
+                                          "special tokens to the chat template", param="add_special_tokens")
+            render["sanitize_control_tokens"] = True
         try:
             if add_special_tokens:
                 text = self.tokenizer.apply_chat_template(messages, tokenize=False, **render)

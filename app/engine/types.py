@@ -56,6 +56,9 @@ class ChatTemplateOptions:
             it (a reply the client started); excludes ``add_generation_prompt``.
         template_kwargs: more variables for the template (``chat_template_kwargs``: Qwen3's ``enable_thinking``, for
             one), JSON values by name.
+        sanitize_control_tokens: the text of a control token (``<|im_start|>``) inside the messages or template
+            variables is encoded as text, so only the template writes control tokens (a client cannot write turns of
+            other roles); Hugging Face's ``sanitize_control_tokens``.
 
     Raises:
         InvalidRequestError: both ``add_generation_prompt`` and ``continue_final_message``.
@@ -64,6 +67,7 @@ class ChatTemplateOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict[str, object] = field(default_factory=dict)
+    sanitize_control_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:

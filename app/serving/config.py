@@ -75,6 +75,11 @@ class AppConfig(BaseModel):
         "its answer in chat responses (`message.reasoning`, streamed `delta.reasoning`): `deepseek_r1` or `qwen3` "
         "(app/serving/reasoning.py). Unset: the text as the model wrote it."
     )
+    sanitize_chat_control_tokens: bool = Field(
+        False, description="Encode a control token's text inside chat messages (`<|im_start|>`) as text, so only the "
+        "chat template writes control tokens and a client cannot write turns of other roles (Hugging Face's "
+        "`sanitize_control_tokens`). Off: such text becomes the control token, as in vLLM."
+    )
     mock_engine: bool = Field(
         False, description="Replace the TargetEngine by a deterministic weight-free engine (tests; `engine` unused)."
     )

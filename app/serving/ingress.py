@@ -240,7 +240,7 @@ class Ingress:
         chat = req.messages is not None
         call = TokenizeCall(prompt=req.prompt, messages=req.chat_messages(), token_strs=req.return_token_strs,
                             add_special_tokens=not chat if req.add_special_tokens is None else req.add_special_tokens,
-                            template=req.template_options())
+                            template=self._template(req))
         answer = await self._tokenizer_call("/tokenize", lambda: self.target.tokenize.remote(call))
         if isinstance(answer, ErrorItem):
             return error_response(answer, self.config.retry_after_s)
@@ -261,6 +261,11 @@ class Ingress:
         return {"prompt": answer}
 
     # ------------------------------------------------------------------ helpers
+
+    def _template(self, req: ChatCompletionRequest | TokenizeRequest) -> ChatTemplateOptions:
+        """How the chat template renders the request's messages: its fields, and this server's sanitizing."""
+        return dataclasses.replace(req.template_options(),
+                                   sanitize_control_tokens=self.config.sanitize_chat_control_tokens)
 
     async def _draining(self, route: str) -> bool:
         """Whether the Router says the server drains (a Router that does not answer is soft state: not draining,
@@ -382,7 +387,7 @@ class Ingress:
         n = req.num_choices
         prompts = [None] if chat else req.prompts
         messages = req.chat_messages() if chat else None
-        template = req.template_options() if chat else ChatTemplateOptions()
+        template = self._template(req) if chat else ChatTemplateOptions()
         out = []
         for i, prompt in enumerate(prompts):
             for j in range(n):

@@ -8,6 +8,7 @@ import json
 
 from ray.exceptions import ActorDiedError
 
+from app.engine.types import ChatTemplateOptions
 from app.serving.config import AppConfig
 from app.serving.ingress import Ingress, _Choice, _InFlight
 from app.serving.protocol import TextChunk
@@ -88,6 +89,12 @@ def test_each_choice_s_target_request_carries_the_fields_that_set_it():
     assert [(g.truncate_prompt_tokens, g.echo, e) for _, g, e in ingress._generates(cut, chat=False,
                                                                                        request_id="r")] == [
         (2, "tokens", "")]  # a truncated text prompt is echoed as the tokens the model took
+    guarded = Ingress(AppConfig(mock_engine=True, drafter="mock", sanitize_chat_control_tokens=True), target=None,
+                      router=None)
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "continue_final_message": True})
+    ((_, g, _),) = guarded._generates(chat, chat=True, request_id="r")
+    assert g.template == ChatTemplateOptions(False, True, sanitize_control_tokens=True)  # the server's setting too
     bare = CompletionRequest.model_validate({"model": "m", "prompt": "a", "add_special_tokens": False})
     assert [g.add_special_tokens for _, g, _ in ingress._generates(bare, chat=False, request_id="r")] == [False]
     messages = [{"role": "user", "content": "hi"}]

@@ -47,6 +47,7 @@ from app.serving.openai_api import (
 )
 from app.serving.protocol import DRAINING, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenizeCall, openai_param
 from app.serving.reasoning import ReasoningParser
+from app.serving.responses import ResponseEvents, ResponseShape, ResponsesRequest, response_body, responses_param
 
 log = logging.getLogger("ray.serve")
 
@@ -100,6 +101,32 @@ def admission_limit(config: AppConfig) -> int:
     targets = slo.max_target_replicas if slo.enabled else config.target.num_replicas
     capacity = (config.max_num_seqs + config.max_queued_requests) * targets
     return max(1, math.ceil(capacity / config.ingress.num_replicas))
+
+
+def _responses_error(answer: JSONResponse, req: ResponsesRequest) -> JSONResponse:
+    """A chat error answer with its ``param`` named as the Responses request's field (``responses_param``)."""
+    body = json.loads(answer.body)
+    body["error"]["param"] = responses_param(body["error"]["param"], req)
+    headers = {name: value for name, value in answer.headers.items() if name.lower() == "retry-after"}
+    return JSONResponse(body, status_code=answer.status_code, headers=headers)
+
+
+async def _response_events(chat_events: AsyncIterator[str], shape: ResponseShape) -> AsyncIterator[str]:
+    """A streamed chat completion's server-sent events as the Responses API's (``ResponseEvents``)."""
+    events = ResponseEvents(shape)
+
+    def sse(batch: list[dict]) -> str:
+        return "".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n" for e in batch)
+
+    try:
+        yield sse(events.start())
+        async for line in chat_events:
+            if line.startswith("data: {"):
+                body = json.loads(line[len("data: "):])
+                if batch := events.error(body) if "error" in body else events.chunk(body):
+                    yield sse(batch)
+    finally:
+        await chat_events.aclose()
 
 
 def _target_lost(err: Exception, message: str) -> ErrorItem:
@@ -227,6 +254,30 @@ class Ingress:
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         return await self._complete(request, chat=False)
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request):
+        """OpenAI's Responses API as vLLM offers it: one chat completion, in the Responses shapes
+        (``responses.py``); errors name the Responses fields."""
+        if (denied := self._auth(request)) is not None:
+            return denied
+        if (full := self._overloaded(1)) is not None:
+            return full
+        req = await self._validated(request, ResponsesRequest)
+        if isinstance(req, ErrorItem):
+            return error_response(req)
+        try:
+            chat = req.chat()
+        except ValidationError as err:
+            item = validation_error(err)
+            return error_response(dataclasses.replace(item, param=responses_param(item.param, req)))
+        except ValueError as err:  # a json_schema format without its name and schema
+            return error_response(ErrorItem(400, str(err), param="text.format"))
+        shape = ResponseShape(req, self.config.served_model_name)
+        answer = await self._serve(chat, chat=True, request_id=shape.id, shape=shape)
+        if isinstance(answer, JSONResponse) and answer.status_code >= 400:
+            return _responses_error(answer, req)
+        return answer
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request):
@@ -468,7 +519,12 @@ class Ingress:
         req = await self._parse(request, chat)
         if isinstance(req, ErrorItem):
             return error_response(req)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        return await self._serve(req, chat=chat, request_id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}")
+
+    async def _serve(self, req: ChatCompletionRequest | CompletionRequest, *, chat: bool, request_id: str,
+                     shape: ResponseShape | None = None):
+        """Run a validated request: its choices on target replicas, answered streamed or whole (as a Responses API
+        ``response`` with ``shape``)."""
         try:
             generates = self._generates(req, chat=chat, request_id=request_id)
         except ValueError as err:
@@ -500,8 +556,11 @@ class Ingress:
                 events = self._sse(flight, chat=chat, request_id=request_id, req=req)
                 weakref.finalize(events, flight.close)  # a stream the server never starts still frees its slots
                 streaming = True
+                if shape is not None:
+                    events = _response_events(events, shape)
                 return StreamingResponse(events, media_type="text/event-stream")
-            return await self._body(flight, chat=chat, request_id=request_id, req=req)
+            body = await self._body(flight, chat=chat, request_id=request_id, req=req)
+            return body if shape is None or not isinstance(body, dict) else response_body(shape, body)
         finally:
             if not streaming:
                 flight.close()

@@ -50,7 +50,7 @@ REJECTED_COMPLETIONS = ("suffix",)
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-def _text(value: str, what: str) -> str:
+def unicode_text(value: str, what: str) -> str:
     """``value`` unless it cannot be UTF-8 (a lone UTF-16 surrogate such as a JSON "\\ud800" escape).
 
     Raises:
@@ -63,7 +63,7 @@ def _text(value: str, what: str) -> str:
     return value
 
 
-def _unsupported(name: str, why: str) -> ValueError:
+def unsupported(name: str, why: str) -> ValueError:
     return ValueError(f"{name} is not supported by this server ({why})")
 
 
@@ -102,7 +102,7 @@ class ChatMessage(BaseModel):
     @field_validator("reasoning", "reasoning_content")
     @classmethod
     def _reasoning_text(cls, value: str | None, info) -> str | None:
-        return value if value is None else _text(value, info.field_name)
+        return value if value is None else unicode_text(value, info.field_name)
 
     @field_validator("content")
     @classmethod
@@ -113,17 +113,17 @@ class ChatMessage(BaseModel):
             for i, part in enumerate(value):
                 kind = part.get("type")
                 if kind != "text":
-                    raise _unsupported(f"content part type {kind!r}", "text parts only")
-                _text(TextPart.model_validate(part).text, f"content part {i}")
+                    raise unsupported(f"content part type {kind!r}", "text parts only")
+                unicode_text(TextPart.model_validate(part).text, f"content part {i}")
         else:
-            _text(value, "content")
+            unicode_text(value, "content")
         return value
 
     @field_validator("refusal", "tool_calls")
     @classmethod
     def _empty(cls, value: Any, info) -> Any:
         if value:
-            raise _unsupported(info.field_name, "tools are not supported; only an empty value is accepted")
+            raise unsupported(info.field_name, "tools are not supported; only an empty value is accepted")
         return value
 
     @property
@@ -430,28 +430,28 @@ class ChatCompletionRequest(_Common, _TemplateFields):
     @classmethod
     def _no_tools(cls, value: list | None, info) -> list | None:
         if value:
-            raise _unsupported(info.field_name, "no tool calling; send the request without it")
+            raise unsupported(info.field_name, "no tool calling; send the request without it")
         return value
 
     @field_validator("tool_choice", "function_call")
     @classmethod
     def _no_tool_choice(cls, value: Any, info) -> Any:
         if value not in (None, "none"):
-            raise _unsupported(info.field_name, "no tool calling; only 'none' is accepted")
+            raise unsupported(info.field_name, "no tool calling; only 'none' is accepted")
         return value
 
     @field_validator("audio", "verbosity", "web_search_options", "moderation")
     @classmethod
     def _not_offered(cls, value: Any, info) -> Any:
         if value is not None:
-            raise _unsupported(info.field_name, "this model has no such option")
+            raise unsupported(info.field_name, "this model has no such option")
         return value
 
     @field_validator("reasoning_effort")
     @classmethod
     def _no_reasoning(cls, value: Any, info) -> Any:
         if value not in (None, "none"):  # OpenAI's "none": no reasoning, what this server does
-            raise _unsupported(info.field_name, "this model does not reason; only 'none' is accepted")
+            raise unsupported(info.field_name, "this model does not reason; only 'none' is accepted")
         return value
 
     @field_validator("top_logprobs")
@@ -521,7 +521,7 @@ class CompletionRequest(_Common):
             raise ValueError("prompts must not be empty")
         for p in prompts:
             if isinstance(p, str):
-                _text(p, "prompt")
+                unicode_text(p, "prompt")
         return value
 
     @staticmethod
@@ -535,7 +535,7 @@ class CompletionRequest(_Common):
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
-            raise _unsupported("suffix", "the model has no fill-in-the-middle mode")
+            raise unsupported("suffix", "the model has no fill-in-the-middle mode")
         return value
 
     @model_validator(mode="after")
@@ -602,7 +602,7 @@ class TokenizeRequest(_TemplateFields):
     @field_validator("prompt")
     @classmethod
     def _prompt_text(cls, value: str | None) -> str | None:
-        return value if value is None else _text(value, "prompt")
+        return value if value is None else unicode_text(value, "prompt")
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

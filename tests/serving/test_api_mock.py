@@ -721,6 +721,30 @@ def test_logprobs_tokens_can_be_named_by_id(client):
     assert text.logprobs.text_offset == [sum(len(token_text(t)) for t in answer[:i]) for i in range(3)]  # the text's
 
 
+def test_responses_api_answers_as_the_chat_completion_it_is(client, url):
+    """``POST /v1/responses`` through the official client: the output text is the chat completion's for the same
+    messages, streamed as the Responses events (deltas joining into the text, usage at the end); ``max_output_tokens``
+    reached is ``incomplete``; what the server cannot do is a 400 naming the Responses field."""
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    response = client.responses.create(model=MODEL, instructions="Be brief.", input="hi", max_output_tokens=5,
+                                       temperature=0)
+    assert response.output_text == chat.choices[0].message.content and response.id.startswith("resp_")
+    assert (response.status, response.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (chat.usage.prompt_tokens, 5)
+    events = list(client.responses.create(model=MODEL, instructions="Be brief.", stream=True, max_output_tokens=5,
+                                          input=[{"role": "user", "content": "hi"}], temperature=0))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    final = events[-1].response  # the mock ends at max_output_tokens: response.incomplete (OpenAI's last event then)
+    assert (events[0].type, events[-1].type) == ("response.created", "response.incomplete")
+    assert "".join(deltas) == final.output_text == response.output_text and final.usage.output_tokens == 5
+    for body, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"max_output_tokens": MAX_MODEL_LEN * 4}, "max_output_tokens"),
+                        ({"input": [{"role": "user", "content": "x" * (MAX_MODEL_LEN + 10)}]}, "input")):
+        r = httpx.post(f"{url}/v1/responses", headers=AUTH, timeout=30, json={"model": MODEL, "input": "hi", **body})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+
+
 def test_a_chat_can_continue_its_final_message(client):
     """vLLM's ``continue_final_message``: the prompt ends inside the final message (no generation prompt), so the
     model continues the reply the client started; with ``add_generation_prompt`` too it is a 400 naming it."""
@@ -804,6 +828,36 @@ def _sdk_fields(params_module) -> list[str]:
 
 WALK = [("chat", f) for f in _sdk_fields(openai.types.chat.completion_create_params)] + \
        [("completions", f) for f in _sdk_fields(openai.types.completion_create_params)]
+RESPONSES_SAMPLE = {  # a value that is not the field's neutral one, per Responses request field
+    "model": MODEL, "input": "hi", "instructions": "Be brief.", "max_output_tokens": 3, "temperature": 0.5,
+    "top_p": 0.9, "stream": True, "text": {"format": {"type": "json_object"}}, "user": "u-1", "metadata": {"k": "v"},
+    "store": True, "safety_identifier": "s-1", "prompt_cache_key": "c-1", "prompt_cache_retention": "24h",
+    "prompt_cache_options": {"ttl": "24h"}, "service_tier": "auto", "parallel_tool_calls": False,
+    "max_tool_calls": 2, "stream_options": {"include_obfuscation": False}, "previous_response_id": "resp_1",
+    "conversation": "conv_1", "prompt": {"id": "p"}, "tools": [{"type": "function", "name": "f"}],
+    "tool_choice": "auto", "reasoning": {"effort": "low"}, "truncation": "auto", "include": ["reasoning"],
+    "background": True, "top_logprobs": 2, "access_programs": ["x"], "context_management": [{"type": "x"}],
+    "image": {"x": 1}, "moderation": {"model": "m"},
+}
+RESPONSES_WALK = sorted(set(openai.types.responses.response_create_params.ResponseCreateParamsBase.__annotations__)
+                        | {"stream"})
+
+
+@pytest.mark.parametrize("name", RESPONSES_WALK)
+def test_field_walk_every_responses_field_acts_is_harmless_or_400(url, name):
+    """As the chat and completions walk: each field of the client's Responses request, set away from its neutral
+    value, is served (acting, harmless) or a 400 naming it (rejected, or an acting one the mock engine refuses)."""
+    from app.serving import responses as api
+
+    assert name in api.ACTING + api.HARMLESS + api.REJECTED, f"responses: {name} is not sorted"
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 3, "temperature": 0, name: RESPONSES_SAMPLE[name]}
+    r = httpx.post(f"{url}/v1/responses", json=body, headers=AUTH, timeout=30)
+    if name in api.REJECTED:
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    elif name in api.HARMLESS:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 200 or (r.status_code == 400 and r.json()["error"]["param"].startswith(name)), r.text
 
 
 @pytest.mark.parametrize("endpoint,name", WALK, ids=[f"{e}-{f}" for e, f in WALK])

@@ -248,6 +248,21 @@ def test_tokenize_gives_the_ids_the_model_is_prompted_with(url, engine):
     assert (reserved.status_code, reserved.json()["error"]["param"]) == (400, "chat_template_kwargs")
 
 
+@DEFAULT_PLACEMENT_ONLY
+def test_responses_api_streams_to_completion_with_the_official_client(url):
+    """``/v1/responses`` on the real model through the SDK's streaming helper: an answer that ends with EOS is
+    ``response.completed``, its deltas join into the output text, and usage counts it."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    with client.responses.stream(model="smollm2-135m", input="What is 2+3? Answer with the number only.",
+                                 temperature=0, max_output_tokens=48) as stream:  # ends with EOS (test_stops.py)
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text and "".join(deltas) == final.output_text
+    assert 0 < final.usage.output_tokens < 48 and final.usage.input_tokens > 10
+
+
 @pytest.mark.slow
 @DEFAULT_PLACEMENT_ONLY
 def test_a_repeated_prompt_reuses_its_prefix(url, engine):

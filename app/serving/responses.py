@@ -1,0 +1,417 @@
+"""OpenAI's Responses API (``POST /v1/responses``, as vLLM offers it) served as a chat completion.
+
+Owns: the request schema (what a text model acts on, what is harmless, what is refused with a 400 naming the field),
+its translation into a ``ChatCompletionRequest`` (``instructions`` -> a system message, ``input`` -> messages,
+``text.format`` -> ``response_format``, ``max_output_tokens`` -> ``max_completion_tokens``), the ``response`` object
+made from a chat completion's body, and the Responses streaming events made from a chat completion's chunks
+(``ResponseEvents``). Stateless: nothing is stored, so ``previous_response_id`` and ``conversation`` are refused and
+``store`` is harmless, as for chat. Does not own: generation (the chat path: ``ingress.py``), the chat shapes
+(``openai_api.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from app.serving.openai_api import STRICT, ChatCompletionRequest, JsonSchemaFormat, unicode_text, unsupported
+
+# Request fields by what they do (the field walk test reads these)
+ACTING = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text")
+HARMLESS = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+            "prompt_cache_options", "service_tier", "parallel_tool_calls", "max_tool_calls", "stream_options")
+REJECTED = ("previous_response_id", "conversation", "prompt", "tools", "tool_choice", "reasoning", "truncation",
+            "include", "background", "top_logprobs", "access_programs", "context_management", "image", "moderation")
+# the chat request's field -> the Responses field an error about it names
+PARAMS = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+TEXT_PARTS = ("input_text", "output_text")
+
+
+class InputMessage(BaseModel):
+    """One ``input`` item: a message (``type`` "message" or left out) whose ``content`` is a string or a list of
+    ``input_text`` / ``output_text`` parts (an earlier output item comes back with its ``id`` and ``status``)."""
+
+    model_config = STRICT
+
+    type: Literal["message"] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[dict[str, Any]]
+    id: str | None = None
+    status: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _messages_only(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type", "message") != "message":
+            raise unsupported(f"input item type {value.get('type')!r}", "message items (text) only")
+        return value
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        if isinstance(value, str):
+            return unicode_text(value, "content")
+        for i, part in enumerate(value):
+            if part.get("type") not in TEXT_PARTS:
+                raise unsupported(f"content part type {part.get('type')!r}", "text parts only")
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text", "annotations", "logprobs"}:
+                raise ValueError(f"content part {i} must be {{type, text}} (an output's annotations and logprobs are "
+                                 "accepted)")
+            unicode_text(part["text"], f"content part {i}")
+        return value
+
+    def chat_message(self) -> dict:
+        """The message as a chat request takes it."""
+        content = self.content if isinstance(self.content, str) else \
+            [{"type": "text", "text": part["text"]} for part in self.content]
+        return {"role": self.role, "content": content}
+
+
+class TextFormat(BaseModel):
+    """``text.format``: ``text``, ``json_object``, or ``json_schema`` with its ``name`` and ``schema`` beside it."""
+
+    model_config = STRICT
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    def response_format(self) -> dict:
+        """The chat request's ``response_format``.
+
+        Raises: ValueError: a ``json_schema`` without its name and schema.
+        """
+        if self.type != "json_schema":
+            return {"type": self.type}
+        if self.name is None or self.schema_ is None:
+            raise ValueError("a json_schema format needs a name and a schema")
+        schema = JsonSchemaFormat(name=self.name, schema=self.schema_, description=self.description,
+                                  strict=self.strict)
+        return {"type": "json_schema", "json_schema": schema.model_dump(by_alias=True, exclude_none=True)}
+
+
+class TextConfig(BaseModel):
+    model_config = STRICT
+
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+    @field_validator("verbosity")
+    @classmethod
+    def _no_verbosity(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise unsupported("verbosity", "this model has no such option")
+        return value
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``: the fields of OpenAI's request (``ACTING``, ``HARMLESS``; the ``REJECTED`` ones are a
+    400 unless null or empty)."""
+
+    model_config = STRICT
+
+    model: str
+    input: list[InputMessage] | str  # the list first: its errors name the item (input.0.content)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool | None = False
+    text: TextConfig | None = None
+    # harmless by nature: they label, store, cache or bill the request, never change its tokens
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    parallel_tool_calls: bool | None = Field(None, description="Without tools there are no tool calls.")
+    max_tool_calls: int | None = Field(None, description="Without tools there are no tool calls.")
+    stream_options: dict[Literal["include_obfuscation"], bool] | None = Field(
+        None, description="Harmless: this server never adds an obfuscation field.")
+    # rejected unless neutral
+    previous_response_id: str | None = None
+    conversation: Any = None
+    prompt: Any = None
+    tools: list | None = None
+    tool_choice: Any = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    background: bool | None = None
+    top_logprobs: int | None = None
+    access_programs: Any = None
+    context_management: Any = None
+    image: Any = None
+    moderation: Any = None
+
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, value: list[InputMessage] | str) -> list[InputMessage] | str:
+        if isinstance(value, str):
+            return unicode_text(value, "input")
+        if not value:
+            raise ValueError("at least one input item is needed")
+        return value
+
+    @field_validator("instructions")
+    @classmethod
+    def _instructions(cls, value: str | None) -> str | None:
+        return value if value is None else unicode_text(value, "instructions")
+
+    @field_validator("previous_response_id", "conversation")
+    @classmethod
+    def _stateless(cls, value: Any, info) -> Any:
+        if value is not None:
+            raise unsupported(info.field_name, "this server keeps no responses or conversations: send the whole "
+                               "conversation as input")
+        return value
+
+    @field_validator("tools", "include")
+    @classmethod
+    def _empty(cls, value: list | None, info) -> list | None:
+        if value:
+            raise unsupported(info.field_name, "only an empty list is accepted")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none"):
+            raise unsupported("tool_choice", "no tool calling; only 'none' is accepted")
+        return value
+
+    @field_validator("reasoning")
+    @classmethod
+    def _no_reasoning(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and any(v not in (None, "none") for v in value.values()):
+            raise unsupported("reasoning", "this server does not set a reasoning effort or summary")
+        return value
+
+    @field_validator("truncation")
+    @classmethod
+    def _no_truncation(cls, value: str | None) -> str | None:
+        if value == "auto":
+            raise unsupported("truncation", "an input over the context is a 400; only 'disabled' is accepted")
+        return value
+
+    @field_validator("background")
+    @classmethod
+    def _foreground(cls, value: bool | None) -> bool | None:
+        if value:
+            raise unsupported("background", "responses are answered in the request")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise unsupported("top_logprobs", "logprobs are offered by /v1/chat/completions")
+        return value
+
+    @field_validator("prompt", "access_programs", "context_management", "image", "moderation")
+    @classmethod
+    def _not_offered(cls, value: Any, info) -> Any:
+        if value is not None:
+            raise unsupported(info.field_name, "this server has no such option")
+        return value
+
+    def chat(self) -> ChatCompletionRequest:
+        """The chat completion this response is made from (streamed with usage when ``stream``).
+
+        Raises:
+            pydantic.ValidationError: what the chat request refuses (its field names: ``PARAMS`` maps them back);
+            ValueError: a ``json_schema`` format without its name and schema.
+        """
+        system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else \
+            [item.chat_message() for item in self.input]
+        body: dict[str, Any] = {"model": self.model, "messages": system + items, "stream": bool(self.stream)}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        for name, chat_name in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
+                                ("top_p", "top_p")):
+            if getattr(self, name) is not None:
+                body[chat_name] = getattr(self, name)
+        if self.text is not None and self.text.format is not None:
+            body["response_format"] = self.text.format.response_format()
+        return ChatCompletionRequest.model_validate(body)
+
+
+def responses_param(param: str | None, req: ResponsesRequest) -> str | None:
+    """The Responses field behind the chat request's field an error names: ``PARAMS``, and ``messages.<i>...`` the
+    input item it came from (after the system message ``instructions`` become)."""
+    if param is None:
+        return None
+    head, _, rest = param.partition(".")
+    if head == "messages" and rest.split(".")[0].isdigit():
+        index, _, tail = rest.partition(".")
+        item = int(index) - (req.instructions is not None)
+        if item < 0:
+            return "instructions"
+        return "input" if isinstance(req.input, str) else ".".join(["input", str(item)] + ([tail] if tail else []))
+    return PARAMS.get(head, head) + (f".{rest}" if rest else "")
+
+
+def _ids() -> tuple[str, str, str]:
+    """New ids of a response, its message item and its reasoning item."""
+    key = uuid.uuid4().hex
+    return f"resp_{key}", f"msg_{key}", f"rs_{key}"
+
+
+class ResponseShape:
+    """The ``response`` objects of one request: ids and creation time fixed at the start, the request's settings
+    echoed as OpenAI's response object does."""
+
+    def __init__(self, req: ResponsesRequest, model: str) -> None:
+        self.req, self.model = req, model
+        self.id, self.message_id, self.reasoning_id = _ids()
+        self.created_at = int(time.time())
+
+    def response(self, *, status: str, output: list[dict], usage: dict | None = None,
+                 length: bool = False) -> dict:
+        """The ``response`` object (``status``: in_progress, completed or incomplete; ``length``: ended at
+        ``max_output_tokens``)."""
+        fmt = self.req.text.format if self.req.text is not None and self.req.text.format is not None else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if length else None, "error": None,
+            "model": self.model, "output": output, "usage": usage, "instructions": self.req.instructions,
+            "max_output_tokens": self.req.max_output_tokens, "temperature": self.req.temperature,
+            "top_p": self.req.top_p, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "metadata": self.req.metadata or {}, "store": False, "truncation": "disabled",
+            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "user": self.req.user,
+        }
+
+    def message(self, text: str, *, done: bool) -> dict:
+        """The assistant message item (its one ``output_text`` part)."""
+        content = [_output_text(text)] if done else []
+        return {"type": "message", "id": self.message_id, "status": "completed" if done else "in_progress",
+                "role": "assistant", "content": content}
+
+    def reasoning(self, text: str, *, done: bool) -> dict:
+        """The reasoning item (a reasoning parser's text: ``reasoning_parser``)."""
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}] if done else [],
+                "status": "completed" if done else "in_progress"}
+
+
+def _output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def usage(chat_usage: dict) -> dict:
+    """A chat completion's ``usage`` as a response's. Reasoning tokens are not counted apart (0)."""
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+def response_body(shape: ResponseShape, chat: dict) -> dict:
+    """The ``response`` object of a finished chat completion body (``completion_body``, one choice)."""
+    choice = chat["choices"][0]
+    message = choice["message"]
+    output = [] if message.get("reasoning") is None else [shape.reasoning(message["reasoning"], done=True)]
+    output.append(shape.message(message["content"] or "", done=True))
+    length = choice["finish_reason"] == "length"
+    return shape.response(status="incomplete" if length else "completed", output=output, usage=usage(chat["usage"]),
+                          length=length)
+
+
+class ResponseEvents:
+    """The Responses streaming events of one request, made from its chat completion's chunks (``chunk_body``
+    dicts): ``start``, then ``chunk`` for each, ``error`` for a failure. Each event is a dict with its ``type`` and
+    ``sequence_number``; the reasoning item (with a reasoning parser) comes before the message item."""
+
+    def __init__(self, shape: ResponseShape) -> None:
+        self.shape = shape
+        self._seq = 0
+        self._open: Literal["reasoning", "message"] | None = None
+        self._texts = {"reasoning": "", "message": ""}
+        self._output: list[dict] = []  # the items done
+        self._finished: str | None = None
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return event
+
+    def start(self) -> list[dict]:
+        in_progress = self.shape.response(status="in_progress", output=[])
+        return [self._event("response.created", response=in_progress),
+                self._event("response.in_progress", response=in_progress)]
+
+    def chunk(self, chunk: dict) -> list[dict]:
+        """The events of one chat chunk: deltas, and at the end (the usage chunk) the items' ends and
+        ``response.completed`` (``response.incomplete`` at ``max_output_tokens``)."""
+        events = []
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            if delta.get("reasoning"):
+                events += self._delta("reasoning", delta["reasoning"])
+            if delta.get("content"):
+                events += self._delta("message", delta["content"])
+            if choice["finish_reason"] is not None:
+                self._finished = choice["finish_reason"]
+        if chunk.get("usage") is not None:
+            events += self._close()
+            if not any(item["type"] == "message" for item in self._output):  # an answer with no text still has one
+                events += self._open_item("message") + self._close()
+            length = self._finished == "length"
+            events.append(self._event(
+                "response.incomplete" if length else "response.completed", response=self.shape.response(
+                    status="incomplete" if length else "completed", output=self._output,
+                    usage=usage(chunk["usage"]), length=length)))
+        return events
+
+    def error(self, body: dict) -> list[dict]:
+        """The ``error`` event of a failure mid-stream (``error_body``'s ``error`` fields)."""
+        err = body["error"]
+        return [self._event("error", code=err.get("code"), message=err["message"], param=err.get("param"))]
+
+    def _delta(self, kind: Literal["reasoning", "message"], text: str) -> list[dict]:
+        events = []
+        if self._open != kind:
+            events += self._close() + self._open_item(kind)
+        self._texts[kind] += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        events.append(self._event(name, **self._where(kind), delta=text, **extra))
+        return events
+
+    def _where(self, kind: str) -> dict:
+        item_id = self.shape.reasoning_id if kind == "reasoning" else self.shape.message_id
+        return {"item_id": item_id, "output_index": len(self._output), "content_index": 0}
+
+    def _open_item(self, kind: Literal["reasoning", "message"]) -> list[dict]:
+        self._open = kind
+        item = self.shape.reasoning("", done=False) if kind == "reasoning" else self.shape.message("", done=False)
+        events = [self._event("response.output_item.added", output_index=len(self._output), item=item)]
+        if kind == "message":
+            events.append(self._event("response.content_part.added", **self._where(kind), part=_output_text("")))
+        return events
+
+    def _close(self) -> list[dict]:
+        if self._open is None:
+            return []
+        kind, text, where = self._open, self._texts[self._open], self._where(self._open)
+        if kind == "reasoning":
+            events = [self._event("response.reasoning_text.done", **where, text=text)]
+            item = self.shape.reasoning(text, done=True)
+        else:
+            events = [self._event("response.output_text.done", **where, text=text, logprobs=[]),
+                      self._event("response.content_part.done", **where, part=_output_text(text))]
+            item = self.shape.message(text, done=True)
+        events.append(self._event("response.output_item.done", output_index=where["output_index"], item=item))
+        self._output.append(item)
+        self._open = None
+        return events

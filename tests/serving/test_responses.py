@@ -1,0 +1,120 @@
+"""The Responses API schema and shapes (``app/serving/responses.py``) without a server: the request as a chat
+completion, errors named by Responses field, the ``response`` object and the streaming events."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from app.serving.openai_api import validation_error
+from app.serving.responses import ResponseEvents, ResponseShape, ResponsesRequest, response_body, responses_param
+
+
+def _request(**fields) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "Hi", **fields})
+
+
+def test_a_request_becomes_the_chat_completion_it_is_served_as():
+    chat = _request(instructions="Be brief.", max_output_tokens=9, temperature=0.5, top_p=0.9,
+                    text={"format": {"type": "json_schema", "name": "a", "schema": {"type": "object"}}}).chat()
+    assert chat.chat_messages() == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    params = chat.params()
+    assert (params.max_tokens, params.temperature, params.top_p, params.guided.kind) == (9, 0.5, 0.9, "json_schema")
+    turns = _request(input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+                            {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+                             "content": [{"type": "output_text", "text": "Hello", "annotations": [], "logprobs": []}]},
+                            {"role": "user", "content": "Bye"}], stream=True).chat()
+    assert [m["content"] for m in turns.chat_messages()] == ["Hi", "Hello", "Bye"]
+    assert turns.stream and turns.include_usage  # the usage chunk ends the response's events
+    assert _request(text={"format": {"type": "json_object"}}).chat().params().guided.kind == "json_object"
+    assert _request(text={"format": {"type": "text"}}).chat().params().guided is None
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"background": True}, "background"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input.0"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+])
+def test_what_a_text_model_cannot_do_is_a_400_naming_the_field(fields, param):
+    with pytest.raises(ValidationError) as err:
+        _request(**fields)
+    item = validation_error(err.value)
+    assert item.status == 400 and item.param == param, item
+
+
+def test_chat_errors_name_the_responses_fields():
+    with_instructions = _request(instructions="x", input=[{"role": "user", "content": "a"}])
+    assert responses_param("messages.1.content", with_instructions) == "input.0.content"
+    assert responses_param("messages.0", with_instructions) == "instructions"
+    assert responses_param("messages", _request()) == "input"
+    assert responses_param("max_completion_tokens", _request()) == "max_output_tokens"
+    assert responses_param("response_format", _request()) == "text.format"
+    assert responses_param("temperature", _request()) == "temperature" and responses_param(None, _request()) is None
+    with pytest.raises(ValueError, match="name and a schema"):
+        _request(text={"format": {"type": "json_schema"}}).chat()
+
+
+CHAT_USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+def test_the_response_object_of_a_chat_completion():
+    shape = ResponseShape(_request(max_output_tokens=3, metadata={"k": "v"}), "m")
+    chat = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello", "reasoning": None},
+                         "finish_reason": "length"}], "usage": CHAT_USAGE}
+    body = response_body(shape, chat)
+    assert (body["object"], body["status"], body["incomplete_details"]) == ("response", "incomplete",
+                                                                           {"reason": "max_output_tokens"})
+    assert [item["type"] for item in body["output"]] == ["message"]
+    assert body["output"][0]["content"][0]["text"] == "Hello" and body["metadata"] == {"k": "v"}
+    assert body["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 3,
+                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 8}
+    chat["choices"][0].update(message={"role": "assistant", "content": None, "reasoning": "thinking"},
+                              finish_reason="stop")
+    body = response_body(shape, chat)
+    assert body["status"] == "completed" and [item["type"] for item in body["output"]] == ["reasoning", "message"]
+    assert body["output"][0]["content"][0]["text"] == "thinking" and body["output"][1]["content"][0]["text"] == ""
+
+
+def _chunk(delta: dict, finish: str | None = None) -> dict:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def test_streamed_events_follow_the_responses_sequence():
+    """created, in_progress; per item: added (and its content part), deltas, done; then completed with the output
+    and usage; the reasoning item first; sequence numbers count up from 0."""
+    events = ResponseEvents(ResponseShape(_request(), "m"))
+    out = events.start()
+    for chunk in (_chunk({"role": "assistant", "content": ""}), _chunk({"reasoning": "Let me"}),
+                  _chunk({"reasoning": " see"}), _chunk({"content": "Hi"}), _chunk({"content": "!"}),
+                  _chunk({}, "stop"), {"choices": [], "usage": CHAT_USAGE}):
+        out += events.chunk(chunk)
+    assert [e["type"] for e in out] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    final = out[-1]["response"]
+    assert [i["content"][0]["text"] for i in final["output"]] == ["Let me see", "Hi!"]
+    assert final["status"] == "completed" and final["usage"]["output_tokens"] == 3
+    assert {e["output_index"] for e in out if e["type"] == "response.output_text.delta"} == {1}
+    empty = ResponseEvents(ResponseShape(_request(), "m"))
+    ends = empty.chunk(_chunk({}, "length")) + empty.chunk({"choices": [], "usage": CHAT_USAGE})
+    assert [e["type"] for e in ends][-1] == "response.incomplete"  # no text: still a message item, empty
+    assert ends[-1]["response"]["output"][0]["content"][0]["text"] == ""
+    failed = ResponseEvents(ResponseShape(_request(), "m")).error({"error": {"message": "boom", "code": "x"}})
+    assert failed[0]["type"] == "error" and failed[0]["message"] == "boom"

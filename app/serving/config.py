@@ -83,6 +83,11 @@ class AppConfig(BaseModel):
     mock_engine: bool = Field(
         False, description="Replace the TargetEngine by a deterministic weight-free engine (tests; `engine` unused)."
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="vLLM's `--scheduling-policy`: `fcfs` admits a target replica's queued requests in "
+        "arrival order; `priority` by the requests' `priority` (lower first; arrival order among equals). Running "
+        "requests are not preempted."
+    )
     max_queued_requests: int = Field(
         32, ge=0, description="Requests waiting for a KV slot per target replica; beyond it answers 503."
     )

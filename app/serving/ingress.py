@@ -422,6 +422,10 @@ class Ingress:
         req = await self._validated(request, ChatCompletionRequest if chat else CompletionRequest)
         if isinstance(req, ErrorItem):
             return req
+        if req.priority != 0 and self.config.scheduling_policy != "priority":
+            return ErrorItem(400, f"priority {req.priority} needs the server's priority scheduling "
+                             "(scheduling_policy: priority); this server admits requests in arrival order",
+                             param="priority")
         if req.return_token_ids and (req.num_choices > 1 or not chat and len(req.prompts) > 1):
             return ErrorItem(400, "return_token_ids: needs a single choice (n = 1, one prompt)",
                              param="return_token_ids")
@@ -452,6 +456,7 @@ class Ingress:
                                                    max_tokens_default=req.max_tokens_default,
                                                    echo=("sent" if as_sent else "tokens") if echo else "no",
                                                    truncate_prompt_tokens=req.truncate_prompt_tokens,
+                                                   priority=req.priority,
                                                    add_special_tokens=req.add_special_tokens,
                                                    guided_param=req.guided_param),
                             prompt if echo and as_sent else ""))

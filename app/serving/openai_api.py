@@ -277,6 +277,9 @@ class _Common(BaseModel):
         "Extension (vLLM's): name each logprobs token \"token_id:<id>\" instead of its text."))
     structured_outputs: StructuredOutputs | None = Field(None, description=(
         "Extension: vLLM's structured output (json, json_object, regex, choice or grammar)."))
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1, description=(
+        "Extension (vLLM's): with the server's priority scheduling, queued requests are admitted lower values first; "
+        "other than 0 without it, a 400."))
     truncate_prompt_tokens: int | None = Field(None, description=(
         "Extension (vLLM's): keep only the prompt's last k tokens (after the chat template and special tokens); -1: "
         "as many as the context holds. An echoed prompt is then the kept tokens' text."))

@@ -50,6 +50,8 @@ class GenerateRequest:
     echo: Literal["no", "sent", "tokens"] = "no"
     # vLLM's: keep only the prompt's last k token ids (-1: the context length), after tokenization
     truncate_prompt_tokens: int | None = None
+    # vLLM's: the target replica's queue admits lower values first (AppConfig.scheduling_policy "priority")
+    priority: int = 0
     # a text prompt or chat template's text tokenized with the tokenizer's own special tokens (a Llama tokenizer's
     # BOS): completions' default, as in vLLM (a chat template writes them itself); token-id prompts are taken as sent
     add_special_tokens: bool = False

@@ -335,7 +335,7 @@ class TargetReplica:
                             f"{self.config.max_queued_requests} queued)", type="server_overloaded", code="overloaded")
             return
         stream = _Stream(request=request, prompt_ids=prompt_ids, arrived_at=arrived_at)
-        self._waiting.append(stream)
+        self._enqueue(stream)
         self._wakeup.set()
         try:
             while True:
@@ -478,6 +478,17 @@ class TargetReplica:
 
     async def _run(self, fn, *args):
         return await self._torch.run(fn, *args)
+
+    def _enqueue(self, stream: _Stream) -> None:
+        """Queue a request behind those of its priority or a lower one (``scheduling_policy`` "priority"; "fcfs":
+        the end of the queue). The front of the queue is admitted first."""
+        if self.config.scheduling_policy == "fcfs":
+            self._waiting.append(stream)
+            return
+        priority = stream.request.priority
+        at = next((i for i, queued in enumerate(self._waiting) if queued.request.priority > priority),
+                  len(self._waiting))
+        self._waiting.insert(at, stream)
 
     async def _loop(self) -> None:
         while True:

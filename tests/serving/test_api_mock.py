@@ -726,12 +726,12 @@ def test_responses_api_answers_as_the_chat_completion_it_is(client, url):
     messages, streamed as the Responses events (deltas joining into the text, usage at the end); ``max_output_tokens``
     reached is ``incomplete``; what the server cannot do is a 400 naming the Responses field."""
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
     response = client.responses.create(model=MODEL, instructions="Be brief.", input="hi", max_output_tokens=5,
                                        temperature=0)
-    assert response.output_text == chat.choices[0].message.content and response.id.startswith("resp_")
+    assert response.output_text == answer.choices[0].message.content and response.id.startswith("resp_")
     assert (response.status, response.incomplete_details.reason) == ("incomplete", "max_output_tokens")
-    assert (response.usage.input_tokens, response.usage.output_tokens) == (chat.usage.prompt_tokens, 5)
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (answer.usage.prompt_tokens, 5)
     events = list(client.responses.create(model=MODEL, instructions="Be brief.", stream=True, max_output_tokens=5,
                                           input=[{"role": "user", "content": "hi"}], temperature=0))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
@@ -743,6 +743,14 @@ def test_responses_api_answers_as_the_chat_completion_it_is(client, url):
                         ({"input": [{"role": "user", "content": "x" * (MAX_MODEL_LEN + 10)}]}, "input")):
         r = httpx.post(f"{url}/v1/responses", headers=AUTH, timeout=30, json={"model": MODEL, "input": "hi", **body})
         assert (r.status_code, r.json()["error"]["param"]) == (400, param), r.text
+
+
+def test_a_priority_needs_the_server_s_priority_scheduling(url):
+    """vLLM's rule: ``priority`` other than 0 on a server that admits in arrival order is a 400 naming it."""
+    r = httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=2, priority=1), headers=AUTH, timeout=30)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "priority")
+    assert httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=2, priority=0), headers=AUTH,
+                      timeout=30).status_code == 200
 
 
 def test_a_chat_can_continue_its_final_message(client):

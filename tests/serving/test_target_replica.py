@@ -886,3 +886,14 @@ def test_prompt_logprobs_without_echo_leave_the_prompt_text_undecoded(replica, m
         chunk = stream.queue.get_nowait()
         assert len(decoded) == decodes and [e.token_id for e in chunk.prompt_logprobs] == [1, 2, 3]
         assert all((e.text_len is None) == (echo == "no") for e in chunk.prompt_logprobs)
+
+
+def test_priority_scheduling_queues_lower_priorities_first(monkeypatch):
+    """``scheduling_policy: priority`` (vLLM's): a queued request goes ahead of those of a higher priority value,
+    behind those of its own (arrival order among equals); ``fcfs``: arrival order whatever the priority."""
+    for policy, order in (("fcfs", ["a", "b", "c", "d", "e"]), ("priority", ["d", "b", "e", "a", "c"])):
+        replica = make_replica(monkeypatch, scheduling_policy=policy)
+        for rid, priority in (("a", 5), ("b", 0), ("c", 5), ("d", -1), ("e", 0)):
+            request = GenerateRequest(rid, SamplingParams(max_tokens=2), prompt="x", priority=priority)
+            replica._enqueue(target_module._Stream(request=request, prompt_ids=[1], arrived_at=0.0))
+        assert [s.request.request_id for s in replica._waiting] == order, policy

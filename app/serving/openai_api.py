@@ -36,7 +36,9 @@ ACTING_COMPLETIONS = ("model", "prompt", "max_tokens", "temperature", "top_p", "
                       "seed", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "echo", "best_of")
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "spec_stats",
               "return_token_ids", "prompt_logprobs", "add_special_tokens", "structured_outputs",
-              "include_stop_str_in_output", "skip_special_tokens")
+              "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "priority",
+              "return_tokens_as_token_ids", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+              "include_reasoning", "response_format")  # vLLM's names; response_format on completions
 HARMLESS_CHAT = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                  "prompt_cache_options", "service_tier", "prediction", "parallel_tool_calls", "modalities")
 HARMLESS_COMPLETIONS = ("user",)

@@ -368,3 +368,14 @@ def test_an_assistant_turn_comes_back_as_a_response_gave_it():
             ChatCompletionRequest.model_validate({"model": "m", "messages": [bad]})
         item = validation_error(err.value)
         assert item.status == 400 and item.param.startswith("messages.0"), item
+
+
+def test_every_request_field_is_sorted_by_what_it_does():
+    """Each field of the chat and completions schemas is in one list (acting, harmless, rejected, or an extension),
+    which the docs and the field walk follow: a new field must say what it does."""
+    from app.serving import openai_api as api
+
+    for model, lists in ((ChatCompletionRequest, api.ACTING_CHAT + api.HARMLESS_CHAT + api.REJECTED_CHAT),
+                         (CompletionRequest, api.ACTING_COMPLETIONS + api.HARMLESS_COMPLETIONS +
+                          api.REJECTED_COMPLETIONS)):
+        assert set(model.model_fields) <= set(lists + api.EXTENSIONS), model.__name__

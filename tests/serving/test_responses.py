@@ -118,3 +118,9 @@ def test_streamed_events_follow_the_responses_sequence():
     assert ends[-1]["response"]["output"][0]["content"][0]["text"] == ""
     failed = ResponseEvents(ResponseShape(_request(), "m")).error({"error": {"message": "boom", "code": "x"}})
     assert failed[0]["type"] == "error" and failed[0]["message"] == "boom"
+
+
+def test_every_request_field_is_sorted_by_what_it_does():
+    from app.serving import responses as api
+
+    assert set(ResponsesRequest.model_fields) == set(api.ACTING + api.HARMLESS + api.REJECTED)

@@ -1,7 +1,8 @@
 """The HTTP ingress: OpenAI-compatible routes on FastAPI, in front of the target replicas.
 
-Owns: ``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and non-streaming), ``/v1/models`` and
-``/v1/models/{id}``, vLLM's ``/tokenize`` and ``/detokenize``, ``/metrics`` (Prometheus text), ``/health``; the API
+Owns: ``/v1/chat/completions`` and ``/v1/completions`` (streaming SSE and non-streaming), ``/v1/responses`` (a chat
+completion in the Responses shapes: ``responses.py``), ``/v1/models`` and ``/v1/models/{id}``, vLLM's ``/tokenize``,
+``/detokenize`` and ``/version``, ``/metrics`` (Prometheus text), ``/health``; the API
 key check (``Authorization: Bearer`` on ``/v1`` routes, ``/tokenize`` and ``/detokenize``); parsing and validation
 (every failure is an OpenAI-style JSON error with a 4xx, before any work); admission (at most ``admission_limit``
 target requests in flight per ingress replica, and ``TOKENIZE_LIMIT`` tokenize calls apart from them: beyond either a

@@ -4,10 +4,10 @@ Owns: request admission (validation, prefill into a free cache slot from the end
 cache holds: ``prefix_cache.py``), one-forward verification of a ragged batch (request r brings its pending token plus
 ``l_r`` draft tokens, ``l_r = 0`` is plain decoding), acceptance, EOS / stop-token / stop-string / max_tokens
 handling, release. Works on token ids; text is produced only for the committed output. Sampling controls
-(penalties, logit_bias, top-k, min-p, min_tokens, grammars) apply at every verified row with the state the request
-would have after the earlier drafts of its block (``app/engine/logits_process.py``, ``app/engine/grammar.py``), so
-speculation does not change the output. Does not own: what to draft (``app/drafters``) or how much of it to verify
-(``app/scheduling``).
+(penalties, logit_bias, allowed_token_ids, top-k, min-p, min_tokens, grammars) apply at every verified row with the
+state the request would have after the earlier drafts of its block (``app/engine/logits_process.py``,
+``app/engine/grammar.py``), so speculation does not change the output. Does not own: what to draft
+(``app/drafters``) or how much of it to verify (``app/scheduling``).
 
 State per request: its slot, ``num_cached`` tokens in the slot's cache, and one *pending* token (committed,
 returned to the caller, not yet run through the target). A verify step feeds ``[pending, d_1 .. d_l]`` at
@@ -328,8 +328,10 @@ class TargetEngine(Engine):
 
         Raises:
             InvalidRequestError: duplicate id (held, or twice in the batch), empty prompt, token id outside [0, V)
-                (prompt, ``logit_bias`` or ``stop_token_ids``); structured output (``guided``) llguidance does
-                not compile, or combined with ``ignore_eos`` or ``min_tokens``.
+                (prompt, ``logit_bias``, ``stop_token_ids`` or ``allowed_token_ids``); ``allowed_token_ids`` of end
+                tokens only (EOS, ``stop_token_ids``) under ``min_tokens``, which masks them; structured output
+                (``guided``) llguidance does not compile, combined with ``ignore_eos`` or ``min_tokens``, or with
+                ``allowed_token_ids`` that hold no EOS.
             ContextLengthError: T + max_tokens > max_model_len.
             CapacityError: fewer free slots than requests.
             ValueError: ``limits`` not one positive count per request, or given in batch-invariant mode.
@@ -489,9 +491,16 @@ class TargetEngine(Engine):
         if len(request.prompt_ids) == 0:
             raise InvalidRequestError("prompt is empty", param="prompt")
         p = request.params
-        for param, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("stop_token_ids", p.stop_token_ids)):
+        for param, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("stop_token_ids", p.stop_token_ids),
+                           ("allowed_token_ids", p.allowed_token_ids or ())):
             if bad := [t for t in ids if t >= self.vocab_size]:
                 raise InvalidRequestError(f"{param}: token ids {bad} are outside [0, {self.vocab_size})", param=param)
+        if p.min_tokens and p.allowed_token_ids is not None:  # RequestControls masks the end tokens under min_tokens
+            ends = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            if ends.issuperset(p.allowed_token_ids):
+                raise InvalidRequestError(
+                    f"allowed_token_ids {list(p.allowed_token_ids)} are all end tokens (EOS or stop_token_ids), which "
+                    f"min_tokens={p.min_tokens} masks: no token could be generated", param="allowed_token_ids")
         ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
@@ -511,10 +520,15 @@ class TargetEngine(Engine):
                 f"combined with ignore_eos or min_tokens (got ignore_eos={params.ignore_eos}, "
                 f"min_tokens={params.min_tokens})", param="guided"
             )
+        if params.allowed_token_ids is not None and self.eos_token_ids.isdisjoint(params.allowed_token_ids):
+            raise InvalidRequestError(
+                f"structured output ({params.guided.kind}) ends at EOS once its output is complete: allowed_token_ids "
+                f"must hold an EOS token ({sorted(self.eos_token_ids)})", param="allowed_token_ids"
+            )
         if self._grammars is None:
             self._grammars = GrammarCompiler(self.tokenizer, vocab_size=self.vocab_size,
                                              eos_token_ids=sorted(self.eos_token_ids))
-        return self._grammars.matcher(params.guided)
+        return self._grammars.matcher(params.guided, allowed_token_ids=params.allowed_token_ids)
 
     def _register(self, request: NewRequest, prompt_len: int, grammar: RequestGrammar | None, *, donor: int = -1
                   ) -> _Request:

@@ -20,6 +20,11 @@ An end token (EOS) the grammar allows ends the request when committed (``ignore_
 so a draft is cut after one and the row after it allows EOS only: that row is never committed, it only keeps the
 distribution defined.
 
+With ``allowed_token_ids`` (which must then hold an EOS) each mask keeps only those tokens, so a draft outside them is
+cut like any the grammar forbids. A state where no token is left (the grammar wants only tokens outside the set) is a
+``GrammarError`` like the parser giving up: at the committed state it ends the request, at a draft it cuts the block
+before that draft, so the request ends where plain decoding would end it.
+
 Shape symbols: l verified draft tokens, V vocabulary, W = ceil(V / 32) words of a packed bitmask.
 """
 
@@ -48,7 +53,8 @@ GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)  # a GBNF rul
 
 class GrammarError(RuntimeError):
     """llguidance stopped following a request's grammar (its parser gave up, e.g. ``ParserTooComplex`` past its
-    per-step limit, after which its masks no longer hold): that request cannot go on, the others of its step can."""
+    per-step limit, after which its masks no longer hold), or the grammar and the request's ``allowed_token_ids``
+    leave no token: that request cannot go on, the others of its step can."""
 
 
 class GrammarCompiler:
@@ -69,14 +75,15 @@ class GrammarCompiler:
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self._compiled = functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)(self._compile)
 
-    def matcher(self, guided: GuidedDecoding) -> "RequestGrammar":
-        """A fresh per-request grammar state for ``guided``.
+    def matcher(self, guided: GuidedDecoding, *, allowed_token_ids: Sequence[int] | None = None) -> "RequestGrammar":
+        """A fresh per-request grammar state for ``guided``, its masks kept to ``allowed_token_ids`` (ids in [0, V))
+        when given.
 
         Raises:
             InvalidRequestError: a schema that is not valid JSON, a schema, regex or grammar llguidance does not
                 compile (the message is llguidance's), or one no output satisfies.
         """
-        return RequestGrammar(self._compiled(guided).deep_copy(), self)
+        return RequestGrammar(self._compiled(guided).deep_copy(), self, allowed_token_ids=allowed_token_ids)
 
     def _compile(self, guided: GuidedDecoding) -> llguidance.LLMatcher:
         what = "schema" if guided.kind.startswith("json") else guided.kind
@@ -123,8 +130,13 @@ def _grammar(guided: GuidedDecoding) -> str:
 class RequestGrammar:
     """One request's grammar state (module docstring): the matcher holds the committed output only."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, compiler: GrammarCompiler, *,
+                 allowed_token_ids: Sequence[int] | None = None) -> None:
         self._matcher = matcher
+        self._allowed = None  # [V] bool, the request's allowed_token_ids, or None for every token
+        if allowed_token_ids is not None:
+            self._allowed = torch.zeros(compiler.vocab_size, dtype=torch.bool)
+            self._allowed[list(allowed_token_ids)] = True
         self._vocab_size = compiler.vocab_size
         self._eos = frozenset(compiler.eos_token_ids)
         # [1, W] int32, the tensor sharing the array's memory (llguidance's numpy helpers: importing its torch module
@@ -151,7 +163,8 @@ class RequestGrammar:
         state as it was: speculation ends no request plain decoding would go on with.
 
         Raises:
-            GrammarError: the parser gave up on the committed state (its mask cannot be computed).
+            GrammarError: the parser gave up on the committed state (its mask cannot be computed), or no token of
+                ``allowed_token_ids`` may follow it.
         """
         rows, kept = [self._mask()], 0
         if not draft:
@@ -173,7 +186,7 @@ class RequestGrammar:
                                        f"{self._matcher.get_error()}")
                 rows.append(self._mask())
                 kept += 1
-        except GrammarError:  # the drafts verified up to the one the parser gave up on
+        except GrammarError:  # the drafts verified up to the one the parser gave up on, or that leaves no token
             pass
         finally:
             self._matcher = committed
@@ -190,12 +203,23 @@ class RequestGrammar:
             raise GrammarError(f"grammar refused committed tokens {body}: {self._matcher.get_error()}")
 
     def _mask(self) -> torch.Tensor:
-        """[V] bool: the tokens allowed next in the matcher's current state."""
+        """[V] bool: the tokens allowed next in the matcher's current state (and in ``allowed_token_ids``).
+
+        Raises:
+            GrammarError: the parser gave up, or ``allowed_token_ids`` hold none of the tokens the grammar allows.
+        """
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask_np)
         if self._matcher.is_error():
             raise GrammarError(f"structured output stopped: {self._matcher.get_error()}")
         bits = (self._bitmask[0].unsqueeze(-1) >> self._shifts) & 1  # [W, 32], bit j of word w is token 32 w + j
-        return bits.reshape(-1)[: self._vocab_size].bool()
+        mask = bits.reshape(-1)[: self._vocab_size].bool()
+        if self._allowed is None:
+            return mask
+        mask &= self._allowed
+        if not bool(mask.any()):
+            raise GrammarError("structured output stopped: allowed_token_ids hold none of the tokens the grammar "
+                               "allows next")
+        return mask
 
     def eos_only(self) -> torch.Tensor:
         """[V] bool: the end tokens only (a request that ends: its grammar failed, or an accepted EOS draft)."""

@@ -10,7 +10,9 @@ acceptance stays lossless against it.
 
 Order at each row (the earlier steps change logits, the last three only truncate):
 
-1. ``logit_bias``: added to the logits (OpenAI).
+1. ``allowed_token_ids``: every token outside the set gets logit -inf (vLLM applies it before its other
+   processors); ``logit_bias``: added to the logits (OpenAI). Both act at every row, so a draft outside the set has
+   target probability 0 and is rejected, and a greedy row takes the argmax of the allowed tokens.
 2. ``min_tokens``: while ``num_output + i < min_tokens``, EOS (unless ``ignore_eos``) and ``stop_token_ids`` get
    logit -inf (vLLM's definition).
 3. ``repetition_penalty`` r on every token in the prompt or the output so far (drafts 1..i included): a logit z
@@ -24,8 +26,9 @@ Order at each row (the earlier steps change logits, the last three only truncate
    step 5's logits (steps 6's truncations all keep the argmax).
 
 Logprobs (``SamplingParams.logprobs``) are the *raw* target's: log_softmax of the model's logits before any of the
-steps above (temperature 1, no penalty, bias or mask), as vLLM returns by default. They depend only on the target
-and the committed tokens, so they are the same with speculation on and off.
+steps above (temperature 1, no penalty, bias or mask), as vLLM returns by default: the alternatives may hold tokens
+``allowed_token_ids`` or the grammar leave out. They depend only on the target and the committed tokens, so they are
+the same with speculation on and off.
 
 Shape symbols: n rows of one request's verify step (n = l + 1; n = 1 at prefill), l drafts, V vocabulary,
 C committed tokens.
@@ -51,7 +54,8 @@ class RequestControls:
         eos_token_ids: the engine's end tokens (masked with ``stop_token_ids`` under ``min_tokens``).
         vocab_size: V.
 
-    The caller has checked that every ``logit_bias`` and ``stop_token_ids`` id lies in [0, V).
+    The caller has checked that every ``logit_bias``, ``stop_token_ids`` and ``allowed_token_ids`` id lies in [0, V),
+    and that ``min_tokens`` leaves an allowed token (a row with every logit -inf has no distribution).
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], *, eos_token_ids: Sequence[int],
@@ -62,9 +66,13 @@ class RequestControls:
         self.counts = torch.zeros(vocab_size)  # [V] float32 occurrences of each token in the committed output
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)  # [V] tokens of the prompt
         self.in_prompt[torch.as_tensor(list(prompt_ids), dtype=torch.long)] = True
-        self.bias = torch.zeros(vocab_size)  # [V] float32 logit_bias, dense
+        self.bias = torch.zeros(vocab_size)  # [V] float32 logit_bias, dense; -inf outside allowed_token_ids
         for tok, b in params.logit_bias:
             self.bias[tok] = b
+        if params.allowed_token_ids is not None:
+            outside = torch.ones(vocab_size, dtype=torch.bool)  # [V]
+            outside[list(params.allowed_token_ids)] = False
+            self.bias[outside] = -math.inf
         ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.end_ids = torch.tensor(sorted(ends), dtype=torch.long)  # masked while under min_tokens
 

@@ -169,6 +169,10 @@ class SamplingParams:
             masked), as in vLLM; stop strings are not checked before it either.
         stop_token_ids: extra token ids that end the request (the token is included in the output's ids, like EOS;
             its text, like EOS's, only with ``include_stop_str_in_output``, as vLLM does).
+        allowed_token_ids: None = every token; else the only token ids that may be generated, every other logit -inf
+            (vLLM's option; a sorted tuple of distinct ids >= 0). As in vLLM, EOS is not added: without it in the set
+            the request ends at ``max_tokens``, a stop string or a ``stop_token_ids`` token. The engine refuses end
+            tokens only under ``min_tokens`` (which masks them) and, with ``guided``, a set without an EOS.
         logprobs: None = off; k >= 0 = return the log-probability of each output token under the target and
             the k most likely alternatives (k <= ``MAX_LOGPROBS``).
         prompt_logprobs: None = off; k >= 0 = return the log-probability under the target of each prompt token
@@ -198,6 +202,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     guided: GuidedDecoding | None = None
@@ -252,6 +257,12 @@ class SamplingParams:
             raise InvalidRequestError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}",
                                       param="stop_token_ids")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            if not isinstance(allowed, (list, tuple)) or not allowed or any(not _is_int(t) or t < 0 for t in allowed):
+                raise InvalidRequestError(f"allowed_token_ids must be one or more token ids >= 0 (None: every token), "
+                                          f"got {allowed!r}", param="allowed_token_ids")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -279,10 +290,10 @@ class SamplingParams:
 
     def controls(self) -> list[str]:
         """Names of the sampling controls set away from their neutral value (penalties, biases, truncations,
-        ``min_tokens``, ``stop_token_ids``, ``logprobs``, ``guided``)."""
+        ``min_tokens``, ``stop_token_ids``, ``allowed_token_ids``, ``logprobs``, ``guided``)."""
         neutral = SamplingParams()
         names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "top_k", "min_p",
-                 "min_tokens", "stop_token_ids", "logprobs", "guided")
+                 "min_tokens", "stop_token_ids", "allowed_token_ids", "logprobs", "guided")
         return [n for n in names if getattr(self, n) != getattr(neutral, n)]
 
 

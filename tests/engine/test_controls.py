@@ -7,7 +7,8 @@ Sampled: the joint distribution of three tokens from one verify step matches the
 tokens of plain decoding with the same seed, for every control and a grammar.
 Structured output: every output parses and matches its schema, greedy outputs are identical with speculation on and
 off, drafts the grammar forbids are cut before verification, and a sampled request verified against draft
-probabilities rejects them instead (its output distribution checked).
+probabilities rejects them instead (its output distribution checked). With ``allowed_token_ids`` too, a state where
+the grammar allows none of them ends the request with an error where plain decoding ends it.
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def _token(engine, text: str) -> int:
     return tok
 
 
+def _allowed(engine, plain) -> tuple[int, ...]:
+    """The plain outputs' tokens but EOS and each output's second token: every output leaves its plain one there and
+    keeps to a small vocabulary; the short answer, which ended with EOS, cannot end before max_tokens (vLLM does not
+    add EOS to the set)."""
+    return tuple(sorted({t for p in plain for t in p} - {p[1] for p in plain} - engine.eos_token_ids))
+
+
 CONTROLS = {
     "presence_penalty": lambda e, plain: {"presence_penalty": 2.0},
     "frequency_penalty": lambda e, plain: {"frequency_penalty": 1.5},
@@ -68,6 +76,7 @@ CONTROLS = {
     "min_tokens": lambda e, plain: {"min_tokens": 12},
     "stop_token_ids": lambda e, plain: {"stop_token_ids": (plain[0][6], plain[1][9])},
     "top_k_min_p": lambda e, plain: {"top_k": 3, "min_p": 0.3},
+    "allowed_token_ids": lambda e, plain: {"allowed_token_ids": _allowed(e, plain)},
 }
 
 
@@ -114,6 +123,10 @@ def test_greedy_control_is_identical_with_speculation(engine, prompts, plain, co
     elif name == "logit_bias":
         banned = {_token(engine, ","), _token(engine, ".")}
         assert not banned & {t for o in outputs for t in o} and outputs != plain
+    elif name == "allowed_token_ids":
+        assert all(set(o) <= set(params.allowed_token_ids) and o != p for o, p in zip(outputs, plain))
+        assert plain[3][-1] in engine.eos_token_ids and len(plain[3]) < MAX_TOKENS
+        assert len(outputs[3]) == MAX_TOKENS and ref[3].finish_reason == FinishReason.LENGTH
     elif name == "top_k_min_p":  # truncations keep the argmax: the exact path gives the screened path's output
         for prompt, out, p in zip(prompts, outputs, plain):
             check_same_or_near_tie(engine, prompt, p, out)
@@ -156,6 +169,21 @@ def test_greedy_logprobs_are_the_same_with_speculation(engine, prompts):
         exact = torch.log_softmax(teacher_forced_logits(engine, prompt + r.token_ids)[len(prompt) - 1 : -1], -1)
         got = torch.tensor([lp.logprob for lp in r.logprobs])
         assert torch.allclose(got, exact[torch.arange(len(got)), torch.tensor(r.token_ids)], atol=LOGPROB_TOL)
+
+
+def test_logprobs_under_allowed_token_ids_are_the_raw_targets(engine, prompts, plain):
+    """The mask shapes the choice, not the returned logprobs (vLLM's default): each is the raw target's, with
+    speculation on as off, and the alternatives hold tokens outside the set."""
+    allowed = _allowed(engine, plain)
+    params = SamplingParams(max_tokens=MAX_TOKENS, allowed_token_ids=allowed, logprobs=3)
+    ref, perfect = plain_and_perfect(engine, prompts[:2], params)
+    for prompt, r, s in zip(prompts, ref, perfect):
+        exact = torch.log_softmax(teacher_forced_logits(engine, prompt + r.token_ids)[len(prompt) - 1 : -1], -1)
+        got = torch.tensor([lp.logprob for lp in r.logprobs])
+        assert torch.allclose(got, exact[torch.arange(len(got)), torch.tensor(r.token_ids)], atol=LOGPROB_TOL)
+        n = next((i for i, (a, b) in enumerate(zip(r.token_ids, s.token_ids)) if a != b), len(r.token_ids))
+        _close_logprobs(r.logprobs[:n], s.logprobs[:n])
+    assert {t for r in ref for lp in r.logprobs for t, _ in lp.top} - set(allowed)
 
 
 def test_sampled_logprobs_are_raw_at_every_committed_token(engine, prompts):
@@ -339,6 +367,50 @@ def test_llguidance_giving_up_is_a_grammar_error_at_the_committed_state_and_a_cu
     assert kept < len(ids) and allowed.shape == (kept + 1, engine.vocab_size)
     assert not drafted._matcher.is_error()  # the committed state as it was: its mask holds again
     assert torch.equal(drafted.block_masks([])[1][0], allowed[0])
+
+
+def _digits(engine) -> list[int]:
+    return [_token(engine, str(d)) for d in range(10)]
+
+
+def test_allowed_token_ids_cut_the_grammars_masks_and_a_state_with_none_left_is_a_grammar_error(engine, grammars):
+    """Masks keep to the set: a draft the grammar allows but the set does not is cut like a forbidden one; a draft
+    after which the grammar allows none of the set cuts the block before it; at the committed state that is a
+    ``GrammarError`` (the engine ends the request)."""
+    from app.engine.grammar import GrammarError
+
+    digits, eos = _digits(engine), sorted(engine.eos_token_ids)
+    grammar = grammars.matcher(GuidedDecoding("regex", r"[0-9]{1,3}\.[0-9]"), allowed_token_ids=digits + eos)
+    one, two, three, dot = digits[1], digits[2], digits[3], _token(engine, ".")
+    kept, allowed = grammar.block_masks([one, two, three])  # after three digits the regex wants "."
+    assert kept == 2 and allowed.shape == (3, engine.vocab_size)
+    assert allowed[0].nonzero().flatten().tolist() == sorted(digits)
+    assert grammar.block_masks([one, dot])[0] == 1
+    grammar.commit([one, two, three])
+    with pytest.raises(GrammarError, match="allowed_token_ids hold none of the tokens the grammar allows"):
+        grammar.block_masks([])
+
+
+def test_a_grammar_that_allows_none_of_allowed_token_ids_ends_its_request_where_plain_decoding_does(engine):
+    """Digits and EOS only: a JSON object cannot start (the request ends at its first token), a regex that wants a
+    "." after three digits ends after them, one the digits complete ends with EOS; all with an error where plain
+    decoding has one, with speculation on (perfect and random drafts) as off."""
+    allowed = tuple(_digits(engine) + sorted(engine.eos_token_ids))
+    guided = [GuidedDecoding("json_object"), GuidedDecoding("regex", r"[0-9]{1,3}\.[0-9]"),
+              GuidedDecoding("regex", r"[0-9]{1,3}(\.[0-9]{1,2})?")]
+    params = [SamplingParams(max_tokens=12, allowed_token_ids=allowed, guided=g) for g in guided]
+    prompt = engine.encode_chat([{"role": "user", "content": "What is 12.5 times 3? Answer with the number only."}])
+    ref, perfect = plain_and_perfect(engine, [prompt] * len(params), params)
+    noisy, _ = generate(engine, [prompt] * len(params), params, proposer=RandomProposer(engine.vocab_size, [4], seed=2))
+    for p, r, a, b in zip(params, ref, perfect, noisy):
+        assert set(r.token_ids) <= set(allowed) and r.token_ids[-1] in engine.eos_token_ids
+        for spec in (a, b):
+            check_same_or_near_tie(engine, prompt, r.token_ids, spec.token_ids, p)
+            assert spec.finish_reason == r.finish_reason
+    assert [r.finish_reason for r in ref] == [FinishReason.ERROR, FinishReason.ERROR, FinishReason.STOP]
+    assert len(ref[0].token_ids) == 1 and len(ref[1].token_ids) == 4
+    assert "allowed_token_ids hold none of the tokens the grammar allows" in ref[1].error
+    assert re.fullmatch(r"[0-9]{1,3}", ref[2].text) and sum(x.num_accepted for x in perfect) > 0
 
 
 def test_a_grammar_is_read_as_gbnf_only_where_it_defines_rules_so(grammars):

@@ -39,6 +39,12 @@ from app.engine.types import DraftBlock, GuidedDecoding, SamplingParams
         ({"stop_token_ids": (True,)}, "stop_token_ids"),
         ({"logit_bias": ((1.7, 1.0),)}, "logit_bias"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": ()}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": (3, -1)}, "allowed_token_ids"),
+        ({"allowed_token_ids": (True,)}, "allowed_token_ids"),
+        ({"allowed_token_ids": (2.0,)}, "allowed_token_ids"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
@@ -46,6 +52,14 @@ def test_bad_sampling_params(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match) as err:
         SamplingParams(**kwargs)
     assert err.value.param == match
+
+
+def test_allowed_token_ids_are_a_sorted_set_and_a_control():
+    """Distinct ids in order, whatever the order or repeats given; a control: greedy takes the full-vocabulary path."""
+    params = SamplingParams(allowed_token_ids=[9, 3, 9, 0])
+    assert params.allowed_token_ids == (0, 3, 9)
+    assert params.controls() == ["allowed_token_ids"] and params.greedy and params.full_logits
+    assert SamplingParams().allowed_token_ids is None and not SamplingParams().controls()
 
 
 def test_temperature_too_small_to_divide_by_is_greedy():
@@ -93,14 +107,29 @@ def test_structured_output_values_are_checked_by_name(kind, spec, match):
         ({"guided": GuidedDecoding("regex", "(unclosed")}, "regex: unsupported regex: (.|\n)*unclosed group"),
         ({"guided": GuidedDecoding("grammar", "start: foo")}, "grammar: unsupported grammar: .*unknown name"),
         ({"guided": GuidedDecoding("grammar", "root ::= foo")}, "not a GBNF grammar llguidance reads: .*'foo'"),
+        ({"allowed_token_ids": (5, 49152)}, "49152"),
+        ({"allowed_token_ids": (2,), "min_tokens": 1}, r"\[2\] are all end tokens .* min_tokens=1 masks"),
+        ({"allowed_token_ids": (2, 7), "stop_token_ids": (7,), "min_tokens": 2}, r"\[2, 7\] are all end tokens"),
+        ({"allowed_token_ids": (5, 7), "guided": GuidedDecoding("json_object")},
+         r"structured output \(json_object\) ends at EOS .*allowed_token_ids must hold an EOS token \(\[2\]\)"),
     ],
 )
 def test_bad_controls_are_refused_before_taking_a_slot(engine, kwargs, match):
+    """The error's ``param`` is the field listed first (a structured-output combination: ``guided``)."""
     free = engine.num_free_slots
     with pytest.raises(InvalidRequestError, match=match) as err:
         engine.add_request("ctl", [1, 2, 3], SamplingParams(max_tokens=4, **kwargs))
     assert engine.num_free_slots == free and not engine.has_request("ctl")
-    assert err.value.param == ("guided" if "guided" in kwargs else next(iter(kwargs)))
+    assert err.value.param == next(iter(kwargs))
+
+
+def test_allowed_end_tokens_under_min_tokens_pass_where_they_are_not_masked(engine):
+    """With ``ignore_eos`` EOS is no end token (min_tokens does not mask it), and a set with one other token leaves
+    that token: both generate until max_tokens."""
+    for kwargs in ({"allowed_token_ids": (2,), "ignore_eos": True}, {"allowed_token_ids": (2, 7)}):
+        out = engine.add_request("ends", [1, 2, 3], SamplingParams(max_tokens=2, min_tokens=2, **kwargs))
+        assert out.new_token_ids == ([2] if "ignore_eos" in kwargs else [7]) and not out.finished
+        engine.release("ends")
 
 
 def test_a_chat_template_that_refuses_the_messages_is_a_request_error(engine, monkeypatch):
@@ -194,12 +223,13 @@ def test_bad_draft_leaves_batch_untouched(engine):
     assert tokens == ref.token_ids
 
 
-@pytest.mark.parametrize("param", ["logit_bias", "stop_token_ids"])
+@pytest.mark.parametrize("param", ["logit_bias", "stop_token_ids", "allowed_token_ids"])
 def test_token_ids_outside_the_vocabulary_name_their_field(engine, param):
-    """A token id past the vocabulary in ``logit_bias`` or ``stop_token_ids`` is refused at admission with the field
-    named (the serving layer answers it as the OpenAI error's ``param``), and nothing is left in the engine."""
+    """A token id past the vocabulary in ``logit_bias``, ``stop_token_ids`` or ``allowed_token_ids`` is refused at
+    admission with the field named (the serving layer answers it as the OpenAI error's ``param``), and nothing is left
+    in the engine."""
     bad = engine.vocab_size + 5
-    params = SamplingParams(**({"logit_bias": ((bad, 1.0),)} if param == "logit_bias" else {"stop_token_ids": (bad,)}))
+    params = SamplingParams(**({"logit_bias": ((bad, 1.0),)} if param == "logit_bias" else {param: (bad,)}))
     free = engine.num_free_slots
     with pytest.raises(InvalidRequestError, match=rf"{param}: token ids \[{bad}\] are outside") as err:
         engine.add_request("out-of-vocab", [1, 2, 3], params)

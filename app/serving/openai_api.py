@@ -6,8 +6,9 @@ chat and completions requests is declared below and either acts as OpenAI docume
 nature (``HARMLESS``: it names, tags, stores or bills the request and cannot change its output), or answers a 400
 naming it when set to anything but its neutral value (``REJECTED``); any other field is a 400 naming it too.
 Extensions, with vLLM's names: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``,
-``ignore_eos``, ``prompt_logprobs``, ``return_token_ids``, ``add_special_tokens``, ``structured_outputs``,
-``include_stop_str_in_output``, ``skip_special_tokens``; and ``spec_stats`` (the request's speculative statistics).
+``allowed_token_ids``, ``ignore_eos``, ``prompt_logprobs``, ``return_token_ids``, ``add_special_tokens``,
+``structured_outputs``, ``include_stop_str_in_output``, ``skip_special_tokens``; and ``spec_stats`` (the request's
+speculative statistics).
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ ACTING_CHAT = ("model", "messages", "max_tokens", "max_completion_tokens", "temp
                "top_logprobs", "response_format")
 ACTING_COMPLETIONS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                       "seed", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "echo", "best_of")
-EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "spec_stats",
-              "return_token_ids", "prompt_logprobs", "add_special_tokens", "structured_outputs",
-              "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens", "priority",
-              "return_tokens_as_token_ids", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-              "include_reasoning", "response_format")  # vLLM's names; response_format on completions
+EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "allowed_token_ids",
+              "ignore_eos", "spec_stats", "return_token_ids", "prompt_logprobs", "add_special_tokens",
+              "structured_outputs", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+              "priority", "return_tokens_as_token_ids", "add_generation_prompt", "continue_final_message",
+              "chat_template_kwargs", "include_reasoning", "response_format")  # vLLM's; response_format on completions
 HARMLESS_CHAT = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
                  "prompt_cache_options", "service_tier", "prediction", "parallel_tool_calls", "modalities")
 HARMLESS_COMPLETIONS = ("user",)
@@ -270,6 +271,9 @@ class _Common(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     min_tokens: int | None = Field(None, ge=0)
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = Field(None, description=(
+        "The only token ids that may be generated (vLLM's): one or more, each in the vocabulary. EOS is not added: "
+        "without it the output ends at max_tokens, a stop string or a stop_token_ids token."))
     ignore_eos: bool = False
     include_stop_str_in_output: bool = Field(False, description="The text ends after the stop string that ended it.")
     skip_special_tokens: bool = Field(True, description="False: special tokens show as their text.")
@@ -394,8 +398,9 @@ class _Common(BaseModel):
             repetition_penalty=self.repetition_penalty or 1.0,
             logit_bias=tuple((int(k), v) for k, v in (self.logit_bias or {}).items()),
             top_k=self.top_k or 0, min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
-            stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=logprobs, guided=self.guided(),
-            prompt_logprobs=prompt_logprobs,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            logprobs=logprobs, guided=self.guided(), prompt_logprobs=prompt_logprobs,
         )
 
 

@@ -296,6 +296,7 @@ def test_the_next_turn_of_a_chat_reuses_the_previous_prompt_and_answer(url, engi
 
 
 NEWLINE = 198  # SmolLM2's "\n" token
+ALLOWED = tuple(range(200, 1200))  # 1,000 of SmolLM2's first merges (" t", " a", "in", ...): no special token, no byte
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
           "additionalProperties": False}
 # (client arguments, the SamplingParams the server must apply): greedy, so speculation on and off must agree
@@ -307,6 +308,7 @@ CONTROLS = {
     "top_k_min_p": ({"extra_body": {"top_k": 3, "min_p": 0.2}}, {"top_k": 3, "min_p": 0.2}),
     "min_tokens": ({"extra_body": {"min_tokens": 20}}, {"min_tokens": 20}),
     "stop_token_ids": ({"extra_body": {"stop_token_ids": [NEWLINE]}}, {"stop_token_ids": (NEWLINE,)}),
+    "allowed_token_ids": ({"extra_body": {"allowed_token_ids": list(ALLOWED)}}, {"allowed_token_ids": ALLOWED}),
     "logprobs": ({"logprobs": True, "top_logprobs": 3}, {"logprobs": 3}),
 }
 
@@ -342,6 +344,8 @@ def test_openai_client_sampling_controls_equal_plain_decoding(url, engine):
         if name == "stop_token_ids" and NEWLINE in got:
             assert got[-1] == NEWLINE and response.choices[0].finish_reason == "stop"
             assert response.choices[0].model_extra["stop_reason"] == NEWLINE  # vLLM's: the stop token id
+        if name == "allowed_token_ids":  # no EOS among them: the answer runs to max_tokens
+            assert set(got) <= set(ALLOWED) and response.choices[0].finish_reason == "length"
         if name == "logprobs" and got == plain.token_ids:
             content = response.choices[0].logprobs.content
             assert len(content) == len(got) and all(len(c.top_logprobs) == 3 for c in content)

@@ -10,6 +10,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
+from app.engine.errors import InvalidRequestError
 from app.engine.types import ChatTemplateOptions, GuidedDecoding
 from app.serving.config import AppConfig
 from app.serving.ingress import admission_limit, json_too_deep
@@ -41,6 +42,8 @@ MAPPED = [
     ({"min_p": 0.05}, "min_p", 0.05),
     ({"min_tokens": 3}, "min_tokens", 3),
     ({"stop_token_ids": [2, 5]}, "stop_token_ids", (2, 5)),
+    ({"allowed_token_ids": [9, 2, 9]}, "allowed_token_ids", (2, 9)),
+    ({}, "allowed_token_ids", None),
     ({"ignore_eos": True}, "ignore_eos", True),
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output", True),
     ({"skip_special_tokens": False}, "skip_special_tokens", False),
@@ -157,6 +160,9 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": MESSAGES, "logprobs": "true"}, "logprobs"),
     ({"messages": MESSAGES, "logit_bias": {"28": "5"}}, "logit_bias"),
     ({"messages": MESSAGES, "stop_token_ids": ["30"]}, "stop_token_ids.0"),
+    ({"messages": MESSAGES, "allowed_token_ids": ["30"]}, "allowed_token_ids.0"),
+    ({"prompt": "a", "allowed_token_ids": [1.0]}, "allowed_token_ids.0"),
+    ({"messages": MESSAGES, "allowed_token_ids": 30}, "allowed_token_ids"),
     ({"messages": MESSAGES, "ignore_eos": "yes"}, "ignore_eos"),
     ({"messages": MESSAGES, "temperature": float("nan")}, "temperature"),
     ({"prompt": "a", "echo": "yes"}, "echo"),
@@ -179,6 +185,19 @@ def test_unsupported_fields_are_400s_naming_them(body, param):
     item = validation_error(err.value)
     assert item.status == 400 and item.param == param, item
     assert item.message and "Value error" not in item.message
+
+
+@pytest.mark.parametrize("schema,body", [
+    (ChatCompletionRequest, {"messages": MESSAGES, "allowed_token_ids": []}),
+    (CompletionRequest, {"prompt": "a", "allowed_token_ids": [3, -1]}),
+])
+def test_allowed_token_ids_sampling_params_refuse_name_the_field(schema, body):
+    """An empty list or a negative id passes the schema and is refused building the engine's settings, which the
+    ingress answers as a 400 with this ``param``."""
+    req = schema.model_validate({"model": "m", **body})
+    with pytest.raises(InvalidRequestError, match="allowed_token_ids must be one or more token ids >= 0") as err:
+        req.params()
+    assert err.value.param == "allowed_token_ids"
 
 
 def test_neutral_values_of_options_this_server_lacks_are_accepted_and_bad_prompts_named_by_kind():

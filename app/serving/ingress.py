@@ -48,7 +48,8 @@ from app.serving.openai_api import (
 )
 from app.serving.protocol import DRAINING, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenizeCall, openai_param
 from app.serving.reasoning import ReasoningParser
-from app.serving.responses import ResponseEvents, ResponseShape, ResponsesRequest, response_body, responses_param
+from app.serving.responses import (PARAMS, ResponseEvents, ResponseShape, ResponsesRequest, response_body,
+                                   responses_param)
 
 log = logging.getLogger("ray.serve")
 
@@ -108,6 +109,8 @@ def _responses_error(answer: JSONResponse, req: ResponsesRequest) -> JSONRespons
     """A chat error answer with its ``param`` named as the Responses request's field (``responses_param``)."""
     body = json.loads(answer.body)
     body["error"]["param"] = responses_param(body["error"]["param"], req)
+    for chat_name in ("max_completion_tokens", "response_format"):  # names in the message too (not "messages")
+        body["error"]["message"] = body["error"]["message"].replace(chat_name, PARAMS[chat_name])
     headers = {name: value for name, value in answer.headers.items() if name.lower() == "retry-after"}
     return JSONResponse(body, status_code=answer.status_code, headers=headers)
 
@@ -274,6 +277,8 @@ class Ingress:
             return error_response(dataclasses.replace(item, param=responses_param(item.param, req)))
         except ValueError as err:  # a json_schema format without its name and schema
             return error_response(ErrorItem(400, str(err), param="text.format"))
+        if (refused := self._priority_refused(chat)) is not None:
+            return error_response(refused)
         shape = ResponseShape(req, self.config.served_model_name)
         answer = await self._serve(chat, chat=True, request_id=shape.id, shape=shape)
         if isinstance(answer, JSONResponse) and answer.status_code >= 400:
@@ -313,6 +318,22 @@ class Ingress:
         return {"prompt": answer}
 
     # ------------------------------------------------------------------ helpers
+
+    def _priority_refused(self, req: ChatCompletionRequest | CompletionRequest) -> ErrorItem | None:
+        """vLLM's rule: a ``priority`` other than 0 needs the server's priority scheduling."""
+        if req.priority == 0 or self.config.scheduling_policy == "priority":
+            return None
+        return ErrorItem(400, f"priority {req.priority} needs the server's priority scheduling (scheduling_policy: "
+                         "priority); this server admits requests in arrival order", param="priority")
+
+    def _reasoning(self, req: ChatCompletionRequest | CompletionRequest, *, chat: bool) -> ReasoningParser | None:
+        """The parser of a chat's reasoning (``reasoning_parser``), starting where a message the client started left
+        off (``continue_final_message``); None for completions, and for structured output, whose grammar constrains
+        the whole output: the answer."""
+        if not chat or self.config.reasoning_parser is None or req.guided() is not None:
+            return None
+        return ReasoningParser(self.config.reasoning_parser,
+                               prefill=req.messages[-1].text if req.continue_final_message else None)
 
     def _template(self, req: ChatCompletionRequest | TokenizeRequest) -> ChatTemplateOptions:
         """How the chat template renders the request's messages: its fields, and this server's sanitizing."""
@@ -423,10 +444,8 @@ class Ingress:
         req = await self._validated(request, ChatCompletionRequest if chat else CompletionRequest)
         if isinstance(req, ErrorItem):
             return req
-        if req.priority != 0 and self.config.scheduling_policy != "priority":
-            return ErrorItem(400, f"priority {req.priority} needs the server's priority scheduling "
-                             "(scheduling_policy: priority); this server admits requests in arrival order",
-                             param="priority")
+        if (refused := self._priority_refused(req)) is not None:
+            return refused
         if req.return_token_ids and (req.num_choices > 1 or not chat and len(req.prompts) > 1):
             return ErrorItem(400, "return_token_ids: needs a single choice (n = 1, one prompt)",
                              param="return_token_ids")
@@ -602,8 +621,8 @@ class Ingress:
                     entries, offset=len(c.echo), prompt=echoed_prompt(c.chunks[0].prompt_logprobs, req.echoed_logprobs),
                     token_ids=by_id)
             text, reasoning = c.echo + "".join(x.text for x in c.chunks), None
-            if chat and self.config.reasoning_parser is not None:
-                reasoning, text = ReasoningParser(self.config.reasoning_parser).split(text)
+            if (parser := self._reasoning(req, chat=chat)) is not None:
+                reasoning, text = parser.split(text)
                 reasoning = reasoning if req.include_reasoning else None
             choices.append(choice_body(chat=chat, index=c.index, text=text, finish_reason=c.chunks[-1].finish_reason,
                                        logprobs=logprobs, stop_reason=c.chunks[-1].stop_reason, reasoning=reasoning))
@@ -666,8 +685,8 @@ class Ingress:
 
         tasks = [asyncio.create_task(pump(c)) for c in flight.choices]
         offsets = {c.index: 0 for c in flight.choices}  # characters sent per choice (completions' text_offset)
-        parser = self.config.reasoning_parser if chat else None
-        splits = {c.index: ReasoningParser(parser).stream() for c in flight.choices} if parser is not None else {}
+        parser = self._reasoning(req, chat=chat)
+        splits = {c.index: parser.stream() for c in flight.choices} if parser is not None else {}
         completion_tokens, remaining = 0, len(flight.choices)
         try:
             if chat:

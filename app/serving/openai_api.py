@@ -93,6 +93,9 @@ class ChatMessage(BaseModel):
     # what an SDK sends back with an earlier assistant turn; only their empty values are accepted
     refusal: str | None = None
     tool_calls: list | None = None
+    annotations: list | None = None
+    audio: Any = None
+    function_call: Any = None
 
     @model_validator(mode="after")
     def _assistant_fields(self) -> "ChatMessage":
@@ -122,11 +125,11 @@ class ChatMessage(BaseModel):
             unicode_text(value, "content")
         return value
 
-    @field_validator("refusal", "tool_calls")
+    @field_validator("refusal", "tool_calls", "annotations", "audio", "function_call")
     @classmethod
     def _empty(cls, value: Any, info) -> Any:
         if value:
-            raise unsupported(info.field_name, "tools are not supported; only an empty value is accepted")
+            raise unsupported(info.field_name, "a text model's turn has none; only an empty value is accepted")
         return value
 
     @property

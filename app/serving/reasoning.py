@@ -5,11 +5,15 @@ QwQ, Qwen3) write, whole (``ReasoningParser.split``) or as the text streams (``R
 the tokens, logprobs and usage are the completion's as they are. Does not own: the response shapes (``openai_api.py``)
 or the chat template (whether a model thinks is the template's matter: Qwen3's ``enable_thinking``).
 
-The two parsers differ in what an output that does not open with the start tag is: ``deepseek_r1`` reads it as
-reasoning up to the end tag (R1's template opens ``<think>`` in the prompt), ``qwen3`` as an answer without reasoning
-(Qwen3 with thinking off). Reasoning runs to the end tag, or to the end of an output cut short; the text after the
-end tag is the answer. Unlike vLLM's ``qwen3`` parser, which gives a reasoning cut short (no end tag) as the answer,
-the parts do not depend on whether the text was streamed: the streamed deltas join into the whole text's parts.
+An output that continues a message the client started (``continue_final_message``) starts where that message left
+off: in the reasoning when it opened the start tag without the end tag, in the answer when it closed it or has no
+tag. Otherwise the two parsers differ in what an output that does not open with the start tag is: ``deepseek_r1``
+reads it as reasoning up to the end tag (R1's template opens ``<think>`` in the prompt), ``qwen3`` as an answer
+without reasoning (Qwen3 with thinking off). Reasoning runs to the end tag, or to the end of an output cut short; the
+text after the end tag is the answer. Unlike vLLM's ``qwen3`` parser, which gives a reasoning cut short (no end tag)
+as the answer, the parts do not depend on whether the text was streamed: the streamed deltas join into the whole
+text's parts. Structured output is all answer: the ingress applies no parser to it (its grammar constrains the whole
+output).
 """
 
 from __future__ import annotations
@@ -21,22 +25,36 @@ START, END = "<think>", "</think>"
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
+Part = Literal["head", "reasoning", "answer"]  # head: the start tag may still open the output
+
+
 @dataclass(frozen=True)
 class ReasoningParser:
-    """One of vLLM's reasoning parsers by name (module docstring)."""
+    """One of vLLM's reasoning parsers by name, for an output that continues ``prefill`` (the message the client
+    started, with ``continue_final_message``) or starts a new turn (None) (module docstring)."""
 
     name: ReasoningParserName
+    prefill: str | None = None
 
     def reasons_unopened(self) -> bool:
         """Whether an output that does not open with the start tag reasons up to the end tag (``deepseek_r1``)."""
         return self.name == "deepseek_r1"
 
+    def start(self) -> Part:
+        """The part the output starts in."""
+        if self.prefill is None:
+            return "head"
+        return "reasoning" if self.prefill.rfind(START) > self.prefill.rfind(END) else "answer"
+
     def split(self, text: str) -> tuple[str | None, str | None]:
         """A whole output as (reasoning, answer), None for a part that is absent or empty."""
-        opened = text.startswith(START)
-        if not (opened or self.reasons_unopened()):
+        part = self.start()
+        if part == "head":
+            part = "reasoning" if text.startswith(START) or self.reasons_unopened() else "answer"
+            text = text.removeprefix(START) if part == "reasoning" else text
+        if part == "answer":
             return None, text or None
-        reasoning, _, answer = text.removeprefix(START).partition(END)
+        reasoning, _, answer = text.partition(END)
         return reasoning or None, answer or None
 
     def stream(self) -> ReasoningStream:
@@ -51,7 +69,7 @@ class ReasoningStream:
     def __init__(self, parser: ReasoningParser) -> None:
         self.parser = parser
         self._pending = ""  # text not given out yet
-        self._part: Literal["head", "reasoning", "answer"] = "head"  # head: the start tag may still open the output
+        self._part: Part = parser.start()
 
     def feed(self, delta: str) -> tuple[str, str]:
         """The (reasoning, answer) text ``delta`` releases ("" for none)."""

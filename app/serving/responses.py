@@ -21,6 +21,7 @@ from app.serving.openai_api import STRICT, ChatCompletionRequest, JsonSchemaForm
 
 # Request fields by what they do (the field walk test reads these)
 ACTING = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text")
+EXTENSIONS = ("priority",)  # vLLM's
 HARMLESS = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
             "prompt_cache_options", "service_tier", "parallel_tool_calls", "max_tool_calls", "stream_options")
 REJECTED = ("previous_response_id", "conversation", "prompt", "tools", "tool_choice", "reasoning", "truncation",
@@ -30,32 +31,46 @@ PARAMS = {"max_completion_tokens": "max_output_tokens", "response_format": "text
 TEXT_PARTS = ("input_text", "output_text")
 
 
-class InputMessage(BaseModel):
+class InputItem(BaseModel):
     """One ``input`` item: a message (``type`` "message" or left out) whose ``content`` is a string or a list of
-    ``input_text`` / ``output_text`` parts (an earlier output item comes back with its ``id`` and ``status``)."""
+    ``input_text`` / ``output_text`` parts, or a ``reasoning`` item (its ``reasoning_text`` parts); an earlier output
+    item comes back with its ``id``, ``status`` and ``phase``, which are kept as labels only."""
 
     model_config = STRICT
 
-    type: Literal["message"] | None = None
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[dict[str, Any]]
+    type: Literal["message", "reasoning"] | None = None
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[dict[str, Any]] | None = None
+    summary: list[dict[str, Any]] | None = None
+    encrypted_content: None = None
     id: str | None = None
     status: str | None = None
+    phase: str | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _messages_only(cls, value: Any) -> Any:
-        if isinstance(value, dict) and value.get("type", "message") != "message":
-            raise unsupported(f"input item type {value.get('type')!r}", "message items (text) only")
+    def _known_types(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type", "message") not in ("message", "reasoning"):
+            raise unsupported(f"input item type {value.get('type')!r}", "message and reasoning items (text) only")
         return value
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> "InputItem":
+        if self.type == "reasoning":
+            if self.role is not None or not isinstance(self.content or [], list):
+                raise ValueError("a reasoning item has no role, and its content is a list of reasoning_text parts")
+        elif self.role is None or self.content is None or self.summary is not None:
+            raise ValueError("a message item needs a role and content (and has no summary)")
+        return self
 
     @field_validator("content")
     @classmethod
-    def _text_parts(cls, value: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-        if isinstance(value, str):
-            return unicode_text(value, "content")
+    def _text_parts(cls, value: str | list[dict[str, Any]] | None, info) -> str | list[dict[str, Any]] | None:
+        if value is None or isinstance(value, str):
+            return value if value is None else unicode_text(value, "content")
+        kinds = ("reasoning_text",) if info.data.get("type") == "reasoning" else TEXT_PARTS
         for i, part in enumerate(value):
-            if part.get("type") not in TEXT_PARTS:
+            if part.get("type") not in kinds:
                 raise unsupported(f"content part type {part.get('type')!r}", "text parts only")
             if not isinstance(part.get("text"), str) or set(part) - {"type", "text", "annotations", "logprobs"}:
                 raise ValueError(f"content part {i} must be {{type, text}} (an output's annotations and logprobs are "
@@ -63,11 +78,33 @@ class InputMessage(BaseModel):
             unicode_text(part["text"], f"content part {i}")
         return value
 
-    def chat_message(self) -> dict:
-        """The message as a chat request takes it."""
-        content = self.content if isinstance(self.content, str) else \
-            [{"type": "text", "text": part["text"]} for part in self.content]
-        return {"role": self.role, "content": content}
+    @property
+    def text(self) -> str:
+        """The item's text: its content string, or its parts joined."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part["text"] for part in self.content or [])
+
+
+def chat_messages(items: list[InputItem]) -> list[dict]:
+    """``input`` items as chat messages: a reasoning item's text becomes the ``reasoning`` of the assistant message
+    after it (one of its own when none follows), as a chat request sends an earlier turn back."""
+    messages, reasoning = [], None
+    for item in items:
+        if item.type == "reasoning":
+            reasoning = item.text if reasoning is None else reasoning + item.text
+            continue
+        if reasoning is not None and item.role != "assistant":
+            messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
+            reasoning = None
+        content = item.content if isinstance(item.content, str) else \
+            [{"type": "text", "text": part["text"]} for part in item.content]
+        messages.append({"role": item.role, "content": content} | ({} if reasoning is None else
+                                                                    {"reasoning": reasoning}))
+        reasoning = None
+    if reasoning is not None:
+        messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
+    return messages
 
 
 class TextFormat(BaseModel):
@@ -116,13 +153,16 @@ class ResponsesRequest(BaseModel):
     model_config = STRICT
 
     model: str
-    input: list[InputMessage] | str  # the list first: its errors name the item (input.0.content)
+    input: list[InputItem] | str  # the list first: its errors name the item (input.0.content)
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool | None = False
     text: TextConfig | None = None
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1, description=(
+        "Extension (vLLM's): with the server's priority scheduling, queued requests are admitted lower values first; "
+        "other than 0 without it, a 400."))
     # harmless by nature: they label, store, cache or bill the request, never change its tokens
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -154,7 +194,7 @@ class ResponsesRequest(BaseModel):
 
     @field_validator("input")
     @classmethod
-    def _some_input(cls, value: list[InputMessage] | str) -> list[InputMessage] | str:
+    def _some_input(cls, value: list[InputItem] | str) -> list[InputItem] | str:
         if isinstance(value, str):
             return unicode_text(value, "input")
         if not value:
@@ -232,8 +272,9 @@ class ResponsesRequest(BaseModel):
         """
         system = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else \
-            [item.chat_message() for item in self.input]
-        body: dict[str, Any] = {"model": self.model, "messages": system + items, "stream": bool(self.stream)}
+            chat_messages(self.input)
+        body: dict[str, Any] = {"model": self.model, "messages": system + items, "stream": bool(self.stream),
+                                "priority": self.priority}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         for name, chat_name in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),

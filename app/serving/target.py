@@ -419,8 +419,8 @@ class TargetReplica:
         if (keep := request.truncate_prompt_tokens) is not None:
             keep = self.config.max_model_len if keep == -1 else keep
             if keep > self.config.max_model_len:
-                raise InvalidRequestError(f"{keep} is more than the context length of {self.config.max_model_len} "
-                                          "tokens", param="truncate_prompt_tokens")
+                raise InvalidRequestError(f"truncate_prompt_tokens {keep} is more than the context length of "
+                                          f"{self.config.max_model_len} tokens", param="truncate_prompt_tokens")
             ids = ids[-keep:]
         room = self.config.max_model_len - len(ids)
         if request.max_tokens_default and 1 <= room < request.params.max_tokens:

@@ -732,12 +732,23 @@ def test_responses_api_answers_as_the_chat_completion_it_is(client, url):
     assert response.output_text == answer.choices[0].message.content and response.id.startswith("resp_")
     assert (response.status, response.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     assert (response.usage.input_tokens, response.usage.output_tokens) == (answer.usage.prompt_tokens, 5)
+    # a conversation goes on with the earlier output sent back as the SDK gives it (null fields included)
+    again = client.responses.create(model=MODEL, max_output_tokens=2, input=[
+        {"role": "user", "content": "hi"}, *[item.model_dump() for item in response.output],
+        {"role": "user", "content": "more"}])
+    assert again.status == "incomplete" and again.usage.input_tokens > response.usage.input_tokens
+    followed = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+        *messages, answer.choices[0].message.model_dump(), {"role": "user", "content": "more"}])
+    assert followed.choices[0].finish_reason == "length"  # chat too: annotations, audio, function_call null
     events = list(client.responses.create(model=MODEL, instructions="Be brief.", stream=True, max_output_tokens=5,
                                           input=[{"role": "user", "content": "hi"}], temperature=0))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     final = events[-1].response  # the mock ends at max_output_tokens: response.incomplete (OpenAI's last event then)
     assert (events[0].type, events[-1].type) == ("response.created", "response.incomplete")
     assert "".join(deltas) == final.output_text == response.output_text and final.usage.output_tokens == 5
+    r = httpx.post(f"{url}/v1/responses", headers=AUTH, timeout=30,
+                   json={"model": MODEL, "input": "hi", "max_output_tokens": MAX_MODEL_LEN * 4})
+    assert "max_output_tokens" in r.json()["error"]["message"] and "max_completion" not in r.text  # its own name
     for body, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
                         ({"max_output_tokens": MAX_MODEL_LEN * 4}, "max_output_tokens"),
                         ({"input": [{"role": "user", "content": "x" * (MAX_MODEL_LEN + 10)}]}, "input")):
@@ -751,6 +762,9 @@ def test_a_priority_needs_the_server_s_priority_scheduling(url):
     assert (r.status_code, r.json()["error"]["param"]) == (400, "priority")
     assert httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=2, priority=0), headers=AUTH,
                       timeout=30).status_code == 200
+    r = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "hi", "priority": -1}, headers=AUTH,
+                   timeout=30)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "priority")
 
 
 def test_a_chat_can_continue_its_final_message(client):

@@ -185,3 +185,32 @@ def test_a_reasoning_parser_gives_the_thinking_apart_from_the_answer_streamed_an
         deltas = asyncio.run(streamed(ingress, req))
         assert "".join(d.get("reasoning", "") for d in deltas) == (reasoning or ""), parser
         assert "".join(d.get("content") or "" for d in deltas) == content, parser
+
+
+def test_structured_output_and_a_closed_prefill_are_the_answer_under_a_reasoning_parser():
+    """A grammar constrains the whole output, so with ``response_format`` it is all content; an output continuing a
+    message whose thinking the client closed (``continue_final_message``) is content too, streamed and not."""
+    from app.serving.openai_api import ChatCompletionRequest
+
+    ingress = Ingress(AppConfig(mock_engine=True, drafter="mock", reasoning_parser="deepseek_r1"), target=None,
+                      router=None)
+    user = [{"role": "user", "content": "2+2?"}]
+    for fields in ({"response_format": {"type": "json_object"}},
+                   {"messages": user + [{"role": "assistant", "content": "<think>Easy.</think>It"}],
+                    "continue_final_message": True}):
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": user, **fields})
+        body = asyncio.run(ingress._body(_answer(ingress, ['{"a"', ": 4}"]), chat=True, request_id="r", req=req))
+        assert (body["choices"][0]["message"]["reasoning"], body["choices"][0]["message"]["content"]) == (
+            None, '{"a": 4}'), fields
+
+        async def streamed() -> list[dict]:
+            events = [e async for e in ingress._sse(_answer(ingress, ['{"a"', ": 4}"]), chat=True, request_id="r",
+                                                    req=req)]
+            return [json.loads(e[6:])["choices"][0]["delta"] for e in events if e.startswith("data: {")]
+
+        deltas = asyncio.run(streamed())
+        assert "".join(d.get("content") or "" for d in deltas) == '{"a": 4}' and not any("reasoning" in d
+                                                                                          for d in deltas)
+    plain = ChatCompletionRequest.model_validate({"model": "m", "messages": user})
+    body = asyncio.run(ingress._body(_answer(ingress, ['{"a"', ": 4}"]), chat=True, request_id="r", req=plain))
+    assert body["choices"][0]["message"]["content"] is None  # deepseek_r1 without them: all reasoning

@@ -55,3 +55,18 @@ def test_reasoning_streams_at_once_and_waits_only_on_a_possible_tag():
     assert stream.feed(" 5.") == ("", " 5.") and stream.finish() == ("", "")
     plain = ReasoningParser("qwen3").stream()
     assert plain.feed("It is 5") == ("", "It is 5")  # not opened: the answer, at once
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_an_output_continuing_a_started_message_starts_where_it_left_off(name):
+    """``continue_final_message``: after a prefill that opened ``<think>``, the output reasons up to ``</think>``;
+    after one that closed it (or has no tag), it is the answer, streamed or not."""
+    for prefill, text, parts in (("<think>Let me", " see.</think>4", (" see.", "4")),
+                                 ("<think>I know.</think>The answer", " is 4.", (None, " is 4.")),
+                                 ("The answer", " is 4.", (None, " is 4.")),
+                                 ("<think>a</think>b<think>c", " d</think>e", (" d", "e"))):
+        parser = ReasoningParser(name, prefill)
+        assert parser.split(text) == parts, prefill
+        stream = parser.stream()
+        pieces = [stream.feed(c) for c in text] + [stream.finish()]
+        assert ("".join(r for r, _ in pieces) or None, "".join(a for _, a in pieces) or None) == parts, prefill

@@ -25,6 +25,18 @@ def test_a_request_becomes_the_chat_completion_it_is_served_as():
                              "content": [{"type": "output_text", "text": "Hello", "annotations": [], "logprobs": []}]},
                             {"role": "user", "content": "Bye"}], stream=True).chat()
     assert [m["content"] for m in turns.chat_messages()] == ["Hi", "Hello", "Bye"]
+    # an earlier output sent back: its reasoning item becomes the reasoning of the assistant message after it
+    back = _request(input=[{"role": "user", "content": "Hi"},
+                           {"type": "reasoning", "id": "rs_1", "summary": [], "status": "completed",
+                            "content": [{"type": "reasoning_text", "text": "a greeting"}], "encrypted_content": None},
+                           {"type": "message", "role": "assistant", "phase": None, "status": "completed",
+                            "content": [{"type": "output_text", "text": "Hello", "annotations": []}]},
+                           {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "x"}]},
+                           {"role": "user", "content": "Bye"}]).chat()
+    assert back.chat_messages() == [{"role": "user", "content": "Hi"},
+                                    {"role": "assistant", "content": "Hello", "reasoning": "a greeting"},
+                                    {"role": "assistant", "content": "", "reasoning": "x"},
+                                    {"role": "user", "content": "Bye"}]
     assert turns.stream and turns.include_usage  # the usage chunk ends the response's events
     assert _request(text={"format": {"type": "json_object"}}).chat().params().guided.kind == "json_object"
     assert _request(text={"format": {"type": "text"}}).chat().params().guided is None
@@ -44,6 +56,9 @@ def test_a_request_becomes_the_chat_completion_it_is_served_as():
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input.0"),
+    ({"input": [{"type": "reasoning", "role": "user", "content": []}]}, "input.0"),
+    ({"input": [{"type": "reasoning", "content": [{"type": "output_text", "text": "x"}]}]}, "input.0.content"),
+    ({"input": [{"role": "user"}]}, "input.0"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
 ])
@@ -123,4 +138,4 @@ def test_streamed_events_follow_the_responses_sequence():
 def test_every_request_field_is_sorted_by_what_it_does():
     from app.serving import responses as api
 
-    assert set(ResponsesRequest.model_fields) == set(api.ACTING + api.HARMLESS + api.REJECTED)
+    assert set(ResponsesRequest.model_fields) == set(api.ACTING + api.HARMLESS + api.REJECTED + api.EXTENSIONS)

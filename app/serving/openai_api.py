@@ -220,6 +220,22 @@ class StructuredOutputs(BaseModel):
         return GuidedDecoding("grammar", self.grammar)
 
 
+class RequestLabels(BaseModel):
+    """OpenAI's fields that label, store, cache or bill a request, never change its tokens: harmless here (nothing is
+    stored or billed; without tools there are no tool calls)."""
+
+    model_config = STRICT
+
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    parallel_tool_calls: bool | None = None
+
+
 class _TemplateFields(BaseModel):
     """vLLM's fields that say how the model's chat template renders the messages (chat requests, ``/tokenize``)."""
 
@@ -407,7 +423,7 @@ class _Common(BaseModel):
         )
 
 
-class ChatCompletionRequest(_Common, _TemplateFields):
+class ChatCompletionRequest(_Common, _TemplateFields, RequestLabels):
     messages: list[ChatMessage] = Field(min_length=1)
     add_special_tokens: bool = Field(False, description=(
         "Extension (vLLM's): also add the tokenizer's special tokens (a Llama tokenizer's BOS) to the chat "
@@ -417,16 +433,8 @@ class ChatCompletionRequest(_Common, _TemplateFields):
         "Extension (vLLM's): with a reasoning parser, false leaves the reasoning out of the response."))
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # harmless by nature: they label, store, cache or bill the request, never change its tokens
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
-    prompt_cache_options: dict[str, Any] | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    # harmless by nature, beside RequestLabels
     prediction: dict[str, Any] | None = Field(None, description="Predicted output: a latency hint only.")
-    parallel_tool_calls: bool | None = Field(None, description="Without tools there are no tool calls.")
     modalities: list[Literal["text"]] | None = None
     # rejected unless neutral
     tools: list | None = None

@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from app.serving.openai_api import STRICT, ChatCompletionRequest, JsonSchemaFormat, unicode_text, unsupported
+from app.serving.openai_api import (STRICT, ChatCompletionRequest, JsonSchemaFormat, RequestLabels, unicode_text,
+                                   unsupported)
 
 # Request fields by what they do (the field walk test reads these)
 ACTING = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text")
@@ -146,7 +147,7 @@ class TextConfig(BaseModel):
         return value
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestLabels):
     """``POST /v1/responses``: the fields of OpenAI's request (``ACTING``, ``HARMLESS``; the ``REJECTED`` ones are a
     400 unless null or empty)."""
 
@@ -163,16 +164,8 @@ class ResponsesRequest(BaseModel):
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1, description=(
         "Extension (vLLM's): with the server's priority scheduling, queued requests are admitted lower values first; "
         "other than 0 without it, a 400."))
-    # harmless by nature: they label, store, cache or bill the request, never change its tokens
+    # harmless by nature, beside RequestLabels
     user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
-    prompt_cache_options: dict[str, Any] | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    parallel_tool_calls: bool | None = Field(None, description="Without tools there are no tool calls.")
     max_tool_calls: int | None = Field(None, description="Without tools there are no tool calls.")
     stream_options: dict[Literal["include_obfuscation"], bool] | None = Field(
         None, description="Harmless: this server never adds an obfuscation field.")

@@ -594,11 +594,13 @@ class TargetReplica:
     async def _admit_waiting(self) -> None:
         """Admissions from the front of the queue, as many forwards as ``SpecLoop.admission_size`` allows."""
         while self._waiting and self.engine.num_free_slots:
-            prompts, params = [s.prompt_ids for s in self._waiting], [s.request.params for s in self._waiting]
+            queued = list(self._waiting)  # requests arriving while it is sized may go ahead (priority scheduling)
+            prompts, params = [s.prompt_ids for s in queued], [s.request.params for s in queued]
             n = await self._run(lambda: self.loop.admission_size(prompts, params=params))
             if n == 0:
                 return
-            streams = [self._waiting.popleft() for _ in range(n)]
+            streams = queued[:n]  # the batch that was sized
+            self._waiting = collections.deque(s for s in self._waiting if all(s is not t for t in streams))
             admitted_at = self.telemetry.clock()
             try:
                 results = await self._run(self.loop.admit, [NewRequest(s.request.request_id, s.prompt_ids,

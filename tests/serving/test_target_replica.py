@@ -897,3 +897,31 @@ def test_priority_scheduling_queues_lower_priorities_first(monkeypatch):
             request = GenerateRequest(rid, SamplingParams(max_tokens=2), prompt="x", priority=priority)
             replica._enqueue(target_module._Stream(request=request, prompt_ids=[1], arrived_at=0.0))
         assert [s.request.request_id for s in replica._waiting] == order, policy
+
+
+def test_a_request_queued_ahead_while_a_batch_is_sized_waits_for_the_next_admission(monkeypatch):
+    """Priority scheduling puts an arriving request at the front of the queue, even while the loop sizes an admission
+    batch on the torch thread: the batch admitted is the one sized (not the new front); the newcomer comes after."""
+    replica = make_replica(monkeypatch, scheduling_policy="priority")
+
+    def stream(rid: str, priority: int) -> target_module._Stream:
+        request = GenerateRequest(rid, SamplingParams(max_tokens=2), prompt="x", priority=priority)
+        return target_module._Stream(request=request, prompt_ids=[1, 2, 3], arrived_at=0.0)
+
+    for rid in ("a", "b"):
+        replica._enqueue(stream(rid, 0))
+    late, size, admit, admitted = stream("late", -5), replica.loop.admission_size, replica.loop.admit, []
+
+    def sizing(prompts, params):
+        if late.request.request_id not in [s.request.request_id for s in replica._waiting] and not admitted:
+            replica._enqueue(late)  # arrives while the first batch is sized
+        return size(prompts, params=params)
+
+    def admitting(requests):
+        admitted.append([r.request_id for r in requests])
+        return admit(requests)
+
+    monkeypatch.setattr(replica.loop, "admission_size", sizing)
+    monkeypatch.setattr(replica.loop, "admit", admitting)
+    asyncio.run(replica._admit_waiting())
+    assert admitted[0] == ["a", "b"] and ["late"] in admitted + [[s.request.request_id for s in replica._waiting]]

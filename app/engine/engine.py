@@ -59,7 +59,7 @@ PROMPT_LOGPROB_ROWS, PROMPT_LOGPROB_BUCKET = 512, 64
 def _renderer_args(tokenizer_type: type) -> frozenset[str]:
     """The names Hugging Face's chat renderer takes itself (``apply_chat_template``'s arguments and the template's
     ``messages``): not template variables a request may set."""
-    return frozenset(inspect.signature(tokenizer_type.apply_chat_template).parameters) - {"self", "kwargs"} | {
+    return (frozenset(inspect.signature(tokenizer_type.apply_chat_template).parameters) - {"self", "kwargs"}) | {
         "messages"}
 
 

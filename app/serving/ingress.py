@@ -105,14 +105,21 @@ def admission_limit(config: AppConfig) -> int:
     return max(1, math.ceil(capacity / config.ingress.num_replicas))
 
 
+def _responses_item(err: ErrorItem, req: ResponsesRequest) -> ErrorItem:
+    """A chat error with its ``param`` named as the Responses request's field (``responses_param``), and the fields
+    its message names too (all but ``messages``, a word messages use)."""
+    message = err.message
+    for chat_name in ("max_completion_tokens", "response_format"):
+        message = message.replace(chat_name, PARAMS[chat_name])
+    return dataclasses.replace(err, message=message, param=responses_param(err.param, req))
+
+
 def _responses_error(answer: JSONResponse, req: ResponsesRequest) -> JSONResponse:
-    """A chat error answer with its ``param`` named as the Responses request's field (``responses_param``)."""
-    body = json.loads(answer.body)
-    body["error"]["param"] = responses_param(body["error"]["param"], req)
-    for chat_name in ("max_completion_tokens", "response_format"):  # names in the message too (not "messages")
-        body["error"]["message"] = body["error"]["message"].replace(chat_name, PARAMS[chat_name])
-    headers = {name: value for name, value in answer.headers.items() if name.lower() == "retry-after"}
-    return JSONResponse(body, status_code=answer.status_code, headers=headers)
+    """A chat error answer as ``_responses_item`` names it."""
+    error = json.loads(answer.body)["error"]
+    item = _responses_item(ErrorItem(answer.status_code, error["message"], error["type"], error["param"],
+                                     error["code"]), req)
+    return error_response(item, int(answer.headers.get("retry-after", 1)))
 
 
 async def _response_events(chat_events: AsyncIterator[str], shape: ResponseShape) -> AsyncIterator[str]:
@@ -273,8 +280,7 @@ class Ingress:
         try:
             chat = req.chat()
         except ValidationError as err:
-            item = validation_error(err)
-            return error_response(dataclasses.replace(item, param=responses_param(item.param, req)))
+            return error_response(_responses_item(validation_error(err), req))
         except ValueError as err:  # a json_schema format without its name and schema
             return error_response(ErrorItem(400, str(err), param="text.format"))
         if (refused := self._priority_refused(chat)) is not None:

@@ -58,6 +58,7 @@ class ReasoningParser:
         return reasoning or None, answer or None
 
     def stream(self) -> ReasoningStream:
+        """An incremental ``split`` for a streamed output."""
         return ReasoningStream(self)
 
 

@@ -88,12 +88,14 @@ class InputItem(BaseModel):
 
 
 def chat_messages(items: list[InputItem]) -> list[dict]:
-    """``input`` items as chat messages: a reasoning item's text becomes the ``reasoning`` of the assistant message
-    after it (one of its own when none follows), as a chat request sends an earlier turn back."""
+    """``input`` items as chat messages: a reasoning item's text (its ``content``; the ``summary`` is left out) becomes
+    the ``reasoning`` of the assistant message after it (one of its own when none follows), as a chat request sends
+    an earlier turn back."""
     messages, reasoning = [], None
     for item in items:
-        if item.type == "reasoning":
-            reasoning = item.text if reasoning is None else reasoning + item.text
+        if item.type == "reasoning":  # its summary is not passed on; an item without text adds nothing
+            if item.text:
+                reasoning = item.text if reasoning is None else reasoning + item.text
             continue
         if reasoning is not None and item.role != "assistant":
             messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
@@ -325,11 +327,11 @@ class ResponseShape:
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "user": self.req.user,
         }
 
-    def message(self, text: str, *, done: bool) -> dict:
-        """The assistant message item (its one ``output_text`` part)."""
+    def message(self, text: str, *, done: bool, cut: bool = False) -> dict:
+        """The assistant message item (its one ``output_text`` part); ``cut``: ended by ``max_output_tokens``."""
         content = [_output_text(text)] if done else []
-        return {"type": "message", "id": self.message_id, "status": "completed" if done else "in_progress",
-                "role": "assistant", "content": content}
+        status = ("incomplete" if cut else "completed") if done else "in_progress"
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     def reasoning(self, text: str, *, done: bool) -> dict:
         """The reasoning item (a reasoning parser's text: ``reasoning_parser``)."""
@@ -355,8 +357,8 @@ def response_body(shape: ResponseShape, chat: dict) -> dict:
     choice = chat["choices"][0]
     message = choice["message"]
     output = [] if message.get("reasoning") is None else [shape.reasoning(message["reasoning"], done=True)]
-    output.append(shape.message(message["content"] or "", done=True))
     length = choice["finish_reason"] == "length"
+    output.append(shape.message(message["content"] or "", done=True, cut=length))
     return shape.response(status="incomplete" if length else "completed", output=output, usage=usage(chat["usage"]),
                           length=length)
 
@@ -380,6 +382,7 @@ class ResponseEvents:
         return event
 
     def start(self) -> list[dict]:
+        """The events that open the stream: ``response.created`` and ``response.in_progress``."""
         in_progress = self.shape.response(status="in_progress", output=[])
         return [self._event("response.created", response=in_progress),
                 self._event("response.in_progress", response=in_progress)]
@@ -444,7 +447,7 @@ class ResponseEvents:
         else:
             events = [self._event("response.output_text.done", **where, text=text, logprobs=[]),
                       self._event("response.content_part.done", **where, part=_output_text(text))]
-            item = self.shape.message(text, done=True)
+            item = self.shape.message(text, done=True, cut=self._finished == "length")
         events.append(self._event("response.output_item.done", output_index=where["output_index"], item=item))
         self._output.append(item)
         self._open = None

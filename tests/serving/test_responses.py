@@ -32,6 +32,7 @@ def test_a_request_becomes_the_chat_completion_it_is_served_as():
                            {"type": "message", "role": "assistant", "phase": None, "status": "completed",
                             "content": [{"type": "output_text", "text": "Hello", "annotations": []}]},
                            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "x"}]},
+                           {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},  # no text
                            {"role": "user", "content": "Bye"}]).chat()
     assert back.chat_messages() == [{"role": "user", "content": "Hi"},
                                     {"role": "assistant", "content": "Hello", "reasoning": "a greeting"},
@@ -93,6 +94,7 @@ def test_the_response_object_of_a_chat_completion():
                                                                            {"reason": "max_output_tokens"})
     assert [item["type"] for item in body["output"]] == ["message"]
     assert body["output"][0]["content"][0]["text"] == "Hello" and body["metadata"] == {"k": "v"}
+    assert body["output"][0]["status"] == "incomplete"  # the message was cut by max_output_tokens
     assert body["usage"] == {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 2}, "output_tokens": 3,
                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 8}
     chat["choices"][0].update(message={"role": "assistant", "content": None, "reasoning": "thinking"},
@@ -125,12 +127,14 @@ def test_streamed_events_follow_the_responses_sequence():
     assert [e["sequence_number"] for e in out] == list(range(len(out)))
     final = out[-1]["response"]
     assert [i["content"][0]["text"] for i in final["output"]] == ["Let me see", "Hi!"]
+    assert [i["status"] for i in final["output"]] == ["completed", "completed"]
     assert final["status"] == "completed" and final["usage"]["output_tokens"] == 3
     assert {e["output_index"] for e in out if e["type"] == "response.output_text.delta"} == {1}
     empty = ResponseEvents(ResponseShape(_request(), "m"))
     ends = empty.chunk(_chunk({}, "length")) + empty.chunk({"choices": [], "usage": CHAT_USAGE})
     assert [e["type"] for e in ends][-1] == "response.incomplete"  # no text: still a message item, empty
     assert ends[-1]["response"]["output"][0]["content"][0]["text"] == ""
+    assert ends[-1]["response"]["output"][0]["status"] == "incomplete"
     failed = ResponseEvents(ResponseShape(_request(), "m")).error({"error": {"message": "boom", "code": "x"}})
     assert failed[0]["type"] == "error" and failed[0]["message"] == "boom"
 

@@ -282,6 +282,18 @@ class TargetEngine(Engine):
             raise InvalidRequestError(f"the chat template cannot use these variables: {err}",
                                       param="chat_template_kwargs") from err
 
+    def bad_words_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """The token ids ``bad_words`` ban (vLLM's rule): each word, stripped of leading spaces, as it is tokenized
+        alone, and after a space when that gives another first token and as many tokens (a word inside a text)."""
+        out = []
+        for word in words:
+            alone = self.encode(word.lstrip())
+            out.append(alone)
+            spaced = self.encode(" " + word.lstrip())
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                out.append(spaced)
+        return out
+
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of a text; ``add_special_tokens``: with the tokenizer's own special tokens (a Llama tokenizer's
         BOS), as a raw completion prompt gets them by default (vLLM's and Hugging Face's rule)."""
@@ -331,7 +343,7 @@ class TargetEngine(Engine):
                 (prompt, ``logit_bias``, ``stop_token_ids`` or ``allowed_token_ids``); ``allowed_token_ids`` of end
                 tokens only (EOS, ``stop_token_ids``) under ``min_tokens``, which masks them; structured output
                 (``guided``) llguidance does not compile, combined with ``ignore_eos`` or ``min_tokens``, or with
-                ``allowed_token_ids`` that hold no EOS.
+                ``allowed_token_ids`` that hold no EOS; ``bad_words`` with ``guided`` or ``allowed_token_ids``.
             ContextLengthError: T + max_tokens > max_model_len.
             CapacityError: fewer free slots than requests.
             ValueError: ``limits`` not one positive count per request, or given in batch-invariant mode.
@@ -501,6 +513,9 @@ class TargetEngine(Engine):
                 raise InvalidRequestError(
                     f"allowed_token_ids {list(p.allowed_token_ids)} are all end tokens (EOS or stop_token_ids), which "
                     f"min_tokens={p.min_tokens} masks: no token could be generated", param="allowed_token_ids")
+        if p.bad_words and (p.guided is not None or p.allowed_token_ids is not None):
+            raise InvalidRequestError("bad_words with structured output or allowed_token_ids could leave no token to "
+                                      "generate: send one of them", param="bad_words")
         ids = torch.as_tensor(request.prompt_ids, dtype=torch.long)
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
@@ -537,7 +552,8 @@ class TargetEngine(Engine):
         params = request.params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         controls = (RequestControls(params, request.prompt_ids, eos_token_ids=sorted(self.eos_token_ids),
-                                    vocab_size=self.vocab_size) if params.controls() else None)
+                                    vocab_size=self.vocab_size, bad_words_ids=self.bad_words_ids(params.bad_words))
+                    if params.controls() else None)
         req = _Request(request_id=request.request_id, slot=self._take_slot(donor), params=params,
                        prompt_len=prompt_len, detok=IncrementalDetokenizer.for_request(self.tokenizer, params),
                        generator=torch.Generator().manual_seed(seed), controls=controls, grammar=grammar)

@@ -11,8 +11,10 @@ acceptance stays lossless against it.
 Order at each row (the earlier steps change logits, the last three only truncate):
 
 1. ``allowed_token_ids``: every token outside the set gets logit -inf (vLLM applies it before its other
-   processors); ``logit_bias``: added to the logits (OpenAI). Both act at every row, so a draft outside the set has
-   target probability 0 and is rejected, and a greedy row takes the argmax of the allowed tokens.
+   processors); ``bad_words``: a word's last token gets -inf at a row whose output so far (drafts 1..i included)
+   ends with the word's other tokens, a one-token word at every row (vLLM's rule, over the output only);
+   ``logit_bias``: added to the logits (OpenAI). They act at every row, so a draft they exclude has target
+   probability 0 and is rejected, and a greedy row takes the argmax of what is left.
 2. ``min_tokens``: while ``num_output + i < min_tokens``, EOS (unless ``ignore_eos``) and ``stop_token_ids`` get
    logit -inf (vLLM's definition).
 3. ``repetition_penalty`` r on every token in the prompt or the output so far (drafts 1..i included): a logit z
@@ -53,13 +55,15 @@ class RequestControls:
         prompt_ids: the prompt (the repetition penalty counts its tokens as seen).
         eos_token_ids: the engine's end tokens (masked with ``stop_token_ids`` under ``min_tokens``).
         vocab_size: V.
+        bad_words_ids: the token ids of ``params.bad_words`` (``TargetEngine.bad_words_ids``), each a sequence of one
+            or more ids.
 
     The caller has checked that every ``logit_bias``, ``stop_token_ids`` and ``allowed_token_ids`` id lies in [0, V),
     and that ``min_tokens`` leaves an allowed token (a row with every logit -inf has no distribution).
     """
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], *, eos_token_ids: Sequence[int],
-                 vocab_size: int) -> None:
+                 vocab_size: int, bad_words_ids: Sequence[Sequence[int]] = ()) -> None:
         self.params = params
         self.vocab_size = vocab_size
         self.num_output = 0
@@ -73,6 +77,13 @@ class RequestControls:
             outside = torch.ones(vocab_size, dtype=torch.bool)  # [V]
             outside[list(params.allowed_token_ids)] = False
             self.bias[outside] = -math.inf
+        for word in bad_words_ids:
+            if len(word) == 1:  # banned everywhere
+                self.bias[word[0]] = -math.inf
+        self.bad_sequences = [tuple(w) for w in bad_words_ids if len(w) > 1]  # banned after their other tokens
+        longest = max((len(w) for w in self.bad_sequences), default=1)
+        self.recent: list[int] = []  # the last ``longest - 1`` committed output tokens (the bad words' context)
+        self._context = longest - 1
         ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.end_ids = torch.tensor(sorted(ends), dtype=torch.long)  # masked while under min_tokens
 
@@ -81,6 +92,18 @@ class RequestControls:
         for tok in tokens:
             self.counts[tok] += 1
         self.num_output += len(tokens)
+        if self._context:
+            self.recent = (self.recent + list(tokens))[-self._context :]
+
+    def _bad_word_rows(self, draft: Sequence[int], n: int) -> list[tuple[int, int]]:
+        """(row, token) pairs that ``bad_words`` ban: row i's output so far is the committed output + drafts 1..i."""
+        banned = []
+        for i in range(n):
+            output = self.recent + list(draft[:i])
+            for word in self.bad_sequences:
+                if len(output) >= len(word) - 1 and tuple(output[len(output) - len(word) + 1 :]) == word[:-1]:
+                    banned.append((i, word[-1]))
+        return banned
 
     def process(self, logits: torch.Tensor, draft: Sequence[int], allowed: torch.Tensor | None) -> torch.Tensor:
         """Steps 1-5 of the module docstring at every row of a verify step.
@@ -98,6 +121,8 @@ class RequestControls:
         if len(draft) != n - 1:
             raise ValueError(f"{len(draft)} drafts for {n} rows of logits")
         out = logits.float() + self.bias
+        for row, tok in self._bad_word_rows(draft, n) if self.bad_sequences else ():
+            out[row, tok] = -math.inf
         if p.min_tokens and self.end_ids.numel():
             under = torch.arange(n) + self.num_output < p.min_tokens  # [n] bool
             out[under.nonzero().flatten().unsqueeze(1), self.end_ids] = -math.inf

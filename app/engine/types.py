@@ -173,6 +173,10 @@ class SamplingParams:
             (vLLM's option; a sorted tuple of distinct ids >= 0). As in vLLM, EOS is not added: without it in the set
             the request ends at ``max_tokens``, a stop string or a ``stop_token_ids`` token. The engine refuses end
             tokens only under ``min_tokens`` (which masks them) and, with ``guided``, a set without an EOS.
+        bad_words: words that may not be generated (vLLM's option): the engine tokenizes each word, alone and after a
+            space, and masks a word's last token wherever the output so far ends with its other tokens (a one-token
+            word everywhere). Only the output is matched, not the prompt. Not with ``guided`` or
+            ``allowed_token_ids`` (a row could lose every token).
         logprobs: None = off; k >= 0 = return the log-probability of each output token under the target and
             the k most likely alternatives (k <= ``MAX_LOGPROBS``).
         prompt_logprobs: None = off; k >= 0 = return the log-probability under the target of each prompt token
@@ -203,6 +207,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     guided: GuidedDecoding | None = None
@@ -263,6 +268,10 @@ class SamplingParams:
                 raise InvalidRequestError(f"allowed_token_ids must be one or more token ids >= 0 (None: every token), "
                                           f"got {allowed!r}", param="allowed_token_ids")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(allowed))))
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise InvalidRequestError(f"bad_words must be words (non-blank strings), got {self.bad_words!r}",
+                                      param="bad_words")
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -290,10 +299,10 @@ class SamplingParams:
 
     def controls(self) -> list[str]:
         """Names of the sampling controls set away from their neutral value (penalties, biases, truncations,
-        ``min_tokens``, ``stop_token_ids``, ``allowed_token_ids``, ``logprobs``, ``guided``)."""
+        ``min_tokens``, ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``logprobs``, ``guided``)."""
         neutral = SamplingParams()
         names = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "top_k", "min_p",
-                 "min_tokens", "stop_token_ids", "allowed_token_ids", "logprobs", "guided")
+                 "min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words", "logprobs", "guided")
         return [n for n in names if getattr(self, n) != getattr(neutral, n)]
 
 

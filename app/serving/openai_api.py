@@ -36,7 +36,7 @@ ACTING_CHAT = ("model", "messages", "max_tokens", "max_completion_tokens", "temp
 ACTING_COMPLETIONS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                       "seed", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "echo", "best_of")
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "allowed_token_ids",
-              "ignore_eos", "spec_stats", "return_token_ids", "prompt_logprobs", "add_special_tokens",
+              "bad_words", "ignore_eos", "spec_stats", "return_token_ids", "prompt_logprobs", "add_special_tokens",
               "structured_outputs", "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
               "priority", "return_tokens_as_token_ids", "add_generation_prompt", "continue_final_message",
               "chat_template_kwargs", "include_reasoning", "response_format")  # vLLM's; response_format on completions
@@ -305,6 +305,9 @@ class _Common(BaseModel):
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1, description=(
         "Extension (vLLM's): with the server's priority scheduling, queued requests are admitted lower values first; "
         "other than 0 without it, a 400."))
+    bad_words: list[str] | None = Field(None, description=(
+        "Extension (vLLM's): words that may not be generated (each tokenized alone and after a space; a word's last "
+        "token is masked where the output ends with its other tokens)."))
     truncate_prompt_tokens: int | None = Field(None, description=(
         "Extension (vLLM's): keep only the prompt's last k tokens (after the chat template and special tokens); -1: "
         "as many as the context holds. An echoed prompt is then the kept tokens' text."))
@@ -419,6 +422,7 @@ class _Common(BaseModel):
             top_k=self.top_k or 0, min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            bad_words=tuple(self.bad_words or ()),
             logprobs=logprobs, guided=self.guided(), prompt_logprobs=prompt_logprobs,
         )
 

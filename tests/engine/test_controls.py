@@ -67,6 +67,16 @@ def _allowed(engine, plain) -> tuple[int, ...]:
     return tuple(sorted({t for p in plain for t in p} - {p[1] for p in plain} - engine.eos_token_ids))
 
 
+def _bad_words(engine, plain) -> tuple[str, ...]:
+    """A two-word phrase of the first plain output and a word of the second (vLLM's ``bad_words``)."""
+    first, second = (engine.tokenizer.decode(p, skip_special_tokens=True).split() for p in plain[:2])
+    return f"{first[2]} {first[3]}", second[4]
+
+
+def _contains(output: list[int], word: list[int]) -> bool:
+    return any(output[i : i + len(word)] == word for i in range(len(output) - len(word) + 1))
+
+
 CONTROLS = {
     "presence_penalty": lambda e, plain: {"presence_penalty": 2.0},
     "frequency_penalty": lambda e, plain: {"frequency_penalty": 1.5},
@@ -77,6 +87,7 @@ CONTROLS = {
     "stop_token_ids": lambda e, plain: {"stop_token_ids": (plain[0][6], plain[1][9])},
     "top_k_min_p": lambda e, plain: {"top_k": 3, "min_p": 0.3},
     "allowed_token_ids": lambda e, plain: {"allowed_token_ids": _allowed(e, plain)},
+    "bad_words": lambda e, plain: {"bad_words": _bad_words(e, plain)},
 }
 
 
@@ -127,6 +138,10 @@ def test_greedy_control_is_identical_with_speculation(engine, prompts, plain, co
         assert all(set(o) <= set(params.allowed_token_ids) and o != p for o, p in zip(outputs, plain))
         assert plain[3][-1] in engine.eos_token_ids and len(plain[3]) < MAX_TOKENS
         assert len(outputs[3]) == MAX_TOKENS and ref[3].finish_reason == FinishReason.LENGTH
+    elif name == "bad_words":
+        banned = engine.bad_words_ids(params.bad_words)
+        assert [w for w in banned if any(_contains(p, w) for p in plain[:2])]  # the plain outputs have them
+        assert not [w for w in banned if any(_contains(o, w) for o in outputs)] and outputs[:2] != plain[:2]
     elif name == "top_k_min_p":  # truncations keep the argmax: the exact path gives the screened path's output
         for prompt, out, p in zip(prompts, outputs, plain):
             check_same_or_near_tie(engine, prompt, p, out)

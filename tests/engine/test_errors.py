@@ -45,6 +45,9 @@ from app.engine.types import DraftBlock, GuidedDecoding, SamplingParams
         ({"allowed_token_ids": (True,)}, "allowed_token_ids"),
         ({"allowed_token_ids": (2.0,)}, "allowed_token_ids"),
         ({"allowed_token_ids": 5}, "allowed_token_ids"),
+        ({"bad_words": ("",)}, "bad_words"),
+        ({"bad_words": (" ",)}, "bad_words"),
+        ({"bad_words": (5,)}, "bad_words"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):
@@ -112,6 +115,8 @@ def test_structured_output_values_are_checked_by_name(kind, spec, match):
         ({"allowed_token_ids": (2, 7), "stop_token_ids": (7,), "min_tokens": 2}, r"\[2, 7\] are all end tokens"),
         ({"allowed_token_ids": (5, 7), "guided": GuidedDecoding("json_object")},
          r"structured output \(json_object\) ends at EOS .*allowed_token_ids must hold an EOS token \(\[2\]\)"),
+        ({"bad_words": ("x",), "guided": GuidedDecoding("json_object")}, "could leave no token"),
+        ({"bad_words": ("x",), "allowed_token_ids": (5, 7)}, "could leave no token"),
     ],
 )
 def test_bad_controls_are_refused_before_taking_a_slot(engine, kwargs, match):

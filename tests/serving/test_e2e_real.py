@@ -308,6 +308,7 @@ CONTROLS = {
     "top_k_min_p": ({"extra_body": {"top_k": 3, "min_p": 0.2}}, {"top_k": 3, "min_p": 0.2}),
     "min_tokens": ({"extra_body": {"min_tokens": 20}}, {"min_tokens": 20}),
     "stop_token_ids": ({"extra_body": {"stop_token_ids": [NEWLINE]}}, {"stop_token_ids": (NEWLINE,)}),
+    "bad_words": ({"extra_body": {"bad_words": ["Apple", "Banana"]}}, {"bad_words": ("Apple", "Banana")}),
     "allowed_token_ids": ({"extra_body": {"allowed_token_ids": list(ALLOWED)}}, {"allowed_token_ids": ALLOWED}),
     "logprobs": ({"logprobs": True, "top_logprobs": 3}, {"logprobs": 3}),
 }

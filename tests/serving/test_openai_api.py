@@ -42,6 +42,7 @@ MAPPED = [
     ({"min_p": 0.05}, "min_p", 0.05),
     ({"min_tokens": 3}, "min_tokens", 3),
     ({"stop_token_ids": [2, 5]}, "stop_token_ids", (2, 5)),
+    ({"bad_words": ["foo bar", "baz"]}, "bad_words", ("foo bar", "baz")),
     ({"allowed_token_ids": [9, 2, 9]}, "allowed_token_ids", (2, 9)),
     ({}, "allowed_token_ids", None),
     ({"ignore_eos": True}, "ignore_eos", True),

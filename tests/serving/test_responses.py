@@ -82,7 +82,8 @@ def test_chat_errors_name_the_responses_fields():
         _request(text={"format": {"type": "json_schema"}}).chat()
 
 
-CHAT_USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 2}}
+CHAT_USAGE = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+              "prompt_tokens_details": {"cached_tokens": 2}}
 
 
 def test_the_response_object_of_a_chat_completion():

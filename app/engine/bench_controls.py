@@ -46,6 +46,8 @@ JSON_PROMPTS = [
     "Make up a JSON object for a child with a cat.",
     "JSON please: someone called Bob, aged 70, with a fish.",
 ]
+ALLOWED_BELOW = 4096  # allowed_token_ids: the ids below this (a small vocabulary's worth, EOS among them)
+BAD_WORDS = ("the", "is")  # bad_words: words the answers use often
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -81,6 +83,8 @@ def controls(engine: TargetEngine, max_tokens: int) -> dict[str, dict]:
         "top_k+min_p": {"top_k": 5, "min_p": 0.2},
         "min_tokens": {"min_tokens": max(1, max_tokens // 2)},
         "stop_token_ids": {"stop_token_ids": (period,)},
+        "allowed_token_ids": {"allowed_token_ids": tuple(range(ALLOWED_BELOW))},
+        "bad_words": {"bad_words": BAD_WORDS},
         "logprobs": {"logprobs": 5},
         "json_schema": {"guided": GuidedDecoding("json_schema", json.dumps(SCHEMA))},
     }

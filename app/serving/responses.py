@@ -311,14 +311,14 @@ class ResponseShape:
         self.id, self.message_id, self.reasoning_id = _ids()
         self.created_at = int(time.time())
 
-    def response(self, *, status: str, output: list[dict], usage: dict | None = None,
-                 length: bool = False) -> dict:
-        """The ``response`` object (``status``: in_progress, completed or incomplete; ``length``: ended at
-        ``max_output_tokens``)."""
+    def response(self, *, status: str, output: list[dict], usage: dict | None = None, length: bool = False,
+                 error: dict | None = None) -> dict:
+        """The ``response`` object (``status``: in_progress, completed, incomplete or failed; ``length``: ended at
+        ``max_output_tokens``; ``error``: a failed one's ``{code, message}``)."""
         fmt = self.req.text.format if self.req.text is not None and self.req.text.format is not None else None
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "incomplete_details": {"reason": "max_output_tokens"} if length else None, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if length else None, "error": error,
             "model": self.model, "output": output, "usage": usage, "instructions": self.req.instructions,
             "max_output_tokens": self.req.max_output_tokens, "temperature": self.req.temperature,
             "top_p": self.req.top_p, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
@@ -411,9 +411,13 @@ class ResponseEvents:
         return events
 
     def error(self, body: dict) -> list[dict]:
-        """The ``error`` event of a failure mid-stream (``error_body``'s ``error`` fields)."""
+        """The events of a failure mid-stream (``error_body``'s ``error`` fields): ``error``, then
+        ``response.failed`` with the items done so far."""
         err = body["error"]
-        return [self._event("error", code=err.get("code"), message=err["message"], param=err.get("param"))]
+        failed = self.shape.response(status="failed", output=self._output,
+                                     error={"code": err.get("code") or "server_error", "message": err["message"]})
+        return [self._event("error", code=err.get("code"), message=err["message"], param=err.get("param")),
+                self._event("response.failed", response=failed)]
 
     def _delta(self, kind: Literal["reasoning", "message"], text: str) -> list[dict]:
         events = []

@@ -137,7 +137,9 @@ def test_streamed_events_follow_the_responses_sequence():
     assert ends[-1]["response"]["output"][0]["content"][0]["text"] == ""
     assert ends[-1]["response"]["output"][0]["status"] == "incomplete"
     failed = ResponseEvents(ResponseShape(_request(), "m")).error({"error": {"message": "boom", "code": "x"}})
-    assert failed[0]["type"] == "error" and failed[0]["message"] == "boom"
+    assert [e["type"] for e in failed] == ["error", "response.failed"] and failed[0]["message"] == "boom"
+    assert failed[1]["response"]["status"] == "failed" and failed[1]["response"]["error"] == {"code": "x",
+                                                                                             "message": "boom"}
 
 
 def test_every_request_field_is_sorted_by_what_it_does():

@@ -617,7 +617,7 @@ class Ingress:
         errors = [e for e in await asyncio.gather(*[read(c) for c in flight.choices]) if e is not None]
         if errors:
             return error_response(errors[0], self.config.retry_after_s)
-        choices = []
+        choices, parser = [], self._reasoning(req, chat=chat)
         for c in flight.choices:
             entries = [e for chunk in c.chunks for e in chunk.logprobs or ()]
             logprobs = None
@@ -627,7 +627,7 @@ class Ingress:
                     entries, offset=len(c.echo), prompt=echoed_prompt(c.chunks[0].prompt_logprobs, req.echoed_logprobs),
                     token_ids=by_id)
             text, reasoning = c.echo + "".join(x.text for x in c.chunks), None
-            if (parser := self._reasoning(req, chat=chat)) is not None:
+            if parser is not None:
                 reasoning, text = parser.split(text)
                 reasoning = reasoning if req.include_reasoning else None
             choices.append(choice_body(chat=chat, index=c.index, text=text, finish_reason=c.chunks[-1].finish_reason,

@@ -21,6 +21,11 @@ VerifyStep = Literal["ragged", "bucketed", "cuda_graphs"]
 Attention = Literal["auto", "sdpa", "flash"]
 
 
+def is_template_text(value: str) -> bool:
+    """Whether ``value`` is a Jinja template's text rather than a file's path (vLLM's test: Jinja markup)."""
+    return "{{" in value or "{%" in value
+
+
 class EngineConfig(BaseModel):
     """Settings of one target engine (one target replica)."""
 
@@ -96,6 +101,10 @@ class EngineConfig(BaseModel):
     feature_layers: tuple[int, ...] | None = Field(
         None, description="Target layers (0-based) whose hidden states feed the drafter; default 5 spread over depth."
     )
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template's text that replaces the tokenizer's own (vLLM's --chat-template; "
+        "the serving config also takes a file's path). None: the tokenizer's.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -107,6 +116,9 @@ class EngineConfig(BaseModel):
         if self.batch_invariant and self.enable_prefix_caching:
             raise ValueError("enable_prefix_caching reuses keys/values computed in other steps' shapes; it cannot be "
                              "combined with batch_invariant")
+        if self.chat_template is not None and not is_template_text(self.chat_template):
+            raise ValueError(f"chat_template {self.chat_template[:80]!r} has no Jinja markup ('{{{{' or '{{%'): give "
+                             "the template's text (the serving config reads it from a file's path)")
         return self
 
     @property

@@ -234,6 +234,12 @@ class TargetEngine(Engine):
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template the engine renders chats with: ``config.chat_template``, else the tokenizer's
+        (None: a base model's, which has none)."""
+        return self.config.chat_template or self.tokenizer.chat_template
+
     def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False,
                     options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
         """Token ids of a chat prompt through the model's own chat template, rendered as ``options`` say (the
@@ -250,14 +256,14 @@ class TargetEngine(Engine):
                 with ``options.sanitize_control_tokens`` (Hugging Face's sanitizing tokenizes the template's text
                 itself, without special tokens).
         """
-        if not self.tokenizer.chat_template:
+        if not self.chat_template:
             raise InvalidRequestError(f"the model {self.config.model!r} has no chat template (its tokenizer "
                                       "defines none): send a raw prompt to /v1/completions", param="prompt")
         if reserved := sorted(set(options.template_kwargs) & _renderer_args(type(self.tokenizer))):
             raise InvalidRequestError(f"{reserved} are the chat renderer's own arguments, not template variables",
                                       param="chat_template_kwargs")
         render = dict(options.template_kwargs, add_generation_prompt=options.add_generation_prompt,
-                      continue_final_message=options.continue_final_message)
+                      continue_final_message=options.continue_final_message, chat_template=self.chat_template)
         if options.sanitize_control_tokens:
             if add_special_tokens:
                 raise InvalidRequestError("this server encodes control tokens in messages as text, which leaves the "

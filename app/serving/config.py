@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from app.engine.config import EngineConfig
+from app.engine.config import EngineConfig, is_template_text
 from app.serving.reasoning import ReasoningParserName
 from autoscale.config import SLOAutoscalingConfig
 
@@ -26,7 +26,20 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PROFILES_DIR = REPO_ROOT / "profiles"
 AUTO_PROFILE = "auto"
 API_KEY_ENV = "DSPARK_API_KEY"
-TOP_LEVEL_ENGINE_KEYS = frozenset({"model", "dtype", "device", "max_model_len", "max_num_seqs"})  # engine shorthands
+TOP_LEVEL_ENGINE_KEYS = frozenset({"model", "dtype", "device", "max_model_len", "max_num_seqs",
+                                   "chat_template"})  # engine shorthands
+
+
+def read_chat_template(path: str) -> str:
+    """The text of the chat template file at ``path`` (``resolve_path``).
+
+    Raises:
+        ValueError: no such file (naming it).
+    """
+    file = Path(resolve_path(path))
+    if not file.is_file():
+        raise ValueError(f"chat_template {path!r} is neither a Jinja template's text nor a file ({file} not found)")
+    return file.read_text(encoding="utf-8")
 
 
 def resolve_path(path: str) -> str:
@@ -62,9 +75,10 @@ class AppConfig(BaseModel):
     engine: EngineConfig = Field(
         default_factory=EngineConfig,
         description="The target engine, every field of app/engine/config.py's EngineConfig: model, load_format, "
-        "dtype, device, max_model_len, max_num_seqs, feature_layers, prepack, fp32_lm_head, greedy_screen "
-        "(max_draft_len is `gamma`). The keys model, dtype, device, max_model_len and max_num_seqs are also "
-        "accepted at the top level of `args`.",
+        "dtype, device, max_model_len, max_num_seqs, feature_layers, prepack, fp32_lm_head, greedy_screen, "
+        "chat_template (max_draft_len is `gamma`). The keys model, dtype, device, max_model_len, max_num_seqs and "
+        "chat_template are also accepted at the top level of `args`; chat_template there or here is a Jinja "
+        "template's text or a file's path (vLLM's --chat-template).",
     )
     served_model_name: str = Field(
         "smollm2-135m", min_length=1, description="Name clients pass as `model`; anything else answers 404. Unset: "
@@ -243,6 +257,8 @@ class AppConfig(BaseModel):
             if key in engine:
                 raise ValueError(f"{key} is set both at the top level and in the engine section; keep one")
             engine[key] = data.pop(key)
+        if isinstance(template := engine.get("chat_template"), str) and not is_template_text(template):
+            engine["chat_template"] = read_chat_template(template)
         data["engine"] = engine
         if "served_model_name" not in data and isinstance(engine.get("model"), str):
             data["served_model_name"] = engine["model"]

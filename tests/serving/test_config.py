@@ -49,6 +49,25 @@ def test_missing_files_name_the_field(tmp_path):
     AppConfig(policy="none", drafter_checkpoint=str(tmp_path / "nothing")).check_files()  # no drafter needed
 
 
+def test_a_chat_template_is_a_file_s_path_or_the_template_s_text(tmp_path):
+    """vLLM's ``--chat-template``: a path (relative: to the repository root, as every path here) is read into the
+    engine's ``chat_template`` at the top level or in the engine section; the text itself is taken as is; a missing
+    file, and text without Jinja markup given to the engine directly, name the field."""
+    from app.engine.config import EngineConfig
+
+    shipped = AppConfig(chat_template="deployments/templates/chatml_tools.jinja", drafter="ngram")
+    assert shipped.engine.chat_template == (REPO_ROOT / "deployments/templates/chatml_tools.jinja").read_text()
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    assert AppConfig(engine={"chat_template": str(tmp_path / "t.jinja")}).engine.chat_template == \
+        "{{ messages[0]['content'] }}"
+    assert AppConfig(chat_template="{% for m in messages %}{{ m.content }}{% endfor %}").engine.chat_template \
+        .startswith("{% for m")
+    with pytest.raises(ValidationError, match="chat_template 'nowhere.jinja' is neither"):
+        AppConfig(chat_template="nowhere.jinja")
+    with pytest.raises(ValidationError, match="has no Jinja markup"):
+        EngineConfig(chat_template="t.jinja")
+
+
 def test_a_model_that_cannot_load_fails_before_any_replica_starts(tmp_path, tiny_llama_dir):
     """``checked_config`` (run by the launcher before Ray starts, and by the builder) checks the target's files and
     architecture as the engine would, naming ``engine.model``, whatever the drafter (here one that needs no files)."""

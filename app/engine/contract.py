@@ -10,7 +10,7 @@ verification. Errors are those of ``errors.py``, raised before any state changes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -83,7 +83,7 @@ class Engine(ABC):
         """Whether ``request_id`` is held."""
 
     @abstractmethod
-    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False,
+    def encode_chat(self, messages: list[dict[str, Any]], *, add_special_tokens: bool = False,
                     options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
         """Token ids of a chat prompt rendered as ``options`` say (the generation prompt appended, by default);
         ``add_special_tokens``: the tokenizer's own too (a Llama tokenizer's BOS) on the template's text, which

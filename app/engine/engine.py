@@ -24,7 +24,7 @@ import inspect
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import jinja2
 import torch
@@ -240,7 +240,7 @@ class TargetEngine(Engine):
         (None: a base model's, which has none)."""
         return self.config.chat_template or self.tokenizer.chat_template
 
-    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False,
+    def encode_chat(self, messages: list[dict[str, Any]], *, add_special_tokens: bool = False,
                     options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
         """Token ids of a chat prompt through the model's own chat template, rendered as ``options`` say (the
         generation prompt appended, by default); ``add_special_tokens``: the template's text tokenized with the
@@ -254,7 +254,8 @@ class TargetEngine(Engine):
                 message as sent, so it cannot be left open; (``chat_template_kwargs``) a name the renderer itself
                 takes (``messages``, ``tokenize``, ...), or values the template cannot use; (``add_special_tokens``)
                 with ``options.sanitize_control_tokens`` (Hugging Face's sanitizing tokenizes the template's text
-                itself, without special tokens).
+                itself, without special tokens); (``tools``) the template never reads ``tools``, so the model would not
+                see them (serve a template that shows tools: the serving config's ``chat_template``).
         """
         if not self.chat_template:
             raise InvalidRequestError(f"the model {self.config.model!r} has no chat template (its tokenizer "
@@ -264,6 +265,12 @@ class TargetEngine(Engine):
                                       param="chat_template_kwargs")
         render = dict(options.template_kwargs, add_generation_prompt=options.add_generation_prompt,
                       continue_final_message=options.continue_final_message, chat_template=self.chat_template)
+        if options.tools is not None:
+            if "tools" not in self.chat_template:
+                raise InvalidRequestError(f"the chat template of {self.config.model!r} does not show tools to the "
+                                          "model; serve it with a template that does (the chat_template setting, e.g. "
+                                          "deployments/templates/chatml_tools.jinja)", param="tools")
+            render["tools"] = [dict(tool) for tool in options.tools]
         if options.sanitize_control_tokens:
             if add_special_tokens:
                 raise InvalidRequestError("this server encodes control tokens in messages as text, which leaves the "

@@ -21,7 +21,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -116,7 +116,7 @@ class MockEngine(Engine):
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def encode_chat(self, messages: list[dict[str, str]], *, add_special_tokens: bool = False,
+    def encode_chat(self, messages: list[dict[str, Any]], *, add_special_tokens: bool = False,
                     options: ChatTemplateOptions = ChatTemplateOptions()) -> list[int]:
         """The messages' characters, then token 1 for the generation prompt (template variables are ignored)."""
         return self.encode("".join(m["content"] for m in messages)) + [1] * options.add_generation_prompt

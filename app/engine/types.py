@@ -59,6 +59,8 @@ class ChatTemplateOptions:
         sanitize_control_tokens: the text of a control token (``<|im_start|>``) inside the messages or template
             variables is encoded as text, so only the template writes control tokens (a client cannot write turns of
             other roles); Hugging Face's ``sanitize_control_tokens``.
+        tools: the functions the model may call, as OpenAI's ``tools`` entries (``{"type": "function", "function":
+            {...}}``), for the template to show; None: no tools.
 
     Raises:
         InvalidRequestError: both ``add_generation_prompt`` and ``continue_final_message``.
@@ -68,6 +70,7 @@ class ChatTemplateOptions:
     continue_final_message: bool = False
     template_kwargs: dict[str, object] = field(default_factory=dict)
     sanitize_control_tokens: bool = False
+    tools: tuple[dict[str, object], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:

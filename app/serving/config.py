@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from app.engine.config import EngineConfig, is_template_text
 from app.serving.reasoning import ReasoningParserName
+from app.serving.tools import ToolParserName
 from autoscale.config import SLOAutoscalingConfig
 
 log = logging.getLogger("ray.serve")
@@ -88,6 +89,16 @@ class AppConfig(BaseModel):
         None, description="vLLM's `--reasoning-parser`: a reasoning model's `<think>` ... `</think>` text apart from "
         "its answer in chat responses (`message.reasoning`, streamed `delta.reasoning`): `deepseek_r1` or `qwen3` "
         "(app/serving/reasoning.py). Unset: the text as the model wrote it."
+    )
+    tool_call_parser: ToolParserName | None = Field(
+        None, description="vLLM's `--tool-call-parser`: how a chat answer's tool calls are read from its text when "
+        "the model chooses (`tool_choice: auto`): `hermes` (`<tool_call>{...}</tool_call>`: Qwen2.5, Qwen3, Hermes, "
+        "deployments/templates/chatml_tools.jinja) or `llama3_json` (Llama 3.1's JSON calls) (app/serving/tools.py). "
+        "Named and `required` tool choices need no parser: their grammar writes the calls."
+    )
+    enable_auto_tool_choice: bool = Field(
+        False, description="vLLM's `--enable-auto-tool-choice`: the model may answer with tool calls when it chooses "
+        "(`tool_choice: auto`, the default with tools); needs `tool_call_parser`. Off: such requests answer 400."
     )
     sanitize_chat_control_tokens: bool = Field(
         False, description="Encode a control token's text inside chat messages (`<|im_start|>`) as text, so only the "
@@ -289,6 +300,8 @@ class AppConfig(BaseModel):
         if self.enable_chunked_prefill and self.engine.batch_invariant:
             raise ValueError("enable_chunked_prefill cuts prompts where the budget falls; it cannot be combined with "
                              "engine.batch_invariant (leave enable_chunked_prefill null or set it false)")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice reads the calls from the model's text: set tool_call_parser")
         if self.mock_engine and self.drafter == "dspark" and self.speculates:
             raise ValueError("drafter 'dspark' needs the real engine (the mock engine has no features); use 'mock'")
         return self

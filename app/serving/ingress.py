@@ -50,6 +50,7 @@ from app.serving.protocol import DRAINING, ErrorItem, GenerateRequest, SpecStats
 from app.serving.reasoning import ReasoningParser
 from app.serving.responses import (PARAMS, ResponseEvents, ResponseShape, ResponsesRequest, response_body,
                                    responses_param)
+from app.serving.tools import ToolReader
 
 log = logging.getLogger("ray.serve")
 
@@ -332,6 +333,19 @@ class Ingress:
         return ErrorItem(400, f"priority {req.priority} needs the server's priority scheduling (scheduling_policy: "
                          "priority); this server admits requests in arrival order", param="priority")
 
+    def _auto_tools_refused(self, req: ChatCompletionRequest) -> ErrorItem | None:
+        """vLLM's rule: calls the model chooses (``tool_choice`` auto, the default with tools) need the server's
+        ``enable_auto_tool_choice`` and ``tool_call_parser``."""
+        if req.tool_mode != "auto" or self.config.enable_auto_tool_choice:
+            return None
+        return ErrorItem(400, '"auto" tool choice needs the server\'s enable_auto_tool_choice and tool_call_parser '
+                         "(vLLM's --enable-auto-tool-choice, --tool-call-parser); send tool_choice \"required\", a "
+                         "named function or \"none\"", param="tool_choice")
+
+    def _tools(self, req: ChatCompletionRequest | CompletionRequest, *, chat: bool) -> ToolReader | None:
+        """How a chat's answers' tool calls are read (``tools.py``); None for completions and answers without."""
+        return req.tool_reader(self.config.tool_call_parser) if chat else None
+
     def _reasoning(self, req: ChatCompletionRequest | CompletionRequest, *, chat: bool) -> ReasoningParser | None:
         """The parser of a chat's reasoning (``reasoning_parser``), starting where a message the client started left
         off (``continue_final_message``); None for completions, and for structured output, whose grammar constrains
@@ -451,6 +465,8 @@ class Ingress:
         if isinstance(req, ErrorItem):
             return req
         if (refused := self._priority_refused(req)) is not None:
+            return refused
+        if chat and (refused := self._auto_tools_refused(req)) is not None:
             return refused
         if req.return_token_ids and (req.num_choices > 1 or not chat and len(req.prompts) > 1):
             return ErrorItem(400, "return_token_ids: needs a single choice (n = 1, one prompt)",
@@ -617,7 +633,7 @@ class Ingress:
         errors = [e for e in await asyncio.gather(*[read(c) for c in flight.choices]) if e is not None]
         if errors:
             return error_response(errors[0], self.config.retry_after_s)
-        choices, parser = [], self._reasoning(req, chat=chat)
+        choices, parser, tools = [], self._reasoning(req, chat=chat), self._tools(req, chat=chat)
         for c in flight.choices:
             entries = [e for chunk in c.chunks for e in chunk.logprobs or ()]
             logprobs = None
@@ -630,8 +646,13 @@ class Ingress:
             if parser is not None:
                 reasoning, text = parser.split(text)
                 reasoning = reasoning if req.include_reasoning else None
-            choices.append(choice_body(chat=chat, index=c.index, text=text, finish_reason=c.chunks[-1].finish_reason,
-                                       logprobs=logprobs, stop_reason=c.chunks[-1].stop_reason, reasoning=reasoning))
+            finish_reason, calls = c.chunks[-1].finish_reason, None
+            if tools is not None:
+                text, read = tools.split(text or "")
+                finish_reason, calls = tools.finish_reason(finish_reason, bool(read)), [x.body() for x in read] or None
+            choices.append(choice_body(chat=chat, index=c.index, text=text, finish_reason=finish_reason,
+                                       logprobs=logprobs, stop_reason=c.chunks[-1].stop_reason, reasoning=reasoning,
+                                       tool_calls=calls))
             if not chat and req.prompt_logprobs is not None:  # vLLM's: per choice, a chat's for the whole response
                 choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(c.chunks[0].prompt_logprobs, req.prompt_logprobs)
         token_ids = [t for chunk in flight.choices[0].chunks for t in chunk.token_ids]
@@ -691,8 +712,9 @@ class Ingress:
 
         tasks = [asyncio.create_task(pump(c)) for c in flight.choices]
         offsets = {c.index: 0 for c in flight.choices}  # characters sent per choice (completions' text_offset)
-        parser = self._reasoning(req, chat=chat)
+        parser, tools = self._reasoning(req, chat=chat), self._tools(req, chat=chat)
         splits = {c.index: parser.stream() for c in flight.choices} if parser is not None else {}
+        calls = {c.index: tools.stream() for c in flight.choices} if tools is not None else {}
         completion_tokens, remaining = 0, len(flight.choices)
         try:
             if chat:
@@ -717,15 +739,24 @@ class Ingress:
                     if chunk.finish_reason is not None:
                         reasoning, text = (x + y for x, y in zip((reasoning, text), split.finish()))
                     reasoning = reasoning if req.include_reasoning else ""
-                if text or reasoning or chunk.logprobs:
+                deltas = []
+                if (reader := calls.get(choice.index)) is not None:  # a chat's tool calls apart from its content
+                    text, deltas = reader.feed(text)
+                    if chunk.finish_reason is not None:
+                        more, last = reader.finish()
+                        text, deltas = text + more, deltas + last
+                if text or reasoning or deltas or chunk.logprobs:
                     yield event(chunk_body(chat=chat, request_id=request_id, created=created, model=model,
-                                           text=None if reasoning and not text else text, reasoning=reasoning or None,
+                                           text=None if (reasoning or deltas) and not text else text,
+                                           reasoning=reasoning or None, tool_calls=deltas or None,
                                            index=choice.index, logprobs=logprobs(chunk, offsets[choice.index])))
                     offsets[choice.index] += len(chunk.text)
                 if chunk.finish_reason is not None:
                     choice.done, remaining = True, remaining - 1
+                    finish_reason = chunk.finish_reason if reader is None else reader.reader.finish_reason(
+                        chunk.finish_reason, bool(reader.calls))
                     final = chunk_body(chat=chat, request_id=request_id, created=created, model=model,
-                                       text=None if chat else "", index=choice.index, finish_reason=chunk.finish_reason,
+                                       text=None if chat else "", index=choice.index, finish_reason=finish_reason,
                                        stop_reason=chunk.stop_reason)
                     if req.spec_stats and chunk.spec is not None:
                         final["spec_stats"] = chunk.spec.to_json()

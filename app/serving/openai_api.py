@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from app.engine.errors import InvalidRequestError
 from app.engine.types import MAX_LOGPROBS, ChatTemplateOptions, GuidedDecoding, SamplingParams
 from app.serving.protocol import ErrorItem, SpecStats, TokenLogprobText
+from app.serving.tools import (NamedToolChoice, Tool, ToolCallParam, ToolChoice, ToolMode, ToolParserName, ToolReader,
+                               calls_grammar, validate_tools)
 
 DEFAULT_MAX_TOKENS = 256  # a chat request's without max_tokens or max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # a completions request's without max_tokens (OpenAI's legacy default, vLLM's)
@@ -32,7 +34,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' integer logpr
 # Request fields by what they do (the field walk test reads these); the extensions are ACTING too.
 ACTING_CHAT = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
                "stream_options", "stop", "seed", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs",
-               "top_logprobs", "response_format")
+               "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls")
 ACTING_COMPLETIONS = ("model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                       "seed", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "echo", "best_of")
 EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "allowed_token_ids",
@@ -41,9 +43,9 @@ EXTENSIONS = ("top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_
               "priority", "return_tokens_as_token_ids", "add_generation_prompt", "continue_final_message",
               "chat_template_kwargs", "include_reasoning", "response_format")  # vLLM's; response_format on completions
 HARMLESS_CHAT = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-                 "prompt_cache_options", "service_tier", "prediction", "parallel_tool_calls", "modalities")
+                 "prompt_cache_options", "service_tier", "prediction", "modalities")
 HARMLESS_COMPLETIONS = ("user",)
-REJECTED_CHAT = ("tools", "tool_choice", "functions", "function_call", "audio", "reasoning_effort", "verbosity",
+REJECTED_CHAT = ("functions", "function_call", "audio", "reasoning_effort", "verbosity",
                  "web_search_options", "moderation")
 REJECTED_COMPLETIONS = ("suffix",)
 
@@ -82,17 +84,19 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """A message; ``content`` is a string or a list of text parts (joined with a newline, as vLLM does); an earlier
     assistant turn may come back as a response gave it: ``content`` null, its ``reasoning`` (vLLM's field, or its
-    older name ``reasoning_content``), which the chat template receives as ``reasoning_content``."""
+    older name ``reasoning_content``), which the chat template receives as ``reasoning_content``, its
+    ``tool_calls``; a ``tool`` message is a call's result, named by ``tool_call_id``."""
 
     model_config = STRICT
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None
     reasoning: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
     # what an SDK sends back with an earlier assistant turn; only their empty values are accepted
     refusal: str | None = None
-    tool_calls: list | None = None
     annotations: list | None = None
     audio: Any = None
     function_call: Any = None
@@ -103,6 +107,10 @@ class ChatMessage(BaseModel):
             raise ValueError("content may be null in assistant messages only")
         if self.role != "assistant" and (self.reasoning is not None or self.reasoning_content is not None):
             raise ValueError("reasoning is for assistant messages only")
+        if self.role != "assistant" and self.tool_calls is not None:
+            raise ValueError("tool_calls are for assistant messages only")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool_call_id goes with role 'tool' only, and that role needs it (the call answered)")
         return self
 
     @field_validator("reasoning", "reasoning_content")
@@ -125,7 +133,7 @@ class ChatMessage(BaseModel):
             unicode_text(value, "content")
         return value
 
-    @field_validator("refusal", "tool_calls", "annotations", "audio", "function_call")
+    @field_validator("refusal", "annotations", "audio", "function_call")
     @classmethod
     def _empty(cls, value: Any, info) -> Any:
         if value:
@@ -138,13 +146,20 @@ class ChatMessage(BaseModel):
             return ""
         return self.content if isinstance(self.content, str) else "\n".join(p["text"] for p in self.content)
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as the chat template takes it: role, text and any reasoning."""
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template takes it: role, text, and any reasoning, tool calls, tool call id."""
         reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
-        return {"role": self.role, "content": self.text} | ({} if reasoning is None else {"reasoning": reasoning})
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        if reasoning is not None:
+            out["reasoning"] = reasoning
+        if self.tool_calls:
+            out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
-def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def chat_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them (``ChatMessage.template_dict``)."""
     return [m.template_dict() for m in messages]
 
@@ -222,7 +237,8 @@ class StructuredOutputs(BaseModel):
 
 class RequestLabels(BaseModel):
     """OpenAI's fields that label, store, cache or bill a request, never change its tokens: harmless here (nothing is
-    stored or billed; without tools there are no tool calls)."""
+    stored or billed), and ``parallel_tool_calls``, harmless where a request has no tools (a chat request with tools
+    acts on it: ``tools.py``)."""
 
     model_config = STRICT
 
@@ -248,6 +264,9 @@ class _TemplateFields(BaseModel):
         "client started)."))
     chat_template_kwargs: dict[str, Any] | None = Field(None, description=(
         "More variables for the chat template (Qwen3's enable_thinking, for one)."))
+    tools: list[Tool] | None = Field(None, description=(
+        "Functions the model may call (OpenAI's), shown to the model by the chat template; a template that does not "
+        "show tools answers 400."))
 
     @model_validator(mode="after")
     def _template(self) -> "_TemplateFields":
@@ -260,7 +279,9 @@ class _TemplateFields(BaseModel):
         generation = self.add_generation_prompt
         return ChatTemplateOptions(add_generation_prompt=not self.continue_final_message if generation is None
                                    else generation, continue_final_message=self.continue_final_message,
-                                   template_kwargs=dict(self.chat_template_kwargs or {}))
+                                   template_kwargs=dict(self.chat_template_kwargs or {}),
+                                   tools=None if self.tools is None else tuple(t.model_dump(exclude_none=True)
+                                                                               for t in self.tools))
 
 
 class _Common(BaseModel):
@@ -440,9 +461,10 @@ class ChatCompletionRequest(_Common, _TemplateFields, RequestLabels):
     # harmless by nature, beside RequestLabels
     prediction: dict[str, Any] | None = Field(None, description="Predicted output: a latency hint only.")
     modalities: list[Literal["text"]] | None = None
+    tool_choice: ToolChoice | None = Field(None, description=(
+        "none, auto (the default with tools: the model chooses; needs the server's enable_auto_tool_choice), "
+        "required (one or more calls), or a named function (its call); app/serving/tools.py."))
     # rejected unless neutral
-    tools: list | None = None
-    tool_choice: Any = None
     functions: list | None = None
     function_call: Any = None
     audio: Any = None
@@ -451,19 +473,53 @@ class ChatCompletionRequest(_Common, _TemplateFields, RequestLabels):
     web_search_options: Any = None
     moderation: Any = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions")
     @classmethod
-    def _no_tools(cls, value: list | None, info) -> list | None:
+    def _no_functions(cls, value: list | None) -> list | None:
         if value:
-            raise unsupported(info.field_name, "no tool calling; send the request without it")
+            raise unsupported("functions", "OpenAI's deprecated form of tools; send tools instead")
         return value
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, value: Any, info) -> Any:
+    def _no_function_call(cls, value: Any) -> Any:
         if value not in (None, "none"):
-            raise unsupported(info.field_name, "no tool calling; only 'none' is accepted")
+            raise unsupported("function_call", "OpenAI's deprecated form of tool_choice; send tool_choice instead")
         return value
+
+    @model_validator(mode="after")
+    def _tools(self) -> "ChatCompletionRequest":
+        validate_tools(self.tools, self.tool_choice)
+        if self.tool_mode in ("named", "required") and super().guided() is not None:
+            raise InvalidRequestError(f"tool_choice {self.tool_mode!r} writes the calls with a grammar: it cannot "
+                                      f"be combined with {super().guided_param}", param="tool_choice")
+        return self
+
+    @property
+    def tool_mode(self) -> ToolMode:
+        """How the answer may call the tools (``tools.py``): none without tools or with ``tool_choice`` none."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return "required" if self.tool_choice == "required" else "auto"
+
+    def tool_reader(self, parser: ToolParserName | None) -> ToolReader | None:
+        """How the answer's calls are read (``parser``: the server's, for ``auto``); None when it makes none."""
+        if self.tool_mode == "none":
+            return None
+        function = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        return ToolReader(self.tool_mode, parser=parser, function=function, parallel=self.parallel_tool_calls
+                          is not False)
+
+    @property
+    def guided_param(self) -> str:
+        return "tool_choice" if self.tool_mode in ("named", "required") else super().guided_param
+
+    def guided(self) -> GuidedDecoding | None:
+        """The grammar that writes the calls of a named or required ``tool_choice``, else ``_Common.guided``."""
+        grammar = calls_grammar(self.tools or [], self.tool_choice, parallel=self.parallel_tool_calls is not False)
+        return grammar if grammar is not None and self.tool_mode != "none" else super().guided()
 
     @field_validator("audio", "verbosity", "web_search_options", "moderation")
     @classmethod
@@ -783,13 +839,17 @@ def completion_body(
 
 
 def choice_body(*, chat: bool, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None,
-                stop_reason: str | int | None = None, reasoning: str | None = None) -> dict:
+                stop_reason: str | int | None = None, reasoning: str | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
     """One choice of a non-streamed response; ``stop_reason`` is vLLM's: the stop string or stop token id that ended
     the choice (None for EOS or ``length``); a chat message's ``reasoning`` is vLLM's (``app/serving/reasoning.py``:
-    None without a reasoning parser)."""
+    None without a reasoning parser), its ``tool_calls`` OpenAI's (``app/serving/tools.py``: present when made)."""
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text, "reasoning": reasoning},
-                "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        message = {"role": "assistant", "content": text, "reasoning": reasoning}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
@@ -797,17 +857,19 @@ def choice_body(*, chat: bool, index: int, text: str | None, finish_reason: str 
 def chunk_body(
     *, chat: bool, request_id: str, created: int, model: str, text: str | None, index: int = 0,
     finish_reason: str | None = None, role: bool = False, logprobs: dict | None = None,
-    stop_reason: str | int | None = None, reasoning: str | None = None,
+    stop_reason: str | int | None = None, reasoning: str | None = None, tool_calls: list[dict] | None = None,
 ) -> dict:
     """One streamed chunk (``chat.completion.chunk`` or ``text_completion``) of choice ``index``; ``created`` (Unix
     seconds) is the stream's, the same in every chunk; ``stop_reason`` as in ``choice_body`` (on the last chunk); a
-    chat delta has ``reasoning`` (vLLM's) when given."""
+    chat delta has ``reasoning`` (vLLM's) and ``tool_calls`` (OpenAI's delta entries) when given."""
     if chat:
         delta: dict = {"role": "assistant"} if role else {}
         if reasoning is not None:
             delta["reasoning"] = reasoning
         if text is not None:
             delta["content"] = text
+        if tool_calls is not None:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}

@@ -33,7 +33,8 @@ ARGS = {
     "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4, "max_queued_requests": 2, "mock_step_ms": 10,
     "mock_vocab_size": VOCAB, "api_key": KEY, "drafter_timeout_s": 2.0, "stats_interval_s": 0.2,
     "target": {"num_cpus": 0.1}, "drafter_replicas": {"num_cpus": 0.1}, "ingress": {"num_cpus": 0.1},
-    "router_num_cpus": 0.05, "max_request_bytes": 64 * 1024,
+    "router_num_cpus": 0.05, "max_request_bytes": 64 * 1024, "tool_call_parser": "hermes",
+    "enable_auto_tool_choice": True,
 }
 APP = "mock"
 
@@ -513,16 +514,28 @@ def test_client_completions_prompt_list_and_echo(client):
     assert err.value.body["param"] == "suffix"
 
 
-def test_client_tools_answer_400_naming_the_field(client):
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(
-            model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}],
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
-    assert err.value.body["param"] == "tools" and "tools" in err.value.body["message"]
+def test_client_tools_are_served_with_the_server_s_parser(client):
+    """With ``tool_call_parser`` and ``enable_auto_tool_choice`` (this app's), a request with tools is served: the
+    mock's text holds no call, so it is the content; an earlier call and its result are taken back as the next turn.
+    A ``tool_choice`` without tools, and OpenAI's deprecated ``functions``, are 400s naming them."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    out = client.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}],
+                                         tools=[weather], temperature=0)
+    assert out.choices[0].message.content and out.choices[0].message.tool_calls is None
+    assert out.choices[0].finish_reason == "length"
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    again = client.chat.completions.create(model=MODEL, max_tokens=3, messages=history, tools=[weather])
+    assert again.choices[0].message.content
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}],
                                        tool_choice="required")
     assert err.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "hi"}],
+                                       functions=[weather["function"]])
+    assert err.value.body["param"] == "functions" and "tools" in err.value.body["message"]
 
 
 def _check_chat_logprobs(content, k: int) -> None:

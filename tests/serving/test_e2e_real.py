@@ -55,6 +55,9 @@ def url(request):
         # it, and the sampled test must see the drafter's answers for a full batch cross the transport
         "draft_gate": False, "speculation_guard": False,
         "target": {"num_cpus": 0.5}, "drafter_replicas": {"num_cpus": 0.5}, "ingress": {"num_cpus": 0.1},
+        # renders as SmolLM2's own template where no tools are given (test_tools.py), so the other tests see the same
+        "chat_template": "deployments/templates/chatml_tools.jinja", "tool_call_parser": "hermes",
+        "enable_auto_tool_choice": True,
     }), name=f"real-{request.param}", route_prefix=f"/{request.param}")
     yield f"{base}/{request.param}"
     delete_in_background(f"real-{request.param}")
@@ -261,6 +264,55 @@ def test_responses_api_streams_to_completion_with_the_official_client(url):
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text and "".join(deltas) == final.output_text
     assert 0 < final.usage.output_tokens < 48 and final.usage.input_tokens > 10
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+
+def weather_arguments(call) -> dict:
+    """A ``get_weather`` call's arguments, checked against its schema."""
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.type == "function" and call.id
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit"), arguments
+    return arguments
+
+
+@DEFAULT_PLACEMENT_ONLY
+def test_tool_calls_through_the_official_client(url):
+    """Tools on the real model (the tool template, the hermes parser): a named function's call, greedy and sampled,
+    follows its schema and finishes with ``stop``, streamed too; ``required`` calls finish with
+    ``tool_calls``; the call and its result sent back as the next turn are served (the model then answers or calls
+    again, as it chooses)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 11}):
+        kwargs = dict(model="smollm2-135m", messages=messages, tools=[WEATHER], tool_choice=named, max_tokens=48,
+                      **sampling)
+        answer = client.chat.completions.create(**kwargs)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.content is None, choice
+        weather_arguments(choice.message.tool_calls[0])
+        with client.chat.completions.stream(**kwargs) as stream:
+            streamed = stream.get_final_completion().choices[0]
+        assert streamed.finish_reason == "stop" and len(streamed.message.tool_calls) == 1
+        weather_arguments(streamed.message.tool_calls[0])
+    required = client.chat.completions.create(model="smollm2-135m", messages=messages, tools=[WEATHER], max_tokens=64,
+                                              tool_choice="required", parallel_tool_calls=False, temperature=0)
+    assert required.choices[0].finish_reason == "tool_calls" and len(required.choices[0].message.tool_calls) == 1
+    call = required.choices[0].message.tool_calls[0]
+    weather_arguments(call)
+    history = [*messages, required.choices[0].message.model_dump(),
+               {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+    after = client.chat.completions.create(model="smollm2-135m", messages=history, tools=[WEATHER], max_tokens=24,
+                                           temperature=0)
+    assert after.choices[0].message.content or after.choices[0].message.tool_calls
 
 
 @pytest.mark.slow

@@ -214,3 +214,58 @@ def test_structured_output_and_a_closed_prefill_are_the_answer_under_a_reasoning
     plain = ChatCompletionRequest.model_validate({"model": "m", "messages": user})
     body = asyncio.run(ingress._body(_answer(ingress, ['{"a"', ": 4}"]), chat=True, request_id="r", req=plain))
     assert body["choices"][0]["message"]["content"] is None  # deepseek_r1 without them: all reasoning
+
+
+def test_tool_calls_come_apart_from_the_content_streamed_and_not():
+    """OpenAI's ``tool_calls``: with the server's ``hermes`` parser the calls a chat answer writes are
+    ``message.tool_calls`` (streamed: ``delta.tool_calls``, each call whole once its block closes, tags split between
+    chunks included), the rest its content, and the answer finishes with ``tool_calls``; a named function's call is
+    the whole output, streamed as its arguments come, finishing with ``stop``; without tools the text is the content."""
+    from app.serving.openai_api import ChatCompletionRequest
+
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    ingress = Ingress(AppConfig(mock_engine=True, drafter="mock", tool_call_parser="hermes",
+                                enable_auto_tool_choice=True), target=None, router=None)
+    auto = ["Checking.\n<tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Paris"}}</tool_call>', "\n"]
+    named = ['{"city"', ': "Paris"}']
+    for tools, texts, content, finish in (({"tools": [weather]}, auto, "Checking.", "tool_calls"),
+                                          ({"tools": [weather], "tool_choice": weather}, named, None, "stop")):
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "?"}],
+                                                    **tools})
+        body = asyncio.run(ingress._body(_answer(ingress, texts), chat=True, request_id="r", req=req))
+        choice = body["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (content, finish)
+        [call] = choice["message"]["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'} and call["id"]
+
+        async def streamed() -> list[dict]:
+            events = [e async for e in ingress._sse(_answer(ingress, texts), chat=True, request_id="r", req=req)]
+            return [json.loads(e[6:])["choices"][0] for e in events if e.startswith("data: {")]
+
+        choices = asyncio.run(streamed())
+        deltas = [c["delta"] for c in choices]
+        assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+        entries = [e for d in deltas for e in d.get("tool_calls", ())]
+        assert entries[0]["function"]["name"] == "get_weather" and entries[0]["type"] == "function"
+        assert "".join(e["function"]["arguments"] for e in entries) == '{"city": "Paris"}'
+        assert len(entries) == (1 if texts is auto else 2) and choices[-1]["finish_reason"] == finish
+    plain = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "?"}]})
+    body = asyncio.run(ingress._body(_answer(ingress, auto), chat=True, request_id="r", req=plain))
+    assert body["choices"][0]["message"]["content"] == "".join(auto) and "tool_calls" not in body["choices"][0][
+        "message"]
+
+
+def test_calls_the_model_chooses_need_the_server_s_parser():
+    """vLLM's rule: ``tool_choice`` auto (the default with tools) without ``enable_auto_tool_choice`` is a 400 naming
+    ``tool_choice``; required and named calls need no parser (their grammar writes them)."""
+    from app.serving.openai_api import ChatCompletionRequest
+
+    ingress = Ingress(AppConfig(mock_engine=True, drafter="mock"), target=None, router=None)
+    weather = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, refused in ((None, True), ("auto", True), ("required", False), (weather, False), ("none", False)):
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "?"}],
+                                                    "tools": [weather], "tool_choice": choice})
+        answer = ingress._auto_tools_refused(req)
+        assert (answer is not None) == refused, choice
+        if refused:
+            assert (answer.status, answer.param) == (400, "tool_choice") and "enable_auto_tool_choice" in answer.message

@@ -105,7 +105,8 @@ def test_defaults_seeds_per_choice_and_completion_logprobs():
 
 
 REFUSED = [  # request -> the field the 400 must name
-    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"messages": MESSAGES, "tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools.0.type"),
     ({"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice"),
     ({"messages": MESSAGES, "reasoning_effort": "low"}, "reasoning_effort"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # a cross-field check, still named
@@ -139,7 +140,8 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": MESSAGES, "top_k": 2.5}, "top_k"),
     ({"messages": MESSAGES, "unknown_thing": 1}, "unknown_thing"),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
+    ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.0.content"),
     ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
     ({"prompt": "a", "suffix": "b"}, "suffix"),

@@ -1,0 +1,356 @@
+"""Tool calling: OpenAI's ``tools`` and ``tool_choice`` on chat completions, with vLLM's tool parser names.
+
+Owns: the request's tool fields and earlier turns' tool calls (validated), the grammar that writes the calls when the
+request names a function or requires calls, and reading the calls out of a chat answer's text, whole
+(``ToolReader.split``) or as it streams (``ToolStream``). Works on text only, after any reasoning was split off
+(``reasoning.py``); the tokens, logprobs and usage are the completion's as they are. Does not own: showing the tools
+to the model (the chat template's matter: ``deployments/templates/chatml_tools.jinja`` for ChatML models) or the
+response shapes (``openai_api.py``).
+
+How the calls come about, by ``tool_choice``:
+- a named function (``{"type": "function", "function": {"name": ...}}``): the output is that function's arguments,
+  a JSON object its ``parameters`` schema constrains (guided decoding); one call.
+- ``required``: the output is a JSON array of ``{"name": ..., "parameters": {...}}`` objects, one per call, each a
+  listed function with its own schema (one call at most with ``parallel_tool_calls: false``), as vLLM does it.
+- ``auto`` (the default with tools; the server needs ``enable_auto_tool_choice`` and ``tool_call_parser``): the model
+  writes calls in its own format or answers in text. ``hermes`` reads ``<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>`` blocks anywhere in the text; ``llama3_json`` an answer that is JSON objects ``{"name": ...,
+  "parameters": {...}}`` (after an optional ``<|python_tag|>``), separated by ``;``. Text that is not a well-formed
+  call stays content; whitespace around calls is dropped; with ``parallel_tool_calls: false`` only the first call is
+  taken and later ones stay content.
+- ``none``: no calls; the tools are still shown to the template (vLLM's default).
+
+A reading does not depend on how the text was cut into deltas: the streamed content and the streamed calls (each
+sent whole, or for a named function its arguments as they come) join into the whole text's ``split``. An output cut
+short (``length``) keeps its unfinished call's text as content.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.engine.errors import InvalidRequestError
+from app.engine.types import GuidedDecoding
+
+ToolParserName = Literal["hermes", "llama3_json"]
+ToolMode = Literal["none", "auto", "named", "required"]
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's opening of a tool call (a special token: in the text when not skipped)
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: OpenAI's ``tools[i].function``."""
+
+    model_config = _STRICT
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object; None: none.")
+    strict: bool | None = Field(None, description="Harmless: named and required calls always follow the schema.")
+
+    def arguments_schema(self) -> dict[str, Any]:
+        """The JSON schema the call's arguments object follows (an empty object without ``parameters``)."""
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    """One entry of a request's ``tools``: a function (the one kind a text model can call here)."""
+
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = _STRICT
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function to call."""
+
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCallParam(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    arguments: str = Field(description="The arguments as JSON text, as a response gave them.")
+
+
+class ToolCallParam(BaseModel):
+    """A tool call of an earlier assistant turn, as a response gave it (``message.tool_calls[i]``)."""
+
+    model_config = _STRICT
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCallParam
+
+    def template_dict(self) -> dict[str, Any]:
+        """The call as chat templates take it: the arguments as an object when they are a JSON object (templates
+        write them with ``tojson``; vLLM passes them so), else as sent."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = None
+        return {"id": self.id, "type": "function", "function": {
+            "name": self.function.name,
+            "arguments": arguments if isinstance(arguments, dict) else self.function.arguments}}
+
+
+def tool_call_id() -> str:
+    """A new call's id (vLLM's form)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call read from the output: the function's name, its arguments as JSON text, its id."""
+
+    name: str
+    arguments: str
+    id: str
+
+    def body(self) -> dict:
+        """The call as a response's ``message.tool_calls`` entry."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def calls_grammar(tools: list[Tool], choice: ToolChoice | None, *, parallel: bool) -> GuidedDecoding | None:
+    """The structured output that writes the calls: for a named function its arguments' schema, for ``required`` an
+    array of ``{"name", "parameters"}`` objects (at most one without ``parallel``); None for ``auto`` and ``none``."""
+    if isinstance(choice, NamedToolChoice):
+        function = next(t.function for t in tools if t.function.name == choice.function.name)
+        return GuidedDecoding("json_schema", json.dumps(function.arguments_schema()))
+    if choice != "required":
+        return None
+    calls = [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
+                             "parameters": t.function.arguments_schema()},
+              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return GuidedDecoding("json_schema", json.dumps(schema))
+
+
+@dataclass(frozen=True)
+class ToolReader:
+    """How calls are read from one choice's answer text (module docstring): ``mode`` from the request, ``parser``
+    the server's (for ``auto``), ``function`` the named one, ``parallel`` from ``parallel_tool_calls``."""
+
+    mode: Literal["auto", "named", "required"]
+    parser: ToolParserName | None = None
+    function: str | None = None
+    parallel: bool = True
+
+    def stream(self) -> ToolStream:
+        """An incremental ``split`` for a streamed answer."""
+        return ToolStream(self)
+
+    def split(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer as (content, calls): None for content that is absent or empty."""
+        stream = self.stream()
+        content = stream.feed(text)[0] + stream.finish()[0]
+        return content or None, list(stream.calls)
+
+    def finish_reason(self, reason: str, calls: bool) -> str:
+        """A choice's ``finish_reason``: ``tool_calls`` for an answer that stopped on calls the model chose or was
+        required to make (OpenAI's; a named function's call keeps ``stop``), else the engine's."""
+        return "tool_calls" if calls and reason == "stop" and self.mode != "named" else reason
+
+
+class ToolStream:
+    """``ToolReader.split`` as the text streams: ``feed`` each text delta, ``finish`` at the end; each gives (content
+    text, ``delta.tool_calls`` entries: a call whole, or for a named function the arguments as they come). ``calls``
+    holds the calls read so far. Text that could still become part of a call waits."""
+
+    def __init__(self, reader: ToolReader) -> None:
+        self.reader = reader
+        self.calls: list[ToolCall] = []
+        self._pending = ""  # text not given out yet
+        self._space = ""  # whitespace after the last content, held: given out only if more content follows
+        self._in_call = False  # hermes: inside a <tool_call> block
+        self._json: bool | None = None  # llama3_json: the answer is calls (None: not known yet)
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """The (content, call deltas) that ``delta`` releases."""
+        self._pending += delta
+        return self._read(final=False)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """The (content, call deltas) still held at the end of the answer."""
+        content, deltas = self._read(final=True)
+        return content + self._content(self._take(), final=True), deltas
+
+    def _read(self, *, final: bool) -> tuple[str, list[dict]]:
+        if self.reader.mode == "named":
+            return "", self._named(final=final)
+        if self.reader.mode == "required":
+            return "", self._scan_array(final=final)
+        if self.reader.parser == "hermes":
+            return self._hermes(final=final)
+        return self._llama(final=final)
+
+    def _full(self) -> bool:
+        """Whether no more calls are taken (``parallel_tool_calls: false`` after the first)."""
+        return not self.reader.parallel and bool(self.calls)
+
+    def _take(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
+
+    def _content(self, text: str, *, final: bool = False) -> str:
+        """Content to give out, whitespace after the last content held back; at the end, held whitespace is dropped
+        when the answer made calls (whitespace around calls)."""
+        text = self._space + text
+        body = text.rstrip()
+        self._space = text[len(body):]
+        if final:
+            body, self._space = body + ("" if self.calls else self._space), ""
+        return body
+
+    def _call(self, name: str, arguments: str) -> dict:
+        call = ToolCall(name=name, arguments=arguments, id=tool_call_id())
+        self.calls.append(call)
+        return {"index": len(self.calls) - 1, **call.body()}
+
+    def _named(self, *, final: bool) -> list[dict]:
+        """A named function's call: its arguments are the whole output, sent as they come."""
+        text = self._take()
+        if not self.calls:
+            return [self._call(self.reader.function or "", text)] if text or final else []
+        if not text:
+            return []
+        first = self.calls[0]
+        self.calls[0] = ToolCall(first.name, first.arguments + text, first.id)
+        return [{"index": 0, "function": {"arguments": text}}]
+
+    def _object_call(self, value: Any, arguments_key: str) -> dict | None:
+        """The call a parsed JSON value is (an object of a string ``name`` and, under ``arguments_key``, an object of
+        arguments, absent for none), or None."""
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        arguments = value.get(arguments_key, {})
+        if not isinstance(arguments, dict) or set(value) - {"name", arguments_key}:
+            return None
+        return self._call(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+    def _scan_array(self, *, final: bool) -> list[dict]:
+        """``required``: the calls of the grammar's JSON array, each as soon as its object closes."""
+        deltas, decoder = [], json.JSONDecoder()
+        while True:
+            text = self._pending.lstrip()
+            if (not self.calls and not text.startswith("[")) or (self.calls and not text.startswith(",")):
+                break
+            try:
+                value, end = decoder.raw_decode(body := text[1:].lstrip())
+            except json.JSONDecodeError:
+                break
+            call = self._object_call(value, "parameters")
+            if call is None:
+                break
+            deltas.append(call)
+            self._pending = body[end:]
+        if final and self.calls and self._pending.strip() == "]":
+            self._pending = ""
+        return deltas
+
+    def _hermes(self, *, final: bool) -> tuple[str, list[dict]]:
+        """``hermes``: ``<tool_call>`` JSON ``</tool_call>`` blocks; text outside them is content."""
+        content, deltas = "", []
+        while True:
+            if self._full():
+                return content + self._content(self._take()), deltas
+            if not self._in_call:
+                before, found, after = self._pending.partition(HERMES_START)
+                if not found:
+                    keep = 0 if final else _tag_prefix(self._pending, HERMES_START)
+                    cut = len(self._pending) - keep
+                    content += self._content(self._pending[:cut])
+                    self._pending = self._pending[cut:]
+                    return content, deltas
+                content += self._content(before)
+                self._pending, self._in_call = after, True
+            body, found, after = self._pending.partition(HERMES_END)
+            if not found:
+                if final:  # an unfinished block: content
+                    self._pending, self._in_call = HERMES_START + self._pending, False
+                return content, deltas
+            self._pending, self._in_call = after, False
+            try:
+                call = self._object_call(json.loads(body), "arguments")
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                content += self._content(HERMES_START + body + HERMES_END)
+            else:
+                deltas.append(call)
+
+    def _llama(self, *, final: bool) -> tuple[str, list[dict]]:
+        """``llama3_json``: an answer that opens with a JSON object (or ``<|python_tag|>``) is ``;``-separated calls;
+        any other answer is content."""
+        if self._json is None:
+            head = self._pending.lstrip()
+            if not final and (not head or PYTHON_TAG.startswith(head)):
+                return "", []
+            self._json = head.startswith(("{", PYTHON_TAG))
+            if self._json:
+                self._pending = head.removeprefix(PYTHON_TAG)
+        if not self._json or self._full():
+            return self._content(self._take()), []
+        deltas, decoder = [], json.JSONDecoder()
+        while not self._full():
+            text = self._pending.lstrip()
+            text = text[1:].lstrip() if self.calls and text.startswith(";") else text
+            if not text.startswith("{"):
+                break
+            try:
+                value, end = decoder.raw_decode(text)
+            except json.JSONDecodeError:
+                break
+            call = self._object_call(value, "parameters") or self._object_call(value, "arguments")
+            if call is None:
+                break
+            deltas.append(call)
+            self._pending = text[end:]
+        return "", deltas
+
+
+def _tag_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (text a later delta may complete into it)."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
+
+
+def validate_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> None:
+    """The request's tool fields agree: function names are unique; a ``tool_choice`` other than none comes with tools,
+    and a named one is among them.
+
+    Raises:
+        InvalidRequestError: naming the field (``tools`` or ``tool_choice``) and the value.
+    """
+    names = [t.function.name for t in tools or ()]
+    if len(set(names)) < len(names):
+        raise InvalidRequestError(f"function names must be unique, got {names}", param="tools")
+    if choice not in (None, "none") and not names:
+        shown = choice if isinstance(choice, str) else choice.model_dump()
+        raise InvalidRequestError(f"tool_choice {shown!r} needs tools", param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise InvalidRequestError(f"tool_choice names the function {choice.function.name!r}, which is not among "
+                                  f"tools ({names})", param="tool_choice")

@@ -4,9 +4,11 @@ Owns: the request schema (what a text model acts on, what is harmless, what is r
 its translation into a ``ChatCompletionRequest`` (``instructions`` -> a system message, ``input`` -> messages,
 ``text.format`` -> ``response_format``, ``max_output_tokens`` -> ``max_completion_tokens``), the ``response`` object
 made from a chat completion's body, and the Responses streaming events made from a chat completion's chunks
-(``ResponseEvents``). Stateless: nothing is stored, so ``previous_response_id`` and ``conversation`` are refused and
-``store`` is harmless, as for chat. Does not own: generation (the chat path: ``ingress.py``), the chat shapes
-(``openai_api.py``).
+(``ResponseEvents``). Function tools are the chat request's ``tools`` (``tools.py``): ``function_call`` input items
+become an assistant turn's ``tool_calls``, ``function_call_output`` items ``tool`` messages, and the answer's calls
+``function_call`` output items. Stateless: nothing is stored, so ``previous_response_id`` and ``conversation`` are
+refused and ``store`` is harmless, as for chat. Does not own: generation (the chat path: ``ingress.py``), the chat
+shapes (``openai_api.py``).
 """
 
 from __future__ import annotations
@@ -19,31 +21,42 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from app.serving.openai_api import (STRICT, ChatCompletionRequest, JsonSchemaFormat, RequestLabels, unicode_text,
                                    unsupported)
+from app.serving.tools import FUNCTION_NAME
 
 # Request fields by what they do (the field walk test reads these)
-ACTING = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text")
+ACTING = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text", "tools",
+          "tool_choice", "parallel_tool_calls")
 EXTENSIONS = ("priority",)  # vLLM's
 HARMLESS = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-            "prompt_cache_options", "service_tier", "parallel_tool_calls", "max_tool_calls", "stream_options")
-REJECTED = ("previous_response_id", "conversation", "prompt", "tools", "tool_choice", "reasoning", "truncation",
+            "prompt_cache_options", "service_tier", "max_tool_calls", "stream_options")
+REJECTED = ("previous_response_id", "conversation", "prompt", "reasoning", "truncation",
             "include", "background", "top_logprobs", "access_programs", "context_management", "image", "moderation")
 # the chat request's field -> the Responses field an error about it names
 PARAMS = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
 TEXT_PARTS = ("input_text", "output_text")
 
 
+ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
+
+
 class InputItem(BaseModel):
     """One ``input`` item: a message (``type`` "message" or left out) whose ``content`` is a string or a list of
-    ``input_text`` / ``output_text`` parts, or a ``reasoning`` item (its ``reasoning_text`` parts); an earlier output
-    item comes back with its ``id``, ``status`` and ``phase``, which are kept as labels only."""
+    ``input_text`` / ``output_text`` parts, a ``reasoning`` item (its ``reasoning_text`` parts), an earlier
+    ``function_call`` (``call_id``, ``name``, ``arguments``) or a call's result (``function_call_output``: ``call_id``,
+    ``output`` text or ``input_text`` parts); an earlier output item comes back with its ``id``, ``status`` and
+    ``phase``, which are kept as labels only."""
 
     model_config = STRICT
 
-    type: Literal["message", "reasoning"] | None = None
+    type: Literal["message", "reasoning", "function_call", "function_call_output"] | None = None
     role: Literal["user", "assistant", "system", "developer"] | None = None
     content: str | list[dict[str, Any]] | None = None
     summary: list[dict[str, Any]] | None = None
     encrypted_content: None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[dict[str, Any]] | None = None
     id: str | None = None
     status: str | None = None
     phase: str | None = None
@@ -51,18 +64,37 @@ class InputItem(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_types(cls, value: Any) -> Any:
-        if isinstance(value, dict) and value.get("type", "message") not in ("message", "reasoning"):
-            raise unsupported(f"input item type {value.get('type')!r}", "message and reasoning items (text) only")
+        if isinstance(value, dict) and value.get("type", "message") not in ITEM_TYPES:
+            raise unsupported(f"input item type {value.get('type')!r}", "message, reasoning and function call items "
+                              "only")
         return value
 
     @model_validator(mode="after")
     def _fields_of_its_type(self) -> "InputItem":
-        if self.type == "reasoning":
+        calls = (self.call_id, self.name, self.arguments, self.output)
+        if self.type in ("function_call", "function_call_output"):
+            needed = ("call_id", "name", "arguments") if self.type == "function_call" else ("call_id", "output")
+            if any(getattr(self, f) is None for f in needed) or self.role is not None or self.content is not None:
+                raise ValueError(f"a {self.type} item has {', '.join(needed)} (and no role or content)")
+            if self.type == "function_call" and self.output is not None:
+                raise ValueError("a function_call item has no output (send it as a function_call_output item)")
+        elif any(x is not None for x in calls):
+            raise ValueError("call_id, name, arguments and output belong to function call items")
+        elif self.type == "reasoning":
             if self.role is not None or not isinstance(self.content or [], list):
                 raise ValueError("a reasoning item has no role, and its content is a list of reasoning_text parts")
         elif self.role is None or self.content is None or self.summary is not None:
             raise ValueError("a message item needs a role and content (and has no summary)")
         return self
+
+    @field_validator("output")
+    @classmethod
+    def _output_text(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        for i, part in enumerate(value if isinstance(value, list) else ()):
+            if part.get("type") != "input_text" or not isinstance(part.get("text"), str) or set(part) - {"type",
+                                                                                                        "text"}:
+                raise unsupported(f"output part {i}", "a call's result is text: a string or input_text parts")
+        return value
 
     @field_validator("content")
     @classmethod
@@ -81,25 +113,40 @@ class InputItem(BaseModel):
 
     @property
     def text(self) -> str:
-        """The item's text: its content string, or its parts joined."""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part["text"] for part in self.content or [])
+        """The item's text: its content (a function call result's output) string, or its parts joined."""
+        value = self.output if self.type == "function_call_output" else self.content
+        if isinstance(value, str):
+            return value
+        return "".join(part["text"] for part in value or [])
 
 
 def chat_messages(items: list[InputItem]) -> list[dict]:
     """``input`` items as chat messages: a reasoning item's text (its ``content``; the ``summary`` is left out) becomes
     the ``reasoning`` of the assistant message after it (one of its own when none follows), as a chat request sends
-    an earlier turn back."""
+    an earlier turn back; ``function_call`` items become the ``tool_calls`` of the assistant message they follow (of
+    their own when they follow none), ``function_call_output`` items ``tool`` messages."""
     messages, reasoning = [], None
     for item in items:
         if item.type == "reasoning":  # its summary is not passed on; an item without text adds nothing
             if item.text:
                 reasoning = item.text if reasoning is None else reasoning + item.text
             continue
+        if item.type == "function_call":
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name,
+                                                                         "arguments": item.arguments}}
+            if reasoning is None and messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]}
+                                | ({} if reasoning is None else {"reasoning": reasoning}))
+                reasoning = None
+            continue
         if reasoning is not None and item.role != "assistant":
             messages.append({"role": "assistant", "content": None, "reasoning": reasoning})
             reasoning = None
+        if item.type == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
+            continue
         content = item.content if isinstance(item.content, str) else \
             [{"type": "text", "text": part["text"]} for part in item.content]
         messages.append({"role": item.role, "content": content} | ({} if reasoning is None else
@@ -149,6 +196,58 @@ class TextConfig(BaseModel):
         return value
 
 
+class FunctionTool(BaseModel):
+    """A ``tools`` entry: a function the model may call (the Responses API's flat form of chat's function tool)."""
+
+    model_config = STRICT
+
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    output_schema: dict[str, Any] | None = Field(None, description="Harmless: describes what the client's function "
+                                                 "returns, which the client writes.")
+    allowed_callers: list[Literal["direct", "programmatic"]] | None = None
+    defer_loading: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") != "function":
+            raise unsupported(f"tool type {value.get('type')!r}", "function tools only; this server hosts no tools")
+        return value
+
+    @field_validator("allowed_callers")
+    @classmethod
+    def _direct(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and value != ["direct"]:
+            raise unsupported("allowed_callers", "the model calls functions directly; only ['direct'] is accepted")
+        return value
+
+    @field_validator("defer_loading")
+    @classmethod
+    def _loaded(cls, value: bool | None) -> bool | None:
+        if value:
+            raise unsupported("defer_loading", "this server has no tool search; every tool is shown to the model")
+        return value
+
+    def chat_tool(self) -> dict:
+        """The tool as a chat request's ``tools`` entry."""
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters,
+                    "strict": self.strict}
+        return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
+class FunctionChoice(BaseModel):
+    """``tool_choice`` naming the function to call."""
+
+    model_config = STRICT
+
+    type: Literal["function"]
+    name: str
+
+
 class ResponsesRequest(RequestLabels):
     """``POST /v1/responses``: the fields of OpenAI's request (``ACTING``, ``HARMLESS``; the ``REJECTED`` ones are a
     400 unless null or empty)."""
@@ -171,12 +270,12 @@ class ResponsesRequest(RequestLabels):
     max_tool_calls: int | None = Field(None, description="Without tools there are no tool calls.")
     stream_options: dict[Literal["include_obfuscation"], bool] | None = Field(
         None, description="Harmless: this server never adds an obfuscation field.")
+    tools: list[FunctionTool] | None = Field(None, description="Function tools (tools.py); hosted tools are a 400.")
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     # rejected unless neutral
     previous_response_id: str | None = None
     conversation: Any = None
     prompt: Any = None
-    tools: list | None = None
-    tool_choice: Any = None
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
@@ -209,18 +308,11 @@ class ResponsesRequest(RequestLabels):
                                "conversation as input")
         return value
 
-    @field_validator("tools", "include")
+    @field_validator("include")
     @classmethod
     def _empty(cls, value: list | None, info) -> list | None:
         if value:
             raise unsupported(info.field_name, "only an empty list is accepted")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
-        if value not in (None, "none"):
-            raise unsupported("tool_choice", "no tool calling; only 'none' is accepted")
         return value
 
     @field_validator("reasoning")
@@ -278,6 +370,13 @@ class ResponsesRequest(RequestLabels):
                 body[chat_name] = getattr(self, name)
         if self.text is not None and self.text.format is not None:
             body["response_format"] = self.text.format.response_format()
+        if self.tools is not None:
+            body["tools"] = [tool.chat_tool() for tool in self.tools]
+        if self.tool_choice is not None:
+            body["tool_choice"] = self.tool_choice if isinstance(self.tool_choice, str) else {
+                "type": "function", "function": {"name": self.tool_choice.name}}
+        if self.parallel_tool_calls is not None:
+            body["parallel_tool_calls"] = self.parallel_tool_calls
         return ChatCompletionRequest.model_validate(body)
 
 
@@ -321,11 +420,20 @@ class ResponseShape:
             "incomplete_details": {"reason": "max_output_tokens"} if length else None, "error": error,
             "model": self.model, "output": output, "usage": usage, "instructions": self.req.instructions,
             "max_output_tokens": self.req.max_output_tokens, "temperature": self.req.temperature,
-            "top_p": self.req.top_p, "parallel_tool_calls": False, "tool_choice": "none", "tools": [],
+            "top_p": self.req.top_p, "parallel_tool_calls": self.req.parallel_tool_calls is not False,
+            "tool_choice": self._tool_choice(),
+            "tools": [tool.model_dump(exclude_none=True) for tool in self.req.tools or ()],
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "metadata": self.req.metadata or {}, "store": False, "truncation": "disabled",
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "user": self.req.user,
         }
+
+    def _tool_choice(self) -> str | dict:
+        """``tool_choice`` as the response echoes it: as sent, else ``auto`` with tools and ``none`` without."""
+        choice = self.req.tool_choice
+        if choice is None:
+            return "auto" if self.req.tools else "none"
+        return choice if isinstance(choice, str) else choice.model_dump()
 
     def message(self, text: str, *, done: bool, cut: bool = False) -> dict:
         """The assistant message item (its one ``output_text`` part); ``cut``: ended by ``max_output_tokens``."""
@@ -338,6 +446,14 @@ class ResponseShape:
         return {"type": "reasoning", "id": self.reasoning_id, "summary": [],
                 "content": [{"type": "reasoning_text", "text": text}] if done else [],
                 "status": "completed" if done else "in_progress"}
+
+
+def function_call(call: dict, *, done: bool) -> dict:
+    """A ``function_call`` output item of a chat tool call (``ToolCall.body``): the call's id is its ``call_id``,
+    the item's id ``fc_`` and the same key."""
+    return {"type": "function_call", "id": "fc_" + call["id"].rpartition("-")[2], "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"] if done else "",
+            "status": "completed" if done else "in_progress"}
 
 
 def _output_text(text: str) -> dict:
@@ -358,7 +474,10 @@ def response_body(shape: ResponseShape, chat: dict) -> dict:
     message = choice["message"]
     output = [] if message.get("reasoning") is None else [shape.reasoning(message["reasoning"], done=True)]
     length = choice["finish_reason"] == "length"
-    output.append(shape.message(message["content"] or "", done=True, cut=length))
+    calls = message.get("tool_calls") or []
+    if message["content"] is not None or not calls:  # an answer of calls alone has no message item
+        output.append(shape.message(message["content"] or "", done=True, cut=length))
+    output += [function_call(call, done=True) for call in calls]
     return shape.response(status="incomplete" if length else "completed", output=output, usage=usage(chat["usage"]),
                           length=length)
 
@@ -366,12 +485,14 @@ def response_body(shape: ResponseShape, chat: dict) -> dict:
 class ResponseEvents:
     """The Responses streaming events of one request, made from its chat completion's chunks (``chunk_body``
     dicts): ``start``, then ``chunk`` for each, ``error`` for a failure. Each event is a dict with its ``type`` and
-    ``sequence_number``; the reasoning item (with a reasoning parser) comes before the message item."""
+    ``sequence_number``; the reasoning item (with a reasoning parser) comes before the message item, and the
+    ``function_call`` items (one per tool call, its arguments streamed as they come) after it."""
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape = shape
         self._seq = 0
-        self._open: Literal["reasoning", "message"] | None = None
+        self._open: Literal["reasoning", "message", "call"] | None = None
+        self._call: dict = {}  # the open function_call item
         self._texts = {"reasoning": "", "message": ""}
         self._output: list[dict] = []  # the items done
         self._finished: str | None = None
@@ -397,11 +518,13 @@ class ResponseEvents:
                 events += self._delta("reasoning", delta["reasoning"])
             if delta.get("content"):
                 events += self._delta("message", delta["content"])
+            for call in delta.get("tool_calls") or ():
+                events += self._call_delta(call)
             if choice["finish_reason"] is not None:
                 self._finished = choice["finish_reason"]
         if chunk.get("usage") is not None:
             events += self._close()
-            if not any(item["type"] == "message" for item in self._output):  # an answer with no text still has one
+            if not any(item["type"] in ("message", "function_call") for item in self._output):  # nothing but reasoning
                 events += self._open_item("message") + self._close()
             length = self._finished == "length"
             events.append(self._event(
@@ -429,6 +552,21 @@ class ResponseEvents:
         events.append(self._event(name, **self._where(kind), delta=text, **extra))
         return events
 
+    def _call_delta(self, call: dict) -> list[dict]:
+        """A ``delta.tool_calls`` entry: a new call (with its ``id``) opens a ``function_call`` item; its arguments
+        are an arguments delta."""
+        events = []
+        if "id" in call:
+            events += self._close()
+            self._open, self._call = "call", function_call(call, done=False)
+            events.append(self._event("response.output_item.added", output_index=len(self._output),
+                                      item=dict(self._call)))
+        if arguments := call["function"].get("arguments"):
+            self._call["arguments"] += arguments
+            events.append(self._event("response.function_call_arguments.delta", item_id=self._call["id"],
+                                      output_index=len(self._output), delta=arguments))
+        return events
+
     def _where(self, kind: str) -> dict:
         item_id = self.shape.reasoning_id if kind == "reasoning" else self.shape.message_id
         return {"item_id": item_id, "output_index": len(self._output), "content_index": 0}
@@ -444,6 +582,14 @@ class ResponseEvents:
     def _close(self) -> list[dict]:
         if self._open is None:
             return []
+        if self._open == "call":
+            item = {**self._call, "status": "completed"}
+            events = [self._event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=len(self._output), arguments=item["arguments"]),
+                      self._event("response.output_item.done", output_index=len(self._output), item=item)]
+            self._output.append(item)
+            self._open = None
+            return events
         kind, text, where = self._open, self._texts[self._open], self._where(self._open)
         if kind == "reasoning":
             events = [self._event("response.reasoning_text.done", **where, text=text)]

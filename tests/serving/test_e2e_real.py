@@ -286,7 +286,8 @@ def test_tool_calls_through_the_official_client(url):
     """Tools on the real model (the tool template, the hermes parser): a named function's call, greedy and sampled,
     follows its schema and finishes with ``stop``, streamed too; ``required`` calls finish with
     ``tool_calls``; the call and its result sent back as the next turn are served (the model then answers or calls
-    again, as it chooses)."""
+    again, as it chooses); the same through the Responses API (a ``function_call`` item, sent back with its
+    output)."""
     import openai
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
@@ -313,6 +314,19 @@ def test_tool_calls_through_the_official_client(url):
     after = client.chat.completions.create(model="smollm2-135m", messages=history, tools=[WEATHER], max_tokens=24,
                                            temperature=0)
     assert after.choices[0].message.content or after.choices[0].message.tool_calls
+    flat = {"type": "function", "name": "get_weather", **{k: WEATHER["function"][k] for k in ("description",
+                                                                                               "parameters")}}
+    with client.responses.stream(model="smollm2-135m", input="What is the weather in Paris?", tools=[flat],
+                                 tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                 max_output_tokens=48) as stream:
+        response = stream.get_final_response()
+    [item] = response.output
+    assert item.type == "function_call" and set(json.loads(item.arguments)) == {"city", "unit"}
+    followed = client.responses.create(model="smollm2-135m", tools=[flat], max_output_tokens=16, temperature=0,
+                                       input=[{"role": "user", "content": "What is the weather in Paris?"}, item,
+                                              {"type": "function_call_output", "call_id": item.call_id,
+                                               "output": "18 degrees, sunny"}])
+    assert followed.status in ("completed", "incomplete") and followed.output
 
 
 @pytest.mark.slow

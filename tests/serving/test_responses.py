@@ -46,8 +46,9 @@ def test_a_request_becomes_the_chat_completion_it_is_served_as():
 @pytest.mark.parametrize("fields,param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
-    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"tools": [{"type": "function", "name": "f", "defer_loading": True}]}, "tools.0.defer_loading"),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
@@ -56,7 +57,9 @@ def test_a_request_becomes_the_chat_completion_it_is_served_as():
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input.0"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input.0"),
+    ({"input": [{"role": "user", "content": "x", "call_id": "c"}]}, "input.0"),
     ({"input": [{"type": "reasoning", "role": "user", "content": []}]}, "input.0"),
     ({"input": [{"type": "reasoning", "content": [{"type": "output_text", "text": "x"}]}]}, "input.0.content"),
     ({"input": [{"role": "user"}]}, "input.0"),
@@ -140,6 +143,72 @@ def test_streamed_events_follow_the_responses_sequence():
     assert [e["type"] for e in failed] == ["error", "response.failed"] and failed[0]["message"] == "boom"
     assert failed[1]["response"]["status"] == "failed" and failed[1]["response"]["error"] == {"code": "x",
                                                                                              "message": "boom"}
+
+
+WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+
+
+def test_function_tools_and_calls_become_the_chat_request_s():
+    """``tools`` (flat) and ``tool_choice`` become the chat request's; earlier ``function_call`` items become the
+    ``tool_calls`` of the assistant message they follow (or of their own), and ``function_call_output`` items
+    ``tool`` messages."""
+    named = _request(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+                     parallel_tool_calls=False).chat()
+    assert named.tools[0].function.name == "get_weather" and named.tool_mode == "named"
+    assert named.parallel_tool_calls is False and named.guided_param == "tool_choice"
+    assert _request(tools=[WEATHER]).chat().tool_mode == "auto"
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}',
+            "id": "fc_1", "status": "completed"}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}
+    after_text = _request(tools=[WEATHER], input=[
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Checking."}, call, result]).chat()
+    messages = after_text.chat_messages()
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["content"] == "Checking." and messages[1]["tool_calls"][0]["id"] == "call_1"
+    assert messages[2] == {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}
+    alone = _request(input=[{"role": "user", "content": "Weather?"}, call, {**call, "call_id": "call_2"},
+                            {**result, "output": [{"type": "input_text", "text": "18 C"}]}]).chat().chat_messages()
+    assert [m["role"] for m in alone] == ["user", "assistant", "tool"] and alone[1]["content"] == ""
+    assert [c["id"] for c in alone[1]["tool_calls"]] == ["call_1", "call_2"] and alone[2]["content"] == "18 C"
+
+
+def test_calls_are_function_call_items_whole_and_streamed():
+    """A chat answer's tool calls: ``function_call`` items (``call_id`` the chat call's id), no message item when
+    the answer is calls alone; streamed, each call opens its item, streams its arguments and closes; the events and
+    the final response parse as the SDK's types."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    shape = ResponseShape(_request(tools=[WEATHER]), "m")
+    call = {"id": "chatcmpl-tool-abc", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    chat = {"choices": [{"index": 0, "message": {"role": "assistant", "content": None, "reasoning": None,
+                                                 "tool_calls": [call]}, "finish_reason": "tool_calls"}],
+            "usage": CHAT_USAGE}
+    body = response_body(shape, chat)
+    assert [item["type"] for item in body["output"]] == ["function_call"]
+    assert body["output"][0] | {"id": None} == {"type": "function_call", "id": None, "call_id": "chatcmpl-tool-abc",
+                                                "name": "get_weather", "arguments": "{}", "status": "completed"}
+    assert body["tool_choice"] == "auto" and body["tools"] == [WEATHER]
+    Response.model_validate({**body, "usage": None})  # the client's usage type asks for cache write counts too
+    events = ResponseEvents(shape)
+    out = events.start()
+    for chunk in (_chunk({"content": "Sure."}), _chunk({"tool_calls": [{**call, "index": 0, "function": {
+                      "name": "get_weather", "arguments": '{"city"'}}]}),
+                  _chunk({"tool_calls": [{"index": 0, "function": {"arguments": ': "Paris"}'}}]}),
+                  _chunk({}, "tool_calls"), {"choices": [], "usage": CHAT_USAGE}):
+        out += events.chunk(chunk)
+    kinds = [e["type"] for e in out]
+    assert kinds[kinds.index("response.content_part.done") + 1:] == [
+        "response.output_item.done", "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    final = out[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["message", "function_call"]
+    assert final["output"][1]["arguments"] == '{"city": "Paris"}' and final["output"][1]["status"] == "completed"
+    assert {e["output_index"] for e in out if e["type"].startswith("response.function_call")} == {1}
+    for event in out:  # the response objects' usage aside, as above
+        TypeAdapter(ResponseStreamEvent).validate_python(
+            event | ({"response": {**event["response"], "usage": None}} if "response" in event else {}))
 
 
 def test_every_request_field_is_sorted_by_what_it_does():

@@ -235,9 +235,10 @@ class TargetEngine(Engine):
         return request_id in self._requests
 
     @property
-    def chat_template(self) -> str | None:
-        """The Jinja chat template the engine renders chats with: ``config.chat_template``, else the tokenizer's
-        (None: a base model's, which has none)."""
+    def chat_template(self) -> str | dict[str, str] | None:
+        """The Jinja chat template the engine renders chats with: ``config.chat_template``, else the tokenizer's (by
+        name where it has several, as Hermes-2-Pro's ``default`` and ``tool_use``; None: a base model's, which has
+        none)."""
         return self.config.chat_template or self.tokenizer.chat_template
 
     def encode_chat(self, messages: list[dict[str, Any]], *, add_special_tokens: bool = False,
@@ -264,13 +265,16 @@ class TargetEngine(Engine):
             raise InvalidRequestError(f"{reserved} are the chat renderer's own arguments, not template variables",
                                       param="chat_template_kwargs")
         render = dict(options.template_kwargs, add_generation_prompt=options.add_generation_prompt,
-                      continue_final_message=options.continue_final_message, chat_template=self.chat_template)
+                      continue_final_message=options.continue_final_message)
+        if self.config.chat_template is not None:
+            render["chat_template"] = self.config.chat_template
         if options.tools is not None:
-            if "tools" not in self.chat_template:
+            tools = [dict(tool) for tool in options.tools]
+            if "tools" not in self.tokenizer.get_chat_template(self.config.chat_template, tools):
                 raise InvalidRequestError(f"the chat template of {self.config.model!r} does not show tools to the "
                                           "model; serve it with a template that does (the chat_template setting, e.g. "
                                           "deployments/templates/chatml_tools.jinja)", param="tools")
-            render["tools"] = [dict(tool) for tool in options.tools]
+            render["tools"] = tools
         if options.sanitize_control_tokens:
             if add_special_tokens:
                 raise InvalidRequestError("this server encodes control tokens in messages as text, which leaves the "

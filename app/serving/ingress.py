@@ -284,7 +284,7 @@ class Ingress:
             return error_response(_responses_item(validation_error(err), req))
         except ValueError as err:  # a json_schema format without its name and schema
             return error_response(ErrorItem(400, str(err), param="text.format"))
-        if (refused := self._priority_refused(chat)) is not None:
+        if (refused := self._priority_refused(chat) or self._auto_tools_refused(chat)) is not None:
             return error_response(refused)
         shape = ResponseShape(req, self.config.served_model_name)
         answer = await self._serve(chat, chat=True, request_id=shape.id, shape=shape)

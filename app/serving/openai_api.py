@@ -473,6 +473,15 @@ class ChatCompletionRequest(_Common, _TemplateFields, RequestLabels):
     web_search_options: Any = None
     moderation: Any = None
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _named_form(cls, value: Any) -> Any:
+        if isinstance(value, dict) and not (value.get("type") == "function" and isinstance(value.get("function"), dict)
+                                            and isinstance(value["function"].get("name"), str)):
+            raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}; the others are '
+                             f'"none", "auto" and "required" (got {json.dumps(value)[:200]})')
+        return value
+
     @field_validator("functions")
     @classmethod
     def _no_functions(cls, value: list | None) -> list | None:
@@ -505,12 +514,17 @@ class ChatCompletionRequest(_Common, _TemplateFields, RequestLabels):
         return "required" if self.tool_choice == "required" else "auto"
 
     def tool_reader(self, parser: ToolParserName | None) -> ToolReader | None:
-        """How the answer's calls are read (``parser``: the server's, for ``auto``); None when it makes none."""
+        """How the answer's calls are read (``parser``: the server's, for ``auto``); None when it makes none.
+
+        Raises:
+            ValueError: ``auto`` without a parser (the ingress refuses such requests first).
+        """
         if self.tool_mode == "none":
             return None
         function = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
-        return ToolReader(self.tool_mode, parser=parser, function=function, parallel=self.parallel_tool_calls
-                          is not False)
+        return ToolReader(self.tool_mode, parser=parser, function=function,
+                          names=tuple(t.function.name for t in self.tools or ()),
+                          parallel=self.parallel_tool_calls is not False)
 
     @property
     def guided_param(self) -> str:
@@ -691,7 +705,7 @@ class TokenizeRequest(_TemplateFields):
             raise InvalidRequestError("send either prompt (a text) or messages (a chat)",
                                       param="messages" if self.messages is not None else "prompt")
         if self.prompt is not None:
-            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs"):
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"):
                 if name in self.model_fields_set:
                     raise InvalidRequestError(f"{name} applies to messages only", param=name)
         return self

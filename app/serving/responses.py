@@ -573,6 +573,8 @@ class ResponseEvents:
 
     def _open_item(self, kind: Literal["reasoning", "message"]) -> list[dict]:
         self._open = kind
+        if kind == "message" and any(item["type"] == "message" for item in self._output):  # text after a call
+            self.shape.message_id, self._texts["message"] = f"msg_{uuid.uuid4().hex}", ""
         item = self.shape.reasoning("", done=False) if kind == "reasoning" else self.shape.message("", done=False)
         events = [self._event("response.output_item.added", output_index=len(self._output), item=item)]
         if kind == "message":

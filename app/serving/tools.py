@@ -15,9 +15,9 @@ How the calls come about, by ``tool_choice``:
 - ``auto`` (the default with tools; the server needs ``enable_auto_tool_choice`` and ``tool_call_parser``): the model
   writes calls in its own format or answers in text. ``hermes`` reads ``<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>`` blocks anywhere in the text; ``llama3_json`` an answer that is JSON objects ``{"name": ...,
-  "parameters": {...}}`` (after an optional ``<|python_tag|>``), separated by ``;``. Text that is not a well-formed
-  call stays content; whitespace around calls is dropped; with ``parallel_tool_calls: false`` only the first call is
-  taken and later ones stay content.
+  "parameters": {...}}`` (after an optional ``<|python_tag|>``), separated by ``;``. A call must name a listed
+  function; text that is not a well-formed call stays content, and whitespace before and after calls is dropped;
+  with ``parallel_tool_calls: false`` only the first call is taken and later ones are dropped (vLLM's rule).
 - ``none``: no calls; the tools are still shown to the template (vLLM's default).
 
 A reading does not depend on how the text was cut into deltas: the streamed content and the streamed calls (each
@@ -53,7 +53,8 @@ class FunctionDefinition(BaseModel):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object; None: none.")
-    strict: bool | None = Field(None, description="Harmless: named and required calls always follow the schema.")
+    strict: bool | None = Field(None, description="Named and required calls always follow the schema (their grammar); "
+                                "an auto call's arguments are the model's text, as in vLLM.")
 
     def arguments_schema(self) -> dict[str, Any]:
         """The JSON schema the call's arguments object follows (an empty object without ``parameters``)."""
@@ -106,13 +107,34 @@ class ToolCallParam(BaseModel):
     def template_dict(self) -> dict[str, Any]:
         """The call as chat templates take it: the arguments as an object when they are a JSON object (templates
         write them with ``tojson``; vLLM passes them so), else as sent."""
-        try:
-            arguments = json.loads(self.function.arguments)
-        except json.JSONDecodeError:
-            arguments = None
+        arguments = _json_value(self.function.arguments)
         return {"id": self.id, "type": "function", "function": {
             "name": self.function.name,
             "arguments": arguments if isinstance(arguments, dict) else self.function.arguments}}
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_value(text: str) -> Any:
+    """The JSON value ``text`` is, or None when it is not strict JSON (NaN and infinities refused) or is too large or
+    deep for Python's parser."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError):  # JSONDecodeError; an integer over Python's digit limit; deep nesting
+        return None
+
+
+def _raw_decode(text: str) -> tuple[Any, int] | None:
+    """The JSON value that opens ``text`` and where it ends, or None (incomplete, not JSON, or too large or deep)."""
+    try:
+        return _DECODER.raw_decode(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
 def tool_call_id() -> str:
@@ -135,16 +157,30 @@ class ToolCall:
 
 def calls_grammar(tools: list[Tool], choice: ToolChoice | None, *, parallel: bool) -> GuidedDecoding | None:
     """The structured output that writes the calls: for a named function its arguments' schema, for ``required`` an
-    array of ``{"name", "parameters"}`` objects (at most one without ``parallel``); None for ``auto`` and ``none``."""
+    array of ``{"name", "parameters"}`` objects (at most one without ``parallel``; the tools' ``$defs`` moved to the
+    root, as vLLM does); None for ``auto`` and ``none``.
+
+    Raises:
+        InvalidRequestError: (``tools``) two tools define one ``$defs`` name differently.
+    """
     if isinstance(choice, NamedToolChoice):
         function = next(t.function for t in tools if t.function.name == choice.function.name)
         return GuidedDecoding("json_schema", json.dumps(function.arguments_schema()))
     if choice != "required":
         return None
-    calls = [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
-                             "parameters": t.function.arguments_schema()},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1}
+    calls = []
+    for tool in tools:
+        parameters = dict(tool.function.arguments_schema())
+        for key in ("$defs", "definitions"):  # "#/$defs/..." references resolve from the root: move them there
+            for name, definition in (parameters.pop(key, None) or {}).items():
+                if schema.setdefault(key, {}).setdefault(name, definition) != definition:
+                    raise InvalidRequestError(f"two tools define {key} {name!r} differently; tool_choice 'required' "
+                                              "puts their schemas in one", param="tools")
+        calls.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema["items"] = {"type": "object", "anyOf": calls}
     if not parallel:
         schema["maxItems"] = 1
     return GuidedDecoding("json_schema", json.dumps(schema))
@@ -153,12 +189,22 @@ def calls_grammar(tools: list[Tool], choice: ToolChoice | None, *, parallel: boo
 @dataclass(frozen=True)
 class ToolReader:
     """How calls are read from one choice's answer text (module docstring): ``mode`` from the request, ``parser``
-    the server's (for ``auto``), ``function`` the named one, ``parallel`` from ``parallel_tool_calls``."""
+    the server's (for ``auto``), ``function`` the named one, ``names`` the listed functions (an ``auto`` call must
+    name one), ``parallel`` from ``parallel_tool_calls``.
+
+    Raises:
+        ValueError: ``auto`` without a parser.
+    """
 
     mode: Literal["auto", "named", "required"]
     parser: ToolParserName | None = None
     function: str | None = None
+    names: tuple[str, ...] = ()
     parallel: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode == "auto" and self.parser is None:
+            raise ValueError("calls the model chooses are read by a tool_call_parser; none is set")
 
     def stream(self) -> ToolStream:
         """An incremental ``split`` for a streamed answer."""
@@ -192,6 +238,8 @@ class ToolStream:
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         """The (content, call deltas) that ``delta`` releases."""
         self._pending += delta
+        if "}" not in delta and (self.reader.mode == "required" or self._json):
+            return "", []  # a JSON call closes with "}": nothing new to read (no quadratic re-reading)
         return self._read(final=False)
 
     def finish(self) -> tuple[str, list[dict]]:
@@ -208,17 +256,13 @@ class ToolStream:
             return self._hermes(final=final)
         return self._llama(final=final)
 
-    def _full(self) -> bool:
-        """Whether no more calls are taken (``parallel_tool_calls: false`` after the first)."""
-        return not self.reader.parallel and bool(self.calls)
-
     def _take(self) -> str:
         out, self._pending = self._pending, ""
         return out
 
     def _content(self, text: str, *, final: bool = False) -> str:
         """Content to give out, whitespace after the last content held back; at the end, held whitespace is dropped
-        when the answer made calls (whitespace around calls)."""
+        when the answer made calls (whitespace before and after calls)."""
         text = self._space + text
         body = text.rstrip()
         self._space = text[len(body):]
@@ -226,48 +270,56 @@ class ToolStream:
             body, self._space = body + ("" if self.calls else self._space), ""
         return body
 
-    def _call(self, name: str, arguments: str) -> dict:
-        call = ToolCall(name=name, arguments=arguments, id=tool_call_id())
-        self.calls.append(call)
-        return {"index": len(self.calls) - 1, **call.body()}
-
     def _named(self, *, final: bool) -> list[dict]:
         """A named function's call: its arguments are the whole output, sent as they come."""
         text = self._take()
         if not self.calls:
-            return [self._call(self.reader.function or "", text)] if text or final else []
+            if not (text or final):
+                return []
+            self.calls.append(ToolCall(name=self.reader.function or "", arguments=text, id=tool_call_id()))
+            return [{"index": 0, **self.calls[0].body()}]
         if not text:
             return []
         first = self.calls[0]
         self.calls[0] = ToolCall(first.name, first.arguments + text, first.id)
         return [{"index": 0, "function": {"arguments": text}}]
 
-    def _object_call(self, value: Any, arguments_key: str) -> dict | None:
-        """The call a parsed JSON value is (an object of a string ``name`` and, under ``arguments_key``, an object of
-        arguments, absent for none), or None."""
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    def _call(self, value: Any, keys: tuple[str, ...], *, optional: bool) -> dict | None | Literal[False]:
+        """The call a parsed JSON value is: an object of a string ``name`` and an object of arguments under one of
+        ``keys`` (absent when ``optional``: no arguments); None when it is not one (for ``auto``, a name that is not
+        among the tools' is not); False for a call past the first without ``parallel`` (vLLM drops those). Other
+        keys are ignored, as vLLM's parsers do."""
+        if not isinstance(value, dict) or not isinstance(name := value.get("name"), str):
             return None
-        arguments = value.get(arguments_key, {})
-        if not isinstance(arguments, dict) or set(value) - {"name", arguments_key}:
+        key = next((k for k in keys if k in value), None)
+        if key is None and not optional:
             return None
-        return self._call(value["name"], json.dumps(arguments, ensure_ascii=False))
+        arguments = value[key] if key is not None else {}
+        if not isinstance(arguments, dict) or self.reader.mode == "auto" and name not in self.reader.names:
+            return None
+        text = json.dumps(arguments, ensure_ascii=False)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate escape: not text a response can carry
+            return None
+        if self.calls and not self.reader.parallel:
+            return False
+        self.calls.append(ToolCall(name=name, arguments=text, id=tool_call_id()))
+        return {"index": len(self.calls) - 1, **self.calls[-1].body()}
 
     def _scan_array(self, *, final: bool) -> list[dict]:
         """``required``: the calls of the grammar's JSON array, each as soon as its object closes."""
-        deltas, decoder = [], json.JSONDecoder()
+        deltas = []
         while True:
             text = self._pending.lstrip()
             if (not self.calls and not text.startswith("[")) or (self.calls and not text.startswith(",")):
                 break
-            try:
-                value, end = decoder.raw_decode(body := text[1:].lstrip())
-            except json.JSONDecodeError:
-                break
-            call = self._object_call(value, "parameters")
-            if call is None:
+            decoded = _raw_decode(body := text[1:].lstrip())
+            call = None if decoded is None else self._call(decoded[0], ("parameters",), optional=False)
+            if not call:
                 break
             deltas.append(call)
-            self._pending = body[end:]
+            self._pending = body[decoded[1]:]
         if final and self.calls and self._pending.strip() == "]":
             self._pending = ""
         return deltas
@@ -276,8 +328,6 @@ class ToolStream:
         """``hermes``: ``<tool_call>`` JSON ``</tool_call>`` blocks; text outside them is content."""
         content, deltas = "", []
         while True:
-            if self._full():
-                return content + self._content(self._take()), deltas
             if not self._in_call:
                 before, found, after = self._pending.partition(HERMES_START)
                 if not found:
@@ -294,13 +344,10 @@ class ToolStream:
                     self._pending, self._in_call = HERMES_START + self._pending, False
                 return content, deltas
             self._pending, self._in_call = after, False
-            try:
-                call = self._object_call(json.loads(body), "arguments")
-            except json.JSONDecodeError:
-                call = None
+            call = self._call(_json_value(body), ("arguments", "parameters"), optional=True)
             if call is None:
                 content += self._content(HERMES_START + body + HERMES_END)
-            else:
+            elif call:
                 deltas.append(call)
 
     def _llama(self, *, final: bool) -> tuple[str, list[dict]]:
@@ -313,23 +360,19 @@ class ToolStream:
             self._json = head.startswith(("{", PYTHON_TAG))
             if self._json:
                 self._pending = head.removeprefix(PYTHON_TAG)
-        if not self._json or self._full():
+        if not self._json:
             return self._content(self._take()), []
-        deltas, decoder = [], json.JSONDecoder()
-        while not self._full():
+        deltas = []
+        while True:
             text = self._pending.lstrip()
             text = text[1:].lstrip() if self.calls and text.startswith(";") else text
-            if not text.startswith("{"):
-                break
-            try:
-                value, end = decoder.raw_decode(text)
-            except json.JSONDecodeError:
-                break
-            call = self._object_call(value, "parameters") or self._object_call(value, "arguments")
+            decoded = _raw_decode(text) if text.startswith("{") else None
+            call = None if decoded is None else self._call(decoded[0], ("parameters", "arguments"), optional=False)
             if call is None:
                 break
-            deltas.append(call)
-            self._pending = text[end:]
+            if call:
+                deltas.append(call)
+            self._pending = text[decoded[1]:]
         return "", deltas
 
 

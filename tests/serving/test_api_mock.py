@@ -679,6 +679,7 @@ def test_tokenize_and_detokenize_as_vllm_offers_them(client, url):
             ("tokenize", {}, 400, "prompt"),
             ("tokenize", {"prompt": "a", "add_generation_prompt": True}, 400, "add_generation_prompt"),
             ("tokenize", {"prompt": "a", "chat_template_kwargs": {"x": 1}}, 400, "chat_template_kwargs"),
+            ("tokenize", {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
             ("tokenize", {"messages": messages, "continue_final_message": True, "add_generation_prompt": True}, 400,
              "continue_final_message"),
             ("tokenize", {"prompt": "a", "chat_template": "x"}, 400, "chat_template"),

@@ -269,3 +269,13 @@ def test_calls_the_model_chooses_need_the_server_s_parser():
         assert (answer is not None) == refused, choice
         if refused:
             assert (answer.status, answer.param) == (400, "tool_choice") and "enable_auto_tool_choice" in answer.message
+
+
+def test_responses_with_tools_follow_the_same_auto_tool_choice_rule():
+    """``/v1/responses`` with function tools (auto by default) on a server without ``enable_auto_tool_choice``: the
+    chat path's 400 naming ``tool_choice``, not a request served with no parser to read its calls."""
+    ingress = Ingress(AppConfig(mock_engine=True, drafter="mock"), target=None, router=None)
+    body = {"model": ingress.config.served_model_name, "input": "Weather?",
+            "tools": [{"type": "function", "name": "get_weather"}]}
+    answer = asyncio.run(ingress.responses(_Request(json.dumps(body).encode())))
+    assert answer.status_code == 400 and json.loads(answer.body)["error"]["param"] == "tool_choice"

@@ -206,6 +206,14 @@ def test_calls_are_function_call_items_whole_and_streamed():
     assert [i["type"] for i in final["output"]] == ["message", "function_call"]
     assert final["output"][1]["arguments"] == '{"city": "Paris"}' and final["output"][1]["status"] == "completed"
     assert {e["output_index"] for e in out if e["type"].startswith("response.function_call")} == {1}
+    later = ResponseEvents(ResponseShape(_request(tools=[WEATHER]), "m"))
+    for chunk in (_chunk({"content": "Checking."}), _chunk({"tool_calls": [{**call, "index": 0}]}),
+                  _chunk({"content": " Done."}), _chunk({}, "stop")):
+        later.chunk(chunk)
+    items = later.chunk({"choices": [], "usage": CHAT_USAGE})[-1]["response"]["output"]
+    assert [i["type"] for i in items] == ["message", "function_call", "message"]  # text after a call: a new item
+    assert [i["content"][0]["text"] for i in (items[0], items[2])] == ["Checking.", " Done."]
+    assert items[0]["id"] != items[2]["id"]
     for event in out:  # the response objects' usage aside, as above
         TypeAdapter(ResponseStreamEvent).validate_python(
             event | ({"response": {**event["response"], "usage": None}} if "response" in event else {}))

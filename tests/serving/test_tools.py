@@ -19,7 +19,8 @@ TEMPLATE = Path(__file__).resolve().parents[2] / "deployments" / "templates" / "
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 CLOCK = {"type": "function", "function": {"name": "get_time"}}
-HERMES, LLAMA = ToolReader("auto", "hermes"), ToolReader("auto", "llama3_json")
+NAMES = ("get_weather", "get_time")
+HERMES, LLAMA = ToolReader("auto", "hermes", names=NAMES), ToolReader("auto", "llama3_json", names=NAMES)
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 # reader, answer text -> (content, [(name, arguments)])
@@ -33,17 +34,34 @@ SPLITS = [
     (HERMES, '<tool_call>{"name": "get_time"}</tool_call>', (None, [("get_time", "{}")])),
     (HERMES, 'a <tool_call>{"name": "f", "arguments": {}', ('a <tool_call>{"name": "f", "arguments": {}', [])),  # cut
     (HERMES, "<tool_ca", ("<tool_ca", [])),  # a start of the tag, not the tag
-    (ToolReader("auto", "hermes", parallel=False), f"{CALL}{CALL}",
-     (CALL, [("get_weather", '{"city": "Paris"}')])),  # the first call only; the rest stays text
+    (ToolReader("auto", "hermes", names=NAMES, parallel=False), f"{CALL}\n{CALL}",
+     (None, [("get_weather", '{"city": "Paris"}')])),  # the first call only; later ones dropped (vLLM's rule)
+    (ToolReader("auto", "llama3_json", names=NAMES, parallel=False), '{"name": "get_time", "parameters": {}}; '
+     '{"name": "get_time", "parameters": {}}', (None, [("get_time", "{}")])),
+    (HERMES, '<tool_call>{"name": "delete_files", "arguments": {}}</tool_call>',  # not a listed function: text
+     ('<tool_call>{"name": "delete_files", "arguments": {}}</tool_call>', [])),
+    (HERMES, '<tool_call>{"type": "function", "name": "get_time", "parameters": {}}</tool_call>',
+     (None, [("get_time", "{}")])),  # other keys ignored, as vLLM's parsers do
+    (HERMES, '<tool_call>{"name": "get_time", "arguments": {"n": ' + "1" * 5000 + '}}</tool_call>',  # too large
+     ('<tool_call>{"name": "get_time", "arguments": {"n": ' + "1" * 5000 + '}}</tool_call>', [])),
+    (HERMES, "<tool_call>" + "[" * 5000 + "</tool_call>", ("<tool_call>" + "[" * 5000 + "</tool_call>", [])),
+    (HERMES, '<tool_call>{"name": "get_time", "arguments": {"n": NaN}}</tool_call>',  # not strict JSON
+     ('<tool_call>{"name": "get_time", "arguments": {"n": NaN}}</tool_call>', [])),
+    (HERMES, '<tool_call>{"name": "get_time", "arguments": {"s": "\\ud800"}}</tool_call>',  # a lone surrogate
+     ('<tool_call>{"name": "get_time", "arguments": {"s": "\\ud800"}}</tool_call>', [])),
+    (LLAMA, '{"name": "get_time"}', ('{"name": "get_time"}', [])),  # llama3_json's calls carry their parameters
     (LLAMA, '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {}}',
      (None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])),
     (LLAMA, '<|python_tag|>{"name": "get_time", "parameters": {"tz": "UTC"}}', (None, [("get_time", '{"tz": "UTC"}')])),
-    (LLAMA, 'The call is {"name": "get_time"}', ('The call is {"name": "get_time"}', [])),  # not opened by JSON
+    (LLAMA, 'The call is {"name": "get_time", "parameters": {}}',  # not opened by JSON
+     ('The call is {"name": "get_time", "parameters": {}}', [])),
     (LLAMA, '{"city": "Paris"}', ('{"city": "Paris"}', [])),  # JSON, but not a call
     (ToolReader("required"), '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", '
      '"parameters": {}}]', (None, [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")])),
     (ToolReader("required"), '[{"name": "get_time", "parameters": {}}, {"name": "get_we',
      (', {"name": "get_we', [("get_time", "{}")])),  # cut short: the unfinished call is text
+    (ToolReader("required"), '[{"name": "get_time", "parameters": {"n": ' + "1" * 5000,
+     ('[{"name": "get_time", "parameters": {"n": ' + "1" * 5000, [])),
     (ToolReader("named", function="get_weather"), '{"city": "Paris"}', (None, [("get_weather", '{"city": "Paris"}')])),
     (ToolReader("named", function="get_weather"), '{"city": "Pa', (None, [("get_weather", '{"city": "Pa')])),
 ]
@@ -117,6 +135,16 @@ def test_named_and_required_calls_are_written_by_a_schema():
     assert required["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
     assert json.loads(calls_grammar(tools, "required", parallel=False).spec)["maxItems"] == 1
     assert calls_grammar(tools, "auto", parallel=True) is None and calls_grammar(tools, "none", parallel=True) is None
+    place = {"type": "object", "properties": {"city": {"type": "string"}}}
+    nested = Tool.model_validate({"type": "function", "function": {"name": "plan", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": place}}}})
+    hoisted = json.loads(calls_grammar([nested, tools[1]], "required", parallel=True).spec)
+    assert hoisted["$defs"] == {"Place": place} and "$defs" not in hoisted["items"]["anyOf"][0]["properties"][
+        "parameters"]  # "#/$defs/Place" resolves from the root, where vLLM moves it
+    other = nested.model_copy(update={"function": nested.function.model_copy(update={
+        "name": "trip", "parameters": {**nested.function.parameters, "$defs": {"Place": {"type": "string"}}}})})
+    with pytest.raises(InvalidRequestError, match="define \\$defs 'Place' differently"):
+        calls_grammar([nested, other], "required", parallel=True)
 
 
 def chat_request(**fields) -> ChatCompletionRequest:
@@ -130,8 +158,11 @@ def chat_request(**fields) -> ChatCompletionRequest:
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
      "response_format"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice",
+     '{"type": "function", "function": {"name": ...}}'),
 ])
 def test_tool_fields_that_disagree_are_400s_naming_the_field(fields, param, words):
+    """Including a named choice in the Responses API's flat form, which chat's field does not take."""
     with pytest.raises(ValidationError) as err:
         chat_request(**fields)
     item = validation_error(err.value)
@@ -192,6 +223,13 @@ def test_a_template_that_does_not_show_tools_is_a_400_naming_tools(engine, monke
     with pytest.raises(InvalidRequestError) as err:
         engine.encode_chat(user, options=ChatTemplateOptions(tools=(WEATHER,)))
     assert err.value.param == "tools" and "chatml_tools.jinja" in str(err.value)
+    plain = engine.encode_chat(user)
+    named = {"default": engine.tokenizer.chat_template, "tool_use": TEMPLATE.read_text()}
+    monkeypatch.setattr(engine.tokenizer, "chat_template", named)  # Hermes-2-Pro's kind: templates by name
+    assert engine.encode_chat(user) == plain  # the default one, as before
+    shown = engine.tokenizer.decode(engine.encode_chat(user, options=ChatTemplateOptions(tools=(WEATHER,))))
+    assert '"name": "get_weather"' in shown  # the tool_use one, with tools
+    monkeypatch.setattr(engine.tokenizer, "chat_template", named["default"])
     monkeypatch.setattr(engine, "config", engine.config.model_copy(update={"chat_template": TEMPLATE.read_text()}))
     shown = engine.tokenizer.decode(engine.encode_chat(user, options=ChatTemplateOptions(tools=(WEATHER,))))
     assert '"name": "get_weather"' in shown and shown.endswith("<|im_start|>assistant\n")

@@ -26,6 +26,25 @@ def is_template_text(value: str) -> bool:
     return "{{" in value or "{%" in value
 
 
+def check_chat_template(text: str) -> None:
+    """Check a chat template's text as the renderer will compile it (Hugging Face's sandboxed Jinja), so a broken one
+    fails at start, not in every chat request.
+
+    Raises:
+        ValueError: no Jinja markup (a file's path given as text), or a Jinja syntax error (its line and message).
+    """
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    if not is_template_text(text):
+        raise ValueError(f"chat_template {text[:80]!r} has no Jinja markup ('{{{{' or '{{%'): give the template's "
+                         "text (the serving config reads it from a file's path)")
+    try:
+        _compile_jinja_template(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise ValueError(f"chat_template does not compile: line {err.lineno}: {err.message}") from None
+
+
 class EngineConfig(BaseModel):
     """Settings of one target engine (one target replica)."""
 
@@ -116,9 +135,8 @@ class EngineConfig(BaseModel):
         if self.batch_invariant and self.enable_prefix_caching:
             raise ValueError("enable_prefix_caching reuses keys/values computed in other steps' shapes; it cannot be "
                              "combined with batch_invariant")
-        if self.chat_template is not None and not is_template_text(self.chat_template):
-            raise ValueError(f"chat_template {self.chat_template[:80]!r} has no Jinja markup ('{{{{' or '{{%'): give "
-                             "the template's text (the serving config reads it from a file's path)")
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template)
         return self
 
     @property

@@ -339,7 +339,8 @@ class Ingress:
         if req.tool_mode != "auto" or self.config.enable_auto_tool_choice:
             return None
         return ErrorItem(400, '"auto" tool choice needs the server\'s enable_auto_tool_choice and tool_call_parser '
-                         "(vLLM's --enable-auto-tool-choice, --tool-call-parser); send tool_choice \"required\", a "
+                         "(vLLM's --enable-auto-tool-choice, --tool-call-parser), and a chat template that shows the "
+                         "tools (docs/serving.md, \"Tool calling\"); without them send tool_choice \"required\", a "
                          "named function or \"none\"", param="tool_choice")
 
     def _tools(self, req: ChatCompletionRequest | CompletionRequest, *, chat: bool) -> ToolReader | None:

@@ -90,7 +90,7 @@ class ChatMessage(BaseModel):
     model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None
+    content: str | list[dict[str, Any]] | None = None  # optional in an assistant turn, as OpenAI's
     reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallParam] | None = None
@@ -104,7 +104,7 @@ class ChatMessage(BaseModel):
     @model_validator(mode="after")
     def _assistant_fields(self) -> "ChatMessage":
         if self.role != "assistant" and self.content is None:
-            raise ValueError("content may be null in assistant messages only")
+            raise ValueError("content is needed (it may be null or left out in assistant messages only)")
         if self.role != "assistant" and (self.reasoning is not None or self.reasoning_content is not None):
             raise ValueError("reasoning is for assistant messages only")
         if self.role != "assistant" and self.tool_calls is not None:
@@ -271,6 +271,7 @@ class _TemplateFields(BaseModel):
     @model_validator(mode="after")
     def _template(self) -> "_TemplateFields":
         self.template_options()
+        validate_tools(self.tools, None)
         return self
 
     def template_options(self) -> ChatTemplateOptions:
@@ -528,7 +529,12 @@ class ChatCompletionRequest(_Common, _TemplateFields, RequestLabels):
 
     @property
     def guided_param(self) -> str:
-        return "tool_choice" if self.tool_mode in ("named", "required") else super().guided_param
+        """A grammar error names the schema behind it: the named function's ``parameters``, ``tools`` for a required
+        choice's (all of them), else ``_Common.guided_param``."""
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_mode == "named":
+            index = next(i for i, t in enumerate(self.tools or ()) if t.function.name == self.tool_choice.function.name)
+            return f"tools.{index}.function.parameters"
+        return "tools" if self.tool_mode == "required" else super().guided_param
 
     def guided(self) -> GuidedDecoding | None:
         """The grammar that writes the calls of a named or required ``tool_choice``, else ``_Common.guided``."""

@@ -37,6 +37,10 @@ TEXT_PARTS = ("input_text", "output_text")
 
 
 ITEM_TYPES = ("message", "reasoning", "function_call", "function_call_output")
+# Fields the SDK's function call item carries beside the call (model_dump() names "async" async_; a streamed final
+# response adds parsed_arguments, the arguments parsed): taken when they say nothing more than the call does.
+SDK_CALL_FIELDS = {"async": lambda v: not v, "async_": lambda v: not v, "parsed_arguments": lambda v: True,
+                   "caller": lambda v: v in (None, {"type": "direct"}), "namespace": lambda v: v is None}
 
 
 class InputItem(BaseModel):
@@ -67,6 +71,8 @@ class InputItem(BaseModel):
         if isinstance(value, dict) and value.get("type", "message") not in ITEM_TYPES:
             raise unsupported(f"input item type {value.get('type')!r}", "message, reasoning and function call items "
                               "only")
+        if isinstance(value, dict) and value.get("type") == "function_call":  # what the SDK adds to a call item
+            value = {k: v for k, v in value.items() if not (k in SDK_CALL_FIELDS and SDK_CALL_FIELDS[k](v))}
         return value
 
     @model_validator(mode="after")
@@ -247,6 +253,14 @@ class FunctionChoice(BaseModel):
     type: Literal["function"]
     name: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _flat(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "function" in value:
+            raise ValueError('the Responses API names a function as {"type": "function", "name": ...} (chat\'s form '
+                             "nests it under function)")
+        return value
+
 
 class ResponsesRequest(RequestLabels):
     """``POST /v1/responses``: the fields of OpenAI's request (``ACTING``, ``HARMLESS``; the ``REJECTED`` ones are a
@@ -381,11 +395,14 @@ class ResponsesRequest(RequestLabels):
 
 
 def responses_param(param: str | None, req: ResponsesRequest) -> str | None:
-    """The Responses field behind the chat request's field an error names: ``PARAMS``, and ``messages.<i>...`` the
-    input item it came from (after the system message ``instructions`` become)."""
+    """The Responses field behind the chat request's field an error names: ``PARAMS``, ``messages.<i>...`` the input
+    item it came from (after the system message ``instructions`` become), ``tools.<i>.function.<f>`` the flat
+    ``tools.<i>.<f>``."""
     if param is None:
         return None
     head, _, rest = param.partition(".")
+    if head == "tools" and ".function." in rest:  # the chat tool's function is the flat Responses tool itself
+        return f"tools.{rest.replace('.function.', '.', 1)}"
     if head == "messages" and rest.split(".")[0].isdigit():
         index, _, tail = rest.partition(".")
         item = int(index) - (req.instructions is not None)
@@ -428,6 +445,12 @@ class ResponseShape:
             "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "user": self.req.user,
         }
 
+    @property
+    def named_call(self) -> bool:
+        """Whether the answer is a named function's call, whose arguments are the whole output (``max_output_tokens``
+        cuts them short; other calls are read only when complete)."""
+        return isinstance(self.req.tool_choice, FunctionChoice)
+
     def _tool_choice(self) -> str | dict:
         """``tool_choice`` as the response echoes it: as sent, else ``auto`` with tools and ``none`` without."""
         choice = self.req.tool_choice
@@ -448,12 +471,12 @@ class ResponseShape:
                 "status": "completed" if done else "in_progress"}
 
 
-def function_call(call: dict, *, done: bool) -> dict:
+def function_call(call: dict, *, done: bool, cut: bool = False) -> dict:
     """A ``function_call`` output item of a chat tool call (``ToolCall.body``): the call's id is its ``call_id``,
-    the item's id ``fc_`` and the same key."""
+    the item's id ``fc_`` and the same key; ``cut``: its arguments were cut short (``incomplete``)."""
     return {"type": "function_call", "id": "fc_" + call["id"].rpartition("-")[2], "call_id": call["id"],
             "name": call["function"]["name"], "arguments": call["function"]["arguments"] if done else "",
-            "status": "completed" if done else "in_progress"}
+            "status": ("incomplete" if cut else "completed") if done else "in_progress"}
 
 
 def _output_text(text: str) -> dict:
@@ -477,7 +500,7 @@ def response_body(shape: ResponseShape, chat: dict) -> dict:
     calls = message.get("tool_calls") or []
     if message["content"] is not None or not calls:  # an answer of calls alone has no message item
         output.append(shape.message(message["content"] or "", done=True, cut=length))
-    output += [function_call(call, done=True) for call in calls]
+    output += [function_call(call, done=True, cut=length and shape.named_call) for call in calls]
     return shape.response(status="incomplete" if length else "completed", output=output, usage=usage(chat["usage"]),
                           length=length)
 
@@ -585,7 +608,8 @@ class ResponseEvents:
         if self._open is None:
             return []
         if self._open == "call":
-            item = {**self._call, "status": "completed"}
+            cut = self._finished == "length" and self.shape.named_call
+            item = {**self._call, "status": "incomplete" if cut else "completed"}
             events = [self._event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=len(self._output), arguments=item["arguments"]),
                       self._event("response.output_item.done", output_index=len(self._output), item=item)]

@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.engine.errors import InvalidRequestError
 from app.engine.types import GuidedDecoding
@@ -68,6 +68,14 @@ class Tool(BaseModel):
 
     type: Literal["function"]
     function: FunctionDefinition
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, value: Any) -> Any:
+        if isinstance(value, dict) and value.get("type") != "function":
+            raise ValueError(f"tool type {value.get('type')!r} is not supported by this server (function tools only; "
+                             "it hosts no tools)")
+        return value
 
 
 class FunctionName(BaseModel):

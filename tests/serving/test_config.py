@@ -52,8 +52,8 @@ def test_missing_files_name_the_field(tmp_path):
 def test_a_chat_template_is_a_file_s_path_or_the_template_s_text(tmp_path):
     """vLLM's ``--chat-template``: a path (relative: to the repository root, as every path here) is read into the
     engine's ``chat_template`` at the top level or in the engine section; the text itself is taken as is; a missing
-    file, and text without Jinja markup given to the engine directly, name the field. Auto tool choice needs a
-    parser."""
+    file, text without Jinja markup given to the engine directly, and a template that does not compile (found at
+    start, not in every chat request) name the field. Auto tool choice needs a parser."""
     from app.engine.config import EngineConfig
 
     shipped = AppConfig(chat_template="deployments/templates/chatml_tools.jinja", drafter="ngram")
@@ -67,6 +67,8 @@ def test_a_chat_template_is_a_file_s_path_or_the_template_s_text(tmp_path):
         AppConfig(chat_template="nowhere.jinja")
     with pytest.raises(ValidationError, match="has no Jinja markup"):
         EngineConfig(chat_template="t.jinja")
+    with pytest.raises(ValidationError, match="chat_template does not compile: line 1: unexpected '%'"):
+        AppConfig(chat_template="{%- for m in messages -%{{ m.content }}{% endfor %}")
     with pytest.raises(ValidationError, match="set tool_call_parser"):
         AppConfig(enable_auto_tool_choice=True)
     assert AppConfig(enable_auto_tool_choice=True, tool_call_parser="llama3_json").tool_call_parser == "llama3_json"

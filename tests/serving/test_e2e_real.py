@@ -314,6 +314,12 @@ def test_tool_calls_through_the_official_client(url):
     after = client.chat.completions.create(model="smollm2-135m", messages=history, tools=[WEATHER], max_tokens=24,
                                            temperature=0)
     assert after.choices[0].message.content or after.choices[0].message.tool_calls
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "wat"}}}}}
+    with pytest.raises(openai.BadRequestError) as err:  # the grammar library refuses the schema: named in the error
+        client.chat.completions.create(model="smollm2-135m", messages=messages, tools=[WEATHER, bad],
+                                       tool_choice={"type": "function", "function": {"name": "f"}}, max_tokens=8)
+    assert err.value.body["param"] == "tools.1.function.parameters" and "wat" in err.value.body["message"]
     flat = {"type": "function", "name": "get_weather", **{k: WEATHER["function"][k] for k in ("description",
                                                                                                "parameters")}}
     with client.responses.stream(model="smollm2-135m", input="What is the weather in Paris?", tools=[flat],

@@ -80,6 +80,7 @@ def test_chat_errors_name_the_responses_fields():
     assert responses_param("messages", _request()) == "input"
     assert responses_param("max_completion_tokens", _request()) == "max_output_tokens"
     assert responses_param("response_format", _request()) == "text.format"
+    assert responses_param("tools.1.function.parameters", _request()) == "tools.1.parameters"  # the flat tool
     assert responses_param("temperature", _request()) == "temperature" and responses_param(None, _request()) is None
     with pytest.raises(ValueError, match="name and a schema"):
         _request(text={"format": {"type": "json_schema"}}).chat()
@@ -155,7 +156,7 @@ def test_function_tools_and_calls_become_the_chat_request_s():
     named = _request(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
                      parallel_tool_calls=False).chat()
     assert named.tools[0].function.name == "get_weather" and named.tool_mode == "named"
-    assert named.parallel_tool_calls is False and named.guided_param == "tool_choice"
+    assert named.parallel_tool_calls is False and named.guided_param == "tools.0.function.parameters"
     assert _request(tools=[WEATHER]).chat().tool_mode == "auto"
     call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}',
             "id": "fc_1", "status": "completed"}
@@ -170,6 +171,10 @@ def test_function_tools_and_calls_become_the_chat_request_s():
                             {**result, "output": [{"type": "input_text", "text": "18 C"}]}]).chat().chat_messages()
     assert [m["role"] for m in alone] == ["user", "assistant", "tool"] and alone[1]["content"] == ""
     assert [c["id"] for c in alone[1]["tool_calls"]] == ["call_1", "call_2"] and alone[2]["content"] == "18 C"
+    dumped = {**call, "async_": None, "caller": None, "namespace": None, "parsed_arguments": {"city": "Paris"}}
+    assert _request(input=[dumped]).chat().chat_messages()[0]["tool_calls"][0]["id"] == "call_1"  # SDK model_dump()
+    with pytest.raises(ValidationError, match="names a function as"):  # chat's nested form, sent here
+        _request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
 
 
 def test_calls_are_function_call_items_whole_and_streamed():
@@ -206,6 +211,12 @@ def test_calls_are_function_call_items_whole_and_streamed():
     assert [i["type"] for i in final["output"]] == ["message", "function_call"]
     assert final["output"][1]["arguments"] == '{"city": "Paris"}' and final["output"][1]["status"] == "completed"
     assert {e["output_index"] for e in out if e["type"].startswith("response.function_call")} == {1}
+    named = ResponseShape(_request(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}), "m")
+    cut = dict(chat, choices=[{**chat["choices"][0], "finish_reason": "length"}])
+    assert response_body(named, cut)["output"][0]["status"] == "incomplete"  # its arguments were cut short
+    events = ResponseEvents(named)
+    events.chunk(_chunk({"tool_calls": [{**call, "index": 0}]}, "length"))
+    assert events.chunk({"choices": [], "usage": CHAT_USAGE})[-1]["response"]["output"][0]["status"] == "incomplete"
     later = ResponseEvents(ResponseShape(_request(tools=[WEATHER]), "m"))
     for chunk in (_chunk({"content": "Checking."}), _chunk({"tool_calls": [{**call, "index": 0}]}),
                   _chunk({"content": " Done."}), _chunk({}, "stop")):

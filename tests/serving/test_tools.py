@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.engine.errors import InvalidRequestError
-from app.serving.openai_api import ChatCompletionRequest, validation_error
+from app.serving.openai_api import ChatCompletionRequest, TokenizeRequest, validation_error
 from app.serving.tools import Tool, ToolReader, calls_grammar
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deployments" / "templates" / "chatml_tools.jinja"
@@ -127,7 +127,7 @@ def test_named_and_required_calls_are_written_by_a_schema():
                                                       "type": "function", "function": {"name": "get_weather"}}})
     assert named.guided().kind == "json_schema" and json.loads(named.guided().spec) == WEATHER["function"][
         "parameters"]
-    assert named.guided_param == "tool_choice" and named.tool_mode == "named"
+    assert named.guided_param == "tools.0.function.parameters" and named.tool_mode == "named"  # a schema error's
     required = json.loads(calls_grammar(tools, "required", parallel=True).spec)
     assert required["minItems"] == 1 and "maxItems" not in required
     assert [c["properties"]["name"]["enum"] for c in required["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
@@ -174,7 +174,7 @@ def test_earlier_calls_and_their_results_reach_the_template():
     arguments as an object; a ``tool`` message keeps its ``tool_call_id``; ``tool_choice: none`` makes no reader."""
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     req = chat_request(messages=[{"role": "user", "content": "Weather?"},
-                                 {"role": "assistant", "content": None, "tool_calls": [call]},
+                                 {"role": "assistant", "tool_calls": [call]},  # content left out, as OpenAI allows
                                  {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}],
                        tools=[WEATHER], tool_choice="none")
     assistant, result = req.chat_messages()[1:]
@@ -184,6 +184,11 @@ def test_earlier_calls_and_their_results_reach_the_template():
     assert req.template_options().tools == (WEATHER,)
     with pytest.raises(ValueError, match="tool_calls are for assistant"):
         chat_request(messages=[{"role": "user", "content": "x", "tool_calls": [call]}])
+    with pytest.raises(ValueError, match="content is needed"):
+        chat_request(messages=[{"role": "user"}])
+    with pytest.raises(ValidationError) as err:  # /tokenize renders tools too: the same check
+        TokenizeRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER, WEATHER]})
+    assert validation_error(err.value).param == "tools"
 
 
 def test_the_tool_template_renders_as_smollm2_s_own_without_tools(engine):

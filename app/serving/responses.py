@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from app.serving.openai_api import (STRICT, ChatCompletionRequest, JsonSchemaFormat, RequestLabels, unicode_text,
                                    unsupported)
-from app.serving.tools import FUNCTION_NAME
+from app.serving.tools import FUNCTION_NAME, function_tool
 
 # Request fields by what they do (the field walk test reads these)
 ACTING = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text", "tools",
@@ -220,9 +220,7 @@ class FunctionTool(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _functions_only(cls, value: Any) -> Any:
-        if isinstance(value, dict) and value.get("type") != "function":
-            raise unsupported(f"tool type {value.get('type')!r}", "function tools only; this server hosts no tools")
-        return value
+        return function_tool(value)
 
     @field_validator("allowed_callers")
     @classmethod

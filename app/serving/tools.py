@@ -61,6 +61,18 @@ class FunctionDefinition(BaseModel):
         return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
 
 
+def function_tool(value: Any) -> Any:
+    """``value`` unless it is a tool of another type than ``function`` (a request's raw ``tools`` entry).
+
+    Raises:
+        ValueError: naming the type.
+    """
+    if isinstance(value, dict) and value.get("type") != "function":
+        raise ValueError(f"tool type {value.get('type')!r} is not supported by this server (function tools only; it "
+                         "hosts no tools)")
+    return value
+
+
 class Tool(BaseModel):
     """One entry of a request's ``tools``: a function (the one kind a text model can call here)."""
 
@@ -72,10 +84,7 @@ class Tool(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _functions_only(cls, value: Any) -> Any:
-        if isinstance(value, dict) and value.get("type") != "function":
-            raise ValueError(f"tool type {value.get('type')!r} is not supported by this server (function tools only; "
-                             "it hosts no tools)")
-        return value
+        return function_tool(value)
 
 
 class FunctionName(BaseModel):

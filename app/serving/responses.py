@@ -251,14 +251,6 @@ class FunctionChoice(BaseModel):
     type: Literal["function"]
     name: str
 
-    @model_validator(mode="before")
-    @classmethod
-    def _flat(cls, value: Any) -> Any:
-        if isinstance(value, dict) and "function" in value:
-            raise ValueError('the Responses API names a function as {"type": "function", "name": ...} (chat\'s form '
-                             "nests it under function)")
-        return value
-
 
 class ResponsesRequest(RequestLabels):
     """``POST /v1/responses``: the fields of OpenAI's request (``ACTING``, ``HARMLESS``; the ``REJECTED`` ones are a
@@ -318,6 +310,14 @@ class ResponsesRequest(RequestLabels):
         if value is not None:
             raise unsupported(info.field_name, "this server keeps no responses or conversations: send the whole "
                                "conversation as input")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _flat_choice(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "function" in value:
+            raise ValueError('the Responses API names a function as {"type": "function", "name": ...} (chat\'s form '
+                             "nests it under function)")
         return value
 
     @field_validator("include")
@@ -507,7 +507,8 @@ class ResponseEvents:
     """The Responses streaming events of one request, made from its chat completion's chunks (``chunk_body``
     dicts): ``start``, then ``chunk`` for each, ``error`` for a failure. Each event is a dict with its ``type`` and
     ``sequence_number``; the reasoning item (with a reasoning parser) comes before the message item, and the
-    ``function_call`` items (one per tool call, its arguments streamed as they come) after it."""
+    ``function_call`` items (one per tool call, its arguments streamed as they come) after it; text after a call
+    opens a message item of its own (a non-streamed response holds all the text in its one message item)."""
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape = shape

@@ -67,7 +67,7 @@ def function_tool(value: Any) -> Any:
     Raises:
         ValueError: naming the type.
     """
-    if isinstance(value, dict) and value.get("type") != "function":
+    if isinstance(value, dict) and "type" in value and value["type"] != "function":
         raise ValueError(f"tool type {value.get('type')!r} is not supported by this server (function tools only; it "
                          "hosts no tools)")
     return value
@@ -123,8 +123,11 @@ class ToolCallParam(BaseModel):
 
     def template_dict(self) -> dict[str, Any]:
         """The call as chat templates take it: the arguments as an object when they are a JSON object (templates
-        write them with ``tojson``; vLLM passes them so), else as sent."""
+        write them with ``tojson``; vLLM passes them so), else, or nested deeper than ``MAX_ARGUMENTS_DEPTH``, as
+        sent."""
         arguments = _json_value(self.function.arguments)
+        if _too_deep(arguments):  # as sent: the renderer walks objects recursively
+            arguments = None
         return {"id": self.id, "type": "function", "function": {
             "name": self.function.name,
             "arguments": arguments if isinstance(arguments, dict) else self.function.arguments}}
@@ -152,6 +155,19 @@ def _raw_decode(text: str) -> tuple[Any, int] | None:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+MAX_ARGUMENTS_DEPTH = 64  # an earlier call's arguments nested deeper reach the template as their text
+
+
+def _too_deep(value: Any, limit: int = MAX_ARGUMENTS_DEPTH) -> bool:
+    """Whether a parsed JSON value nests deeper than ``limit`` (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
 
 
 def tool_call_id() -> str:
@@ -190,7 +206,9 @@ def calls_grammar(tools: list[Tool], choice: ToolChoice | None, *, parallel: boo
     for tool in tools:
         parameters = dict(tool.function.arguments_schema())
         for key in ("$defs", "definitions"):  # "#/$defs/..." references resolve from the root: move them there
-            for name, definition in (parameters.pop(key, None) or {}).items():
+            if not isinstance(parameters.get(key), dict):  # absent, or not definitions: the grammar library judges
+                continue
+            for name, definition in parameters.pop(key).items():
                 if schema.setdefault(key, {}).setdefault(name, definition) != definition:
                     raise InvalidRequestError(f"two tools define {key} {name!r} differently; tool_choice 'required' "
                                               "puts their schemas in one", param="tools")
@@ -314,10 +332,10 @@ class ToolStream:
         arguments = value[key] if key is not None else {}
         if not isinstance(arguments, dict) or self.reader.mode == "auto" and name not in self.reader.names:
             return None
-        text = json.dumps(arguments, ensure_ascii=False)
-        try:
+        try:  # strict JSON (1e400 parses to inf), and text a response can carry (no lone surrogate escape)
+            text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
             text.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate escape: not text a response can carry
+        except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError; the encoder nests deeper
             return None
         if self.calls and not self.reader.parallel:
             return False

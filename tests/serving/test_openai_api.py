@@ -107,6 +107,7 @@ def test_defaults_seeds_per_choice_and_completion_logprobs():
 REFUSED = [  # request -> the field the 400 must name
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools.0.function"),
     ({"messages": MESSAGES, "tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools.0"),
+    ({"messages": MESSAGES, "tools": [{"function": {"name": "f"}}]}, "tools.0.type"),
     ({"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice"),
     ({"messages": MESSAGES, "reasoning_effort": "low"}, "reasoning_effort"),
     ({"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),  # a cross-field check, still named

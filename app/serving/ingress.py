@@ -42,9 +42,9 @@ from app.engine.types import ChatTemplateOptions
 from app.serving.config import AppConfig
 from app.serving.metrics import prometheus_text
 from app.serving.openai_api import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs, choice_body,
-    chunk_body, completion_body, completion_logprobs, echoed_prompt, error_body, usage, validation_error,
-    vllm_prompt_logprobs,
+    MAX_JSON_DEPTH, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, chat_logprobs,
+    choice_body, chunk_body, completion_body, completion_logprobs, echoed_prompt, error_body, json_too_deep, usage,
+    validation_error, vllm_prompt_logprobs,
 )
 from app.serving.protocol import DRAINING, ErrorItem, GenerateRequest, SpecStats, TextChunk, TokenizeCall, openai_param
 from app.serving.reasoning import ReasoningParser
@@ -54,7 +54,6 @@ from app.serving.tools import ToolReader
 
 log = logging.getLogger("ray.serve")
 
-MAX_JSON_DEPTH = 64  # deepest nesting of arrays and objects a request body may have (deeper: 400)
 ROUTER_HEALTH_TIMEOUT_S = 2.0  # /health's wait for the Router's drain flag
 BODY_TIMEOUT_S = 60.0  # a request body not received whole within this is a 408 (a stalled client holds no slot)
 
@@ -81,20 +80,6 @@ async def server_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
     err = ErrorItem(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error")
     return JSONResponse(error_body(err), status_code=500)
-
-
-def json_too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether parsed JSON nests arrays / objects deeper than ``limit`` levels (iterative: no recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return True
-        stack.extend((child, depth + 1) for child in children)
-    return False
 
 
 def admission_limit(config: AppConfig) -> int:

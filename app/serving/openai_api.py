@@ -23,13 +23,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from app.engine.errors import InvalidRequestError
 from app.engine.types import MAX_LOGPROBS, ChatTemplateOptions, GuidedDecoding, SamplingParams
 from app.serving.protocol import ErrorItem, SpecStats, TokenLogprobText
-from app.serving.tools import (NamedToolChoice, Tool, ToolCallParam, ToolChoice, ToolMode, ToolParserName, ToolReader,
-                               calls_grammar, validate_tools)
+from app.serving.tools import (NamedToolChoice, Tool, ToolChoice, ToolMode, ToolParserName, ToolReader, calls_grammar,
+                               json_value, validate_tools)
 
 DEFAULT_MAX_TOKENS = 256  # a chat request's without max_tokens or max_completion_tokens
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # a completions request's without max_tokens (OpenAI's legacy default, vLLM's)
 MAX_CHOICES = 16  # most choices (n x prompts) one request may ask for
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' integer logprobs
+MAX_JSON_DEPTH = 64  # deepest nesting of arrays and objects a request body may have (deeper: 400)
 
 # Request fields by what they do (the field walk test reads these); the extensions are ACTING too.
 ACTING_CHAT = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
@@ -68,6 +69,20 @@ def unicode_text(value: str, what: str) -> str:
     return value
 
 
+def json_too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether parsed JSON nests arrays / objects deeper than ``limit`` levels (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def unsupported(name: str, why: str) -> ValueError:
     return ValueError(f"{name} is not supported by this server ({why})")
 
@@ -79,6 +94,34 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: str
+
+
+class FunctionCallParam(BaseModel):
+    model_config = STRICT
+
+    name: str
+    arguments: str = Field(description="The arguments as JSON text, as a response gave them.")
+
+
+class ToolCallParam(BaseModel):
+    """A tool call of an earlier assistant turn, as a response gave it (``message.tool_calls[i]``)."""
+
+    model_config = STRICT
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCallParam
+
+    def template_dict(self) -> dict[str, Any]:
+        """The call as chat templates take it: the arguments as an object when they are a JSON object (templates
+        write them with ``tojson``; vLLM passes them so), else, or nested deeper than a request body may be
+        (``MAX_JSON_DEPTH``: the renderer walks objects recursively), as sent."""
+        arguments = json_value(self.function.arguments)
+        if json_too_deep(arguments):
+            arguments = None
+        return {"id": self.id, "type": "function", "function": {
+            "name": self.function.name,
+            "arguments": arguments if isinstance(arguments, dict) else self.function.arguments}}
 
 
 class ChatMessage(BaseModel):

@@ -1,11 +1,11 @@
 """Tool calling: OpenAI's ``tools`` and ``tool_choice`` on chat completions, with vLLM's tool parser names.
 
-Owns: the request's tool fields and earlier turns' tool calls (validated), the grammar that writes the calls when the
+Owns: the request's tool fields (validated), the grammar that writes the calls when the
 request names a function or requires calls, and reading the calls out of a chat answer's text, whole
 (``ToolReader.split``) or as it streams (``ToolStream``). Works on text only, after any reasoning was split off
 (``reasoning.py``); the tokens, logprobs and usage are the completion's as they are. Does not own: showing the tools
 to the model (the chat template's matter: ``deployments/templates/chatml_tools.jinja`` for ChatML models) or the
-response shapes (``openai_api.py``).
+request's messages and response shapes, earlier turns' tool calls among them (``openai_api.py``).
 
 How the calls come about, by ``tool_choice``:
 - a named function (``{"type": "function", "function": {"name": ...}}``): the output is that function's arguments,
@@ -105,39 +105,11 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class FunctionCallParam(BaseModel):
-    model_config = _STRICT
-
-    name: str
-    arguments: str = Field(description="The arguments as JSON text, as a response gave them.")
-
-
-class ToolCallParam(BaseModel):
-    """A tool call of an earlier assistant turn, as a response gave it (``message.tool_calls[i]``)."""
-
-    model_config = _STRICT
-
-    id: str
-    type: Literal["function"]
-    function: FunctionCallParam
-
-    def template_dict(self) -> dict[str, Any]:
-        """The call as chat templates take it: the arguments as an object when they are a JSON object (templates
-        write them with ``tojson``; vLLM passes them so), else, or nested deeper than ``MAX_ARGUMENTS_DEPTH``, as
-        sent."""
-        arguments = _json_value(self.function.arguments)
-        if _too_deep(arguments):  # as sent: the renderer walks objects recursively
-            arguments = None
-        return {"id": self.id, "type": "function", "function": {
-            "name": self.function.name,
-            "arguments": arguments if isinstance(arguments, dict) else self.function.arguments}}
-
-
 def _refuse_constant(name: str) -> None:
     raise ValueError(f"{name} is not JSON")
 
 
-def _json_value(text: str) -> Any:
+def json_value(text: str) -> Any:
     """The JSON value ``text`` is, or None when it is not strict JSON (NaN and infinities refused) or is too large or
     deep for Python's parser."""
     try:
@@ -155,19 +127,6 @@ def _raw_decode(text: str) -> tuple[Any, int] | None:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
-MAX_ARGUMENTS_DEPTH = 64  # an earlier call's arguments nested deeper reach the template as their text
-
-
-def _too_deep(value: Any, limit: int = MAX_ARGUMENTS_DEPTH) -> bool:
-    """Whether a parsed JSON value nests deeper than ``limit`` (checked without recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            if depth > limit:
-                return True
-            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return False
 
 
 def tool_call_id() -> str:
@@ -379,7 +338,7 @@ class ToolStream:
                     self._pending, self._in_call = HERMES_START + self._pending, False
                 return content, deltas
             self._pending, self._in_call = after, False
-            call = self._call(_json_value(body), ("arguments", "parameters"), optional=True)
+            call = self._call(json_value(body), ("arguments", "parameters"), optional=True)
             if call is None:
                 content += self._content(HERMES_START + body + HERMES_END)
             elif call:

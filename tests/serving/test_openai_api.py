@@ -13,12 +13,12 @@ from pydantic import ValidationError
 from app.engine.errors import InvalidRequestError
 from app.engine.types import ChatTemplateOptions, GuidedDecoding
 from app.serving.config import AppConfig
-from app.serving.ingress import admission_limit, json_too_deep
+from app.serving.ingress import admission_limit
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.serving.metrics import prometheus_text
 from app.serving.openai_api import (
-    ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs, validation_error,
+    ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs, json_too_deep, validation_error,
 )
 from app.serving.protocol import FALLBACK_CAUSES, SpecCounters, TokenLogprobText
 

@@ -12,8 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from app.engine.errors import InvalidRequestError
-from app.serving.openai_api import ChatCompletionRequest, TokenizeRequest, validation_error
-from app.serving.tools import Tool, ToolCallParam, ToolReader, calls_grammar
+from app.serving.openai_api import ChatCompletionRequest, TokenizeRequest, ToolCallParam, validation_error
+from app.serving.tools import Tool, ToolReader, calls_grammar
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deployments" / "templates" / "chatml_tools.jinja"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

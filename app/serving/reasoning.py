@@ -88,7 +88,7 @@ class ReasoningStream:
         if found:
             self._part, self._pending = "answer", ""
             return reasoning, answer
-        keep = _tag_prefix(self._pending)
+        keep = tag_prefix(self._pending, END)
         out, self._pending = self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :]
         return out, ""
 
@@ -100,6 +100,7 @@ class ReasoningStream:
         return (out, "") if self._part == "reasoning" else ("", out)
 
 
-def _tag_prefix(text: str) -> int:
-    """The length of the longest end of ``text`` that begins ``END`` (text a later delta may complete into it)."""
-    return next((n for n in range(min(len(END) - 1, len(text)), 0, -1) if END.startswith(text[-n:])), 0)
+def tag_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (text a later delta may complete into it); a
+    streamed parser holds that much back."""
+    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)

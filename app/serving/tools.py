@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.engine.errors import InvalidRequestError
 from app.engine.types import GuidedDecoding
+from app.serving.reasoning import tag_prefix
 
 ToolParserName = Literal["hermes", "llama3_json"]
 ToolMode = Literal["none", "auto", "named", "required"]
@@ -325,7 +326,7 @@ class ToolStream:
             if not self._in_call:
                 before, found, after = self._pending.partition(HERMES_START)
                 if not found:
-                    keep = 0 if final else _tag_prefix(self._pending, HERMES_START)
+                    keep = 0 if final else tag_prefix(self._pending, HERMES_START)
                     cut = len(self._pending) - keep
                     content += self._content(self._pending[:cut])
                     self._pending = self._pending[cut:]
@@ -368,11 +369,6 @@ class ToolStream:
                 deltas.append(call)
             self._pending = text[decoded[1]:]
         return "", deltas
-
-
-def _tag_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (text a later delta may complete into it)."""
-    return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-n:])), 0)
 
 
 def validate_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> None:

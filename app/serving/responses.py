@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from app.serving.openai_api import (STRICT, ChatCompletionRequest, JsonSchemaFormat, RequestLabels, unicode_text,
                                    unsupported)
-from app.serving.tools import FUNCTION_NAME, function_tool
+from app.serving.tools import FunctionDefinition, function_tool
 
 # Request fields by what they do (the field walk test reads these)
 ACTING = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "text", "tools",
@@ -202,16 +202,11 @@ class TextConfig(BaseModel):
         return value
 
 
-class FunctionTool(BaseModel):
-    """A ``tools`` entry: a function the model may call (the Responses API's flat form of chat's function tool)."""
-
-    model_config = STRICT
+class FunctionTool(FunctionDefinition):
+    """A ``tools`` entry: a function the model may call (the Responses API's flat form of chat's function tool: its
+    ``FunctionDefinition`` with the type beside it)."""
 
     type: Literal["function"]
-    name: str = Field(pattern=FUNCTION_NAME)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
     output_schema: dict[str, Any] | None = Field(None, description="Harmless: describes what the client's function "
                                                  "returns, which the client writes.")
     allowed_callers: list[Literal["direct", "programmatic"]] | None = None
@@ -238,9 +233,8 @@ class FunctionTool(BaseModel):
 
     def chat_tool(self) -> dict:
         """The tool as a chat request's ``tools`` entry."""
-        function = {"name": self.name, "description": self.description, "parameters": self.parameters,
-                    "strict": self.strict}
-        return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+        return {"type": "function",
+                "function": self.model_dump(include=set(FunctionDefinition.model_fields), exclude_none=True)}
 
 
 class FunctionChoice(BaseModel):

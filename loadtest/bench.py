@@ -230,6 +230,7 @@ def _served(
         "accepted_length": statistics.median(accepted) if accepted else None,
         "draft_call_ms": state["draft_ms"], "drafter_ms": state["drafter_ms"],
         "drafted_rounds": state["drafted_rounds"], "rounds": state["rounds"], "fallbacks": state["fallbacks"],
+        "drafter_transport": state["drafter_transport"],
     }
 
 
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
         "served": {p: {"tpot_ms": round(r["tpot_ms"], 2), "tok_s": round(r["tok_s"], 2),
                        "tpot_over_engine": round(r["tpot_ms"] / step, 3), "ttft_ms": round(r["ttft_ms"], 1),
                        "accepted_length": r["accepted_length"], "draft_call_ms": round(r["draft_call_ms"], 2),
-                       "drafter_ms": round(r["drafter_ms"], 2),
+                       "drafter_ms": round(r["drafter_ms"], 2), "drafter_transport": r["drafter_transport"],
                        "drafted_rounds": r["drafted_rounds"], "rounds": r["rounds"], "tokens": r["tokens"],
                        "same_text_as_engine": sum(a == b for a, b in zip(r["texts"], alone["texts"])),
                        "near_tie": checks[p]["near_tie"], "not_near_tie": checks[p]["not_near_tie"],

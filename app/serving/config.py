@@ -197,6 +197,12 @@ class AppConfig(BaseModel):
         "replicas per round; 'colocated': the drafter runs inside each target replica, on its torch thread (no "
         "Drafter deployment; drafter_replicas is unused). Colocated is faster on a small CPU host (docs/serving.md).",
     )
+    drafter_channel: bool = Field(
+        True, description="Separate placement: a target replica sends its drafter calls over a Unix socket its "
+        "Drafter replica listens on (app/serving/channel.py) when both run on one machine, instead of through "
+        "Serve's handle, whose router and data plane add milliseconds to every round; across machines, or with "
+        "false, calls go through the handle.",
+    )
     drafter_timeout_s: float = Field(
         5.0, gt=0, description="A call to a Drafter replica slower than this fails over to plain decoding for its "
         "requests (separate placement; a colocated drafter runs on the engine's thread and has no timeout).",

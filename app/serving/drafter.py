@@ -33,6 +33,7 @@ from ray import serve
 
 from app.engine.contract import Proposer
 from app.loop import DraftCall, DraftRound, ProposerHost
+from app.serving.channel import ChannelServer
 from app.serving.config import AppConfig
 from app.serving.metrics import DrafterMetrics
 from app.serving.protocol import check_reply
@@ -138,6 +139,7 @@ class DrafterReplica:
     """The Drafter deployment class (bound undecorated by ``builder.py``): a ``DrafterCore`` on a torch thread."""
 
     def __init__(self, config: AppConfig) -> None:
+        self._channel = ChannelServer(self.draft)  # first: ``__del__`` closes it; listens once asked (``channel``)
         bound_onednn_caches(DRAFTER_ONEDNN_PRIMITIVES)  # before any torch work of this process
         self._torch = TorchThread("drafter", config.torch_threads)
         replica = serve.get_replica_context().replica_id.unique_id
@@ -193,6 +195,15 @@ class DrafterReplica:
         if (stuck := stuck_thread(self._torch, "drafter", self.core.config.step_timeout_s)) is not None:
             raise RuntimeError(stuck)
 
+    async def channel(self, replica_key: str | None = None) -> str:
+        """The path of the Unix socket on which this replica answers ``draft`` calls (``channel.py``), listening from
+        the first ask on. ``replica_key`` steers routing (the caller's own Drafter replica answers), as in ``draft``."""
+        return await self._channel.start()
+
+    def __del__(self) -> None:
+        """Serve's shutdown hook: stop listening on the channel and remove its socket."""
+        self._channel.close()
+
     async def ping(self, replica_key: str | None = None) -> int:
         """The number of requests this replica holds state for, answered from its torch thread (so a replica whose
         thread is stuck does not answer): a target's drafter client probes a replica that stopped answering with it.
@@ -201,5 +212,7 @@ class DrafterReplica:
         return await self._torch.run(lambda: self.core.num_states)
 
     def debug_state(self) -> dict:
-        """Requests this replica holds drafter state for (leak checks) and where it runs (placement checks)."""
-        return {"states": self.core.num_states, "node_id": ray.get_runtime_context().get_node_id()}
+        """Requests this replica holds drafter state for (leak checks), where it runs (placement checks) and the
+        path its channel listens on (None until a target asks)."""
+        return {"states": self.core.num_states, "node_id": ray.get_runtime_context().get_node_id(),
+                "channel": self._channel.path}

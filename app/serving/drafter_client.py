@@ -1,12 +1,13 @@
 """How a target replica reaches its drafter: transport, timeout, by-reference payloads, failure classification.
 
 Owns: the call to the Drafter replica (pinned to this target replica by its replica key, ``router.py``) or to the
-colocated ``DrafterCore`` on the replica's torch thread; the call's timeout; choosing Ray's object store over Serve's
-gRPC data plane for a call whose message or answer could pass the transport's limit; and turning every way a call
-can fail into one of ``DRAFTER_FAILURES`` with a cause label (``fallback_cause``); and backing off a Drafter replica
-that stopped answering (a call timed out, found it gone, or was refused by back pressure): ``reachable`` turns False
-and a background probe calls the replica, at growing intervals, until it answers, so that rounds do not each wait out
-a timeout while the replica is restarted. Does not own: what a call carries (``app.loop.DraftCall``, assembled by the
+colocated ``DrafterCore`` on the replica's torch thread; the call's transport: the Drafter replica's Unix socket
+(``channel.py``) when ``drafter_channel`` is on and it is on this machine, else Serve's handle, choosing Ray's object
+store over Serve's gRPC data plane for a call whose message or answer could pass the transport's limit; the call's
+timeout; turning every way a call can fail into one of ``DRAFTER_FAILURES`` with a cause label (``fallback_cause``);
+and backing off a Drafter replica that stopped answering (a call timed out, found it gone, or was refused by back
+pressure): ``reachable`` turns False and a background probe calls the replica, at growing intervals, until it
+answers, so that rounds do not each wait out a timeout while the replica is restarted. Does not own: what a call carries (``app.loop.DraftCall``, assembled by the
 loop) or what a failure or a backoff does to requests (the replica's fail-over).
 """
 
@@ -22,6 +23,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, RequestCancelledError
 
 from app.loop import DraftCall, DraftRound
+from app.serving.channel import ChannelClient, ChannelClosedError
 from app.serving.drafter import DrafterCore
 from app.serving.protocol import DraftReplyTooLargeError, call_bytes, reply_bytes_bound
 
@@ -53,9 +55,9 @@ class RemoteDrafterError(RuntimeError):
 
 
 # A drafter call fails over to plain decoding on these (replica died or was restarted, call timed out or was
-# rejected, or the drafter raised).
+# rejected, the channel to it broke, or the drafter raised).
 DRAFTER_FAILURES = (RayActorError, RayTaskError, asyncio.TimeoutError, BackPressureError, RequestCancelledError,
-                    ColocatedDrafterError, RemoteDrafterError)
+                    ChannelClosedError, ColocatedDrafterError, RemoteDrafterError)
 
 
 def goes_by_reference(call: DraftCall, *, gamma: int) -> bool:
@@ -66,14 +68,14 @@ def goes_by_reference(call: DraftCall, *, gamma: int) -> bool:
 def fallback_cause(err: BaseException) -> str:
     """The cause label of a failed drafter call (``dspark_fallbacks``, ``SpecStats.fallback_cause``): ``transport``
     (gRPC refused the message, e.g. over its size limit), ``timeout``, ``drafter_unavailable`` (replica dead or
-    restarting), ``drafter_overloaded`` (back pressure), ``cancelled``, ``reply_too_large`` or ``drafter_error`` (all
-    in ``protocol.FALLBACK_CAUSES``)."""
+    restarting, or its channel closed), ``drafter_overloaded`` (back pressure), ``cancelled``, ``reply_too_large`` or
+    ``drafter_error`` (all in ``protocol.FALLBACK_CAUSES``)."""
     cause = err.__cause__ if isinstance(err, RemoteDrafterError) else None
     if isinstance(cause, grpc.aio.AioRpcError) or isinstance(err, grpc.aio.AioRpcError):
         return "transport"
     if isinstance(err, asyncio.TimeoutError):
         return "timeout"
-    if isinstance(err, RayActorError):
+    if isinstance(err, (RayActorError, ChannelClosedError)):
         return "drafter_unavailable"
     if isinstance(err, BackPressureError):
         return "drafter_overloaded"
@@ -103,10 +105,12 @@ class DrafterClient:
         timeout_s: a Drafter replica call's limit, and a probe's (seconds).
         stats: counts calls that went by reference (``by_reference_calls``).
         on_reachable: called (on the event loop) when a probe finds the replica answering again after a backoff.
+        channel: send calls over the Drafter replica's Unix socket when it is on this machine (``drafter_channel``).
     """
 
     def __init__(self, *, handle, colocated: DrafterCore | None, run: Callable[..., Awaitable], replica_id: str,
-                 gamma: int, timeout_s: float, stats, on_reachable: Callable[[], None] | None = None) -> None:
+                 gamma: int, timeout_s: float, stats, on_reachable: Callable[[], None] | None = None,
+                 channel: bool = False) -> None:
         if (handle is None) == (colocated is None):
             raise ValueError("a drafter client needs exactly one of a Drafter handle and a colocated drafter")
         self.colocated = colocated
@@ -118,6 +122,16 @@ class DrafterClient:
         self._on_reachable = on_reachable
         self._probe: asyncio.Task | None = None  # runs while backing off
         self.backoff_cause: str | None = None  # the cause of the failure that started the backoff under way
+        self._wants_channel = channel and handle is not None  # False once the replica's socket proved unreachable
+        self._channel: ChannelClient | None = None  # open from the first call; closed after a failed one
+
+    @property
+    def transport(self) -> str:
+        """How calls go now: ``colocated``, ``channel`` (the Drafter replica's Unix socket) or ``handle`` (Serve's;
+        before the first call, with the channel wanted, ``channel`` too)."""
+        if self.colocated is not None:
+            return "colocated"
+        return "channel" if self._wants_channel else "handle"
 
     @property
     def reachable(self) -> bool:
@@ -138,6 +152,20 @@ class DrafterClient:
                 raise ColocatedDrafterError(f"{type(err).__name__}: {err}") from err
         if not self.reachable:
             raise RuntimeError(f"drafter call while backing off ({self.backoff_cause}): check `reachable` first")
+        if self._wants_channel:
+            try:
+                channel = self._channel or await self._open_channel()
+                if channel is not None:
+                    return await asyncio.wait_for(channel.call(call, self._key), timeout=self._timeout_s)
+            except DRAFTER_FAILURES as err:
+                self._close_channel()
+                self._back_off(err)
+                raise
+            except asyncio.CancelledError:
+                self._close_channel()  # its answer could still arrive, as the next call's
+                raise
+            except Exception as err:  # the drafter's own exception, sent back as itself
+                raise RemoteDrafterError(f"{type(err).__name__}: {err}") from err
         by_reference = goes_by_reference(call, gamma=self._gamma)
         self._stats.by_reference_calls += by_reference
         handle = self._by_reference if by_reference else self._handle
@@ -151,6 +179,33 @@ class DrafterClient:
         except Exception as err:
             response.cancel()
             raise RemoteDrafterError(f"{type(err).__name__}: {err}") from err
+
+    async def _open_channel(self) -> ChannelClient | None:
+        """Ask the pinned Drafter replica (through the handle) where its channel listens and connect; None, and the
+        handle from then on, where that socket cannot be reached from here (the replica runs on another machine).
+
+        Raises:
+            One of ``DRAFTER_FAILURES`` (the ask failed as a call would: the replica is dead, hung or overloaded).
+        """
+        response = self._handle.channel.remote(replica_key=self._key)
+        try:
+            path = await asyncio.wait_for(response, timeout=self._timeout_s)
+        except DRAFTER_FAILURES:
+            response.cancel()
+            raise
+        try:
+            self._channel = await ChannelClient.connect(path)
+        except OSError as err:
+            self._wants_channel = False
+            log.warning("The Drafter replica's channel %s cannot be reached from here (%s: %s; the replica runs on "
+                        "another machine?): drafter calls go through Serve's handle", path, type(err).__name__, err)
+        return self._channel
+
+    def _close_channel(self) -> None:
+        """Drop the channel after a failed call: the next call asks the pinned replica again (after any backoff)."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
 
     def _back_off(self, err: BaseException) -> None:
         """Stop calling after a failure that says the replica does not answer, and probe it until it does."""

@@ -271,7 +271,7 @@ class TargetReplica:
         self.drafter = DrafterClient(
             handle=drafter if speculates and colocated is None else None, colocated=colocated,
             run=self._run, replica_id=self.replica_id, gamma=config.gamma, timeout_s=config.drafter_timeout_s,
-            stats=self.stats, on_reachable=self._wake,
+            stats=self.stats, on_reachable=self._wake, channel=config.drafter_channel,
         ) if speculates else None
         self.lookup = self._torch.call(make_prompt_lookup, config) if speculates else None
         self.router = router
@@ -445,6 +445,7 @@ class TargetReplica:
                 "cancelled_pending": len(self._cancelled), "node_id": ray.get_runtime_context().get_node_id(),
                 "guard": None if self.guard is None else self.guard.state(),
                 "drafter_backoff": None if self.drafter is None else self.drafter.backoff_cause,
+                "drafter_transport": None if self.drafter is None else self.drafter.transport,
                 **dataclasses.asdict(self.stats), "drafter_failures": self.stats.drafter_failures}
 
     def record_autoscaling_stats(self) -> dict:

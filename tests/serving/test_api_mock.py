@@ -370,6 +370,9 @@ def test_drafter_failure_falls_back_to_plain_decoding(url):
                for cause, seconds in causes), causes
     assert target_state()["drafter_backoff"] is None
     wait_until(lambda: drafter_states() == 0)
+    # the replacement is called over its channel, as the first replica was (drafter_channel)
+    assert target_state()["drafter_transport"] == "channel"
+    assert serve.get_deployment_handle("Drafter", APP).debug_state.remote().result()["channel"]
 
 
 def test_a_failing_step_ends_its_requests_with_an_error_and_the_server_goes_on(url):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -538,7 +539,7 @@ class _UnwrappedFailingDrafter:
 
 def test_a_drafter_exception_that_arrives_unwrapped_falls_back_to_plain_decoding(monkeypatch):
     drafter = _UnwrappedFailingDrafter()
-    replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
+    replica = make_replica(monkeypatch, drafter, drafter_placement="separate", drafter_channel=False)
     plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
     (items,), (expected,) = run_requests(replica, [12]), run_requests(plain, [12])
     assert num_tokens(items) == 12 and items[-1].spec.fallback  # served, by plain decoding
@@ -551,11 +552,17 @@ def test_a_drafter_exception_that_arrives_unwrapped_falls_back_to_plain_decoding
 
 
 class _InProcessDrafter:
-    """Stands in for the Drafter handle: an in-process ``DrafterReplica`` serves the calls; ``calls`` records each
-    call's transport (``options(_by_reference=...)``), its size bound and its answer's."""
+    """Stands in for the Drafter handle: an in-process ``DrafterReplica`` serves the calls, over the handle or its
+    channel; ``calls`` records each call through the handle: its transport (``options(_by_reference=...)``), its size
+    bound and its answer's."""
 
     def __init__(self, config: AppConfig) -> None:
         self.replica, self.calls, self.by_reference, self.draft = DrafterReplica(config), [], False, self
+        self.channel = SimpleNamespace(remote=lambda replica_key=None: self._answer("channel", replica_key))
+        self.ping = SimpleNamespace(remote=lambda replica_key=None: self._answer("ping", replica_key))
+
+    def _answer(self, method: str, replica_key: str | None) -> asyncio.Future:
+        return asyncio.ensure_future(getattr(self.replica, method)(replica_key))
 
     def options(self, _by_reference: bool) -> "_InProcessDrafter":
         clone = copy.copy(self)
@@ -573,7 +580,7 @@ class _RestartingDrafter(_InProcessDrafter):
 
     def __init__(self, config: AppConfig, up_at: float) -> None:
         super().__init__(config)
-        self.up_at, self.hung, self.ping = up_at, {"draft": 0, "ping": 0}, SimpleNamespace(remote=self._ping)
+        self.up_at, self.hung = up_at, {"draft": 0, "channel": 0, "ping": 0}
 
     def _down(self, method: str) -> asyncio.Future | None:
         if time.monotonic() >= self.up_at:
@@ -584,21 +591,24 @@ class _RestartingDrafter(_InProcessDrafter):
     def remote(self, call, replica_key=None) -> asyncio.Future:
         return self._down("draft") or super().remote(call, replica_key)
 
-    def _ping(self, replica_key=None) -> asyncio.Future:
-        return self._down("ping") or asyncio.ensure_future(self.replica.ping(replica_key))
+    def _answer(self, method: str, replica_key: str | None) -> asyncio.Future:
+        return self._down(method) or super()._answer(method, replica_key)
 
 
-def test_a_drafter_that_stops_answering_is_backed_off_and_probed_until_it_answers(monkeypatch):
+@pytest.mark.parametrize("channel", [False, True])
+def test_a_drafter_that_stops_answering_is_backed_off_and_probed_until_it_answers(monkeypatch, channel):
     """One call waits out the timeout; requests that arrive while the replica does not answer decode plain at once
     (``drafter_backoff``) instead of each stalling the batch for a timeout; once a probe gets an answer, new requests
-    speculate again. Output is plain decoding's throughout."""
+    speculate again. Output is plain decoding's throughout. Over the channel, the first call's ask for the channel's
+    path is what goes unanswered."""
     monkeypatch.setattr(serve, "get_replica_context",
                         lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
     monkeypatch.setattr(drafter_client, "PROBE_FIRST_S", 0.05)
     monkeypatch.setattr(drafter_client, "PROBE_MAX_S", 0.1)
     config = AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate"})
     drafter = _RestartingDrafter(config, up_at=time.monotonic() + 1.0)
-    replica = make_replica(monkeypatch, drafter, drafter_placement="separate", drafter_timeout_s=0.3)
+    replica = make_replica(monkeypatch, drafter, drafter_placement="separate", drafter_timeout_s=0.3,
+                           drafter_channel=channel)
     plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
     lengths, delays = [40, 8, 8, 8, 12], [0.0, 0.4, 0.5, 0.6, 2.0]
     results, expected = run_requests(replica, lengths, delays), run_requests(plain, lengths)
@@ -607,8 +617,11 @@ def test_a_drafter_that_stops_answering_is_backed_off_and_probed_until_it_answer
     causes = [items[-1].spec.fallback_cause for items in results]
     assert causes == ["timeout", "drafter_backoff", "drafter_backoff", "drafter_backoff", None], causes
     assert replica.stats.fallbacks == {"timeout": 1, "drafter_backoff": 3}
-    assert drafter.hung["draft"] == 1 and 1 <= drafter.hung["ping"] <= 4, drafter.hung  # not a call per request
+    hung = drafter.hung["channel" if channel else "draft"]
+    assert hung == 1 and 1 <= drafter.hung["ping"] <= 4, drafter.hung  # not a call per request
     assert replica.drafter.reachable and results[-1][-1].spec.accepted_tokens > 0
+    assert replica.drafter.transport == ("channel" if channel else "handle")
+    assert (drafter.calls == []) == channel  # over the channel, no draft call goes through the handle
 
 
 def test_a_drafter_replica_drops_the_state_of_a_target_it_no_longer_hears_from(monkeypatch):
@@ -647,7 +660,7 @@ def test_drafter_calls_whose_message_or_answer_may_be_large_go_by_reference(monk
     # the answer for two drafted requests passes the bound, for one it does not (the mock's calls are tiny)
     limit = reply_bytes_bound(1, 4) * 3 // 2
     monkeypatch.setattr(drafter_client, "BY_REFERENCE_BYTES", limit)
-    replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
+    replica = make_replica(monkeypatch, drafter, drafter_placement="separate", drafter_channel=False)
     plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
     results, expected = run_requests(replica, [16, 6]), run_requests(plain, [16, 6])
     assert [[t for item in items for t in item.token_ids] for items in results] == \
@@ -658,9 +671,11 @@ def test_drafter_calls_whose_message_or_answer_may_be_large_go_by_reference(monk
     assert replica.stats.by_reference_calls == sum(by_ref for by_ref, _, _ in drafter.calls)
 
 
-def test_an_answer_over_its_bound_is_refused_and_counted_by_cause(monkeypatch):
+@pytest.mark.parametrize("channel", [False, True])
+def test_an_answer_over_its_bound_is_refused_and_counted_by_cause(monkeypatch, channel):
     """A proposer sending dense [K, V] draft probabilities breaks the answer's bound: the Drafter replica refuses to
-    send it, and the target moves the requests to plain decoding under the cause ``reply_too_large``."""
+    send it, and the target moves the requests to plain decoding under the cause ``reply_too_large``, whether the
+    refusal comes through the handle or the channel."""
     monkeypatch.setattr(serve, "get_replica_context",
                         lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
     drafter = _InProcessDrafter(AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate"}))
@@ -670,13 +685,69 @@ def test_an_answer_over_its_bound_is_refused_and_counted_by_cause(monkeypatch):
         return [replace(b, probs=torch.full((b.tokens.shape[0], 50_000), 2e-5)) for b in propose(request_ids)]
 
     monkeypatch.setattr(drafter.replica.core.proposer, "propose", dense)
-    replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
+    replica = make_replica(monkeypatch, drafter, drafter_placement="separate", drafter_channel=channel)
     (items,) = run_requests(replica, [10])
     assert num_tokens(items) == 10 and items[-1].spec.fallback_cause == "reply_too_large"
     assert replica.stats.fallbacks == {"reply_too_large": 1}
     with pytest.raises(DraftReplyTooLargeError, match="exceeds its bound"):
         check_reply(DraftRound(blocks=[DraftBlock("x", torch.zeros(4, dtype=torch.long), torch.ones(4, 49152))],
                                confidences=torch.ones(1, 4)), gamma=4)
+
+
+def _separate_drafter(monkeypatch, **overrides) -> _InProcessDrafter:
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
+    return _InProcessDrafter(AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate", **overrides}))
+
+
+def _token_ids(results: list[list]) -> list[list[int]]:
+    return [[t for item in items for t in item.token_ids] for items in results]
+
+
+def test_drafter_calls_go_over_the_replicas_channel_and_one_that_closes_is_reopened(monkeypatch):
+    """With ``drafter_channel`` the handle only answers where the channel listens: every draft call goes over the
+    Unix socket. The Drafter replica going away mid-request (its connections close) fails that request over as
+    ``drafter_unavailable``; after the backoff's probe, the next request speculates over a new channel."""
+    monkeypatch.setattr(drafter_client, "PROBE_FIRST_S", 0.05)
+    drafter = _separate_drafter(monkeypatch)
+    server, calls = drafter.replica._channel, []
+    handler = server._handler
+
+    async def closing(call, replica_key):
+        calls.append(call)
+        if len(calls) == 3:
+            server.close()  # the replica going away: listener and connections with it
+        return await handler(call, replica_key)
+
+    server._handler = closing
+    replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
+    plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
+    results, expected = run_requests(replica, [40, 16], [0.0, 1.0]), run_requests(plain, [40, 16])
+    assert _token_ids(results) == _token_ids(expected)
+    assert [items[-1].spec.fallback_cause for items in results] == ["drafter_unavailable", None]
+    assert results[1][-1].spec.accepted_tokens > 0 and len(calls) > 3
+    assert drafter.calls == [] and replica.drafter.transport == "channel" and replica.drafter.reachable
+    assert server.path is not None  # listening again, on a new path
+
+
+def test_a_drafter_channel_not_reachable_from_here_leaves_the_calls_to_the_handle(monkeypatch, caplog):
+    """A Drafter replica on another machine answers with a socket path that does not exist here: the target says so
+    once and sends its calls through Serve's handle, with no request failing over."""
+    drafter = _separate_drafter(monkeypatch)
+    drafter.channel = SimpleNamespace(remote=lambda replica_key=None: _resolved("/nonexistent/dspark/channel.sock"))
+    replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
+    plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
+    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+        results, expected = run_requests(replica, [24, 24]), run_requests(plain, [24, 24])
+    assert _token_ids(results) == _token_ids(expected) and replica.stats.fallbacks == {}
+    assert replica.drafter.transport == "handle" and drafter.calls and replica.stats.drafted_rounds > 0
+    assert sum("cannot be reached from here" in r.getMessage() for r in caplog.records) == 1
+
+
+def _resolved(value) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(value)
+    return future
 
 
 @pytest.mark.parametrize("policy", ["none", "dspark"])

@@ -1,0 +1,73 @@
+"""The drafter channel (app/serving/channel.py): answers in order, errors as themselves, a private socket, and a
+close its callers notice."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import threading
+
+import pytest
+import torch
+
+from app.serving.channel import ChannelClient, ChannelClosedError, ChannelServer
+
+
+class _Unpicklable(Exception):
+    def __init__(self) -> None:
+        super().__init__("holds a lock")
+        self.lock = threading.Lock()
+
+
+async def _handler(kind: str, value):
+    if kind == "fail":
+        raise ValueError(f"bad value {value!r}")
+    if kind == "unpicklable":
+        raise _Unpicklable()
+    await asyncio.sleep(0.02 if value.numel() == 1 else 0)  # a slow first answer still comes back first
+    return value * 2
+
+
+def test_calls_are_answered_in_order_and_errors_arrive_as_themselves():
+    async def main() -> None:
+        server = ChannelServer(_handler)
+        path = await server.start()
+        assert await server.start() == path  # listens once
+        client = await ChannelClient.connect(path)
+        values = [torch.arange(n, dtype=torch.float32) for n in (1, 5, 100_000)]
+        answers = await asyncio.gather(*[client.call("double", v) for v in values])
+        assert all(torch.equal(a, 2 * v) for a, v in zip(answers, values))
+        with pytest.raises(ValueError, match="bad value 3"):
+            await client.call("fail", 3)
+        with pytest.raises(RuntimeError, match="_Unpicklable: holds a lock"):
+            await client.call("unpicklable", None)
+        assert torch.equal(await client.call("double", torch.ones(2)), torch.full((2,), 2.0))  # still usable
+        client.close()
+        server.close()
+
+    asyncio.run(main())
+
+
+def test_the_socket_is_private_and_a_close_reaches_the_callers():
+    async def main() -> None:
+        server = ChannelServer(_handler)
+        path = await server.start()
+        folder = os.path.dirname(path)
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700  # only this user's processes can connect
+        client = await ChannelClient.connect(path)
+        assert torch.equal(await client.call("double", torch.ones(1)), torch.full((1,), 2.0))
+        server.close()
+        assert not os.path.exists(folder)
+        with pytest.raises(ChannelClosedError, match="closed mid-call"):
+            await client.call("double", torch.ones(1))
+        with pytest.raises(OSError):
+            await ChannelClient.connect(path)
+        again = await server.start()
+        assert again != path
+        client = await ChannelClient.connect(again)
+        assert torch.equal(await client.call("double", torch.ones(1)), torch.full((1,), 2.0))
+        client.close()
+        server.close()
+
+    asyncio.run(main())

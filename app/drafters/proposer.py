@@ -72,12 +72,14 @@ def request_generator(seed: int, request_id: str) -> torch.Generator:
 
 
 def round_sampling(
-    states: Sequence[SamplingState], gamma: int, device: torch.device
+    states: Sequence[SamplingState], gamma: int, device: torch.device, *, coupled: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A round's sampling inputs for ``draw``: temperatures [B], the sampled requests' rows [S] and one uniform per
-    draft [S, gamma], each from its request's generator."""
+    draft [S, gamma], each from its request's generator. With ``coupled`` the proposer drafts seeded requests by
+    coupling (``coupled_draws``), so they get no row: ``draw`` does not sample a draft that would be replaced, nor
+    build a distribution that their blocks do not carry."""
     temps = torch.tensor([s.temperature for s in states], device=device)
-    sampled = [b for b, s in enumerate(states) if s.temperature > 0]
+    sampled = [b for b, s in enumerate(states) if s.temperature > 0 and not (coupled and s.seed is not None)]
     rows = torch.tensor(sampled, dtype=torch.long, device=device)
     if not sampled:
         return temps, rows, torch.zeros(0, gamma, device=device)
@@ -293,7 +295,7 @@ class DSparkProposer(RequestProposerBase):
                           torch.ones(len(states), k, k, dtype=torch.bool, device=device)], dim=2)
         hidden = d.backbone(d.block_inputs(anchors), positions=positions, ctx=ctx, mask=mask)
         base = d.base_logits(hidden[:, : self.gamma], draft=True)  # [B, gamma, V'] (V' = V without a draft vocab)
-        temps, rows, uniform = round_sampling(states, self.gamma, device)
+        temps, rows, uniform = round_sampling(states, self.gamma, device, coupled=True)
         # draft i is the token at position T + 1 + i (the anchor is token T)
         noise = [s.noise.rows([s.length + 1 + i for i in range(self.gamma)]) if s.noise is not None else None
                  for s in states]  # [gamma, V'] per seeded request

@@ -1,13 +1,14 @@
-"""A direct channel from a target replica to its Drafter replica on the same machine: a Unix socket.
+"""A direct channel from a target replica to its Drafter replica on the same Ray node: a Unix socket.
 
 A drafter call through Serve's handle crosses Serve's request router and its gRPC data plane: about 1.5 ms on an idle
 host, and several times that while the engine's threads hold the cores, against a round of a few tens of
 milliseconds. With ``drafter_channel`` (on by default) a target replica asks its pinned Drafter replica once, through
-the handle, for the path of a Unix socket the replica listens on, and sends its calls there: one length-prefixed
-pickle each way, between the two replicas' event loops, with no size limit.
+the handle, where a Unix socket the replica listens on is (``ChannelAddress``), and sends its calls there: one
+length-prefixed pickle each way, between the two replicas' event loops, with no size limit.
 
 Owns: the listening side (``ChannelServer``: a socket in a fresh directory only this user can enter, so only this
-user's processes can call it), the calling side (``ChannelClient``: one call at a time, in order) and the framing.
+user's processes can call it), the calling side (``ChannelClient``: one call at a time, in order), the address and
+the framing.
 Does not own: choosing the replica, a call's timeout, or what a failure does to requests (``drafter_client.py``).
 """
 
@@ -19,13 +20,30 @@ import pickle
 import shutil
 import struct
 import tempfile
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
+
+import ray
 
 _LENGTH = struct.Struct("!Q")  # a frame: its pickle's length in bytes, then the pickle
 
 
 class ChannelClosedError(ConnectionError):
-    """The channel's other end went away (the Drafter replica stopped, or its connection broke) mid-call."""
+    """The channel's other end went away (the Drafter replica stopped, or its connection broke) mid-call, or nothing
+    listens at the path a replica on this node gave (it stopped since)."""
+
+
+@dataclass(frozen=True)
+class ChannelAddress:
+    """Where a Drafter replica's channel listens (``DrafterReplica.channel``)."""
+
+    node_id: str | None  # the replica's Ray node (``node_id()``): only processes of that node can reach the socket
+    path: str
+
+
+def node_id() -> str | None:
+    """This process's Ray node id (None outside Ray): a channel is reachable from processes of its own node."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 async def read_frame(reader: asyncio.StreamReader) -> Any:
@@ -38,10 +56,19 @@ async def read_frame(reader: asyncio.StreamReader) -> Any:
     return pickle.loads(await reader.readexactly(length))
 
 
-async def write_frame(writer: asyncio.StreamWriter, obj: Any) -> None:
-    """Send ``obj`` (pickle protocol 5) on ``writer`` and wait until the transport takes it."""
+def _frame(obj: Any) -> bytes:
+    """``obj`` as a frame (pickle protocol 5).
+
+    Raises:
+        Whatever pickling ``obj`` raises.
+    """
     data = pickle.dumps(obj, protocol=5)
-    writer.write(_LENGTH.pack(len(data)) + data)
+    return _LENGTH.pack(len(data)) + data
+
+
+async def write_frame(writer: asyncio.StreamWriter, obj: Any) -> None:
+    """Send ``obj`` on ``writer`` and wait until the transport takes it."""
+    writer.write(_frame(obj))
     await writer.drain()
 
 
@@ -66,15 +93,26 @@ class ChannelServer:
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()  # open connections, closed with the server
         self._dir: str | None = None
+        self._starting = asyncio.Lock()  # two targets asking at once get one listener
         self.path: str | None = None
 
     async def start(self) -> str:
-        """Listen (once; later calls return the same path) and return the socket's path."""
-        if self._server is None:
-            self._dir = tempfile.mkdtemp(prefix="dspark-drafter-")  # mode 0700: this user only
-            path = os.path.join(self._dir, "channel.sock")
-            self._server = await asyncio.start_unix_server(self._serve, path=path)
-            self.path = path
+        """Listen (once; later calls return the same path) and return the socket's path.
+
+        Raises:
+            OSError: no socket could be made (the temporary directory is full or read-only, or its path is too long
+                for a Unix socket); nothing is left behind.
+        """
+        async with self._starting:
+            if self._server is None:
+                folder = tempfile.mkdtemp(prefix="dspark-drafter-")  # mode 0700: this user only
+                path = os.path.join(folder, "channel.sock")
+                try:
+                    self._server = await asyncio.start_unix_server(self._serve, path=path)
+                except BaseException:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    raise
+                self._dir, self.path = folder, path
         return self.path
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -87,11 +125,12 @@ class ChannelServer:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
                 try:
-                    answer = ("reply", await self._handler(*args))
-                except Exception as err:  # the caller raises it: it decides what a failed call does
-                    answer = ("error", _sendable(err))
+                    data = _frame(("reply", await self._handler(*args)))
+                except Exception as err:  # the caller raises it (a reply that does not pickle too)
+                    data = _frame(("error", _sendable(err)))
+                writer.write(data)
                 try:
-                    await write_frame(writer, answer)
+                    await writer.drain()
                 except ConnectionError:  # the caller gave up on this call (timeout) and closed the connection
                     return
         finally:
@@ -122,12 +161,15 @@ class ChannelClient:
 
     @classmethod
     async def connect(cls, path: str) -> "ChannelClient":
-        """Connect to the server listening at ``path``.
+        """Connect to the server listening at ``path`` (on this node).
 
         Raises:
-            OSError: nothing listens there from this machine's view (another machine's socket, a stopped replica).
+            ChannelClosedError: nothing listens there (the replica stopped since it gave the path).
         """
-        return cls(*await asyncio.open_unix_connection(path))
+        try:
+            return cls(*await asyncio.open_unix_connection(path))
+        except OSError as err:
+            raise ChannelClosedError(f"no drafter channel at {path} ({type(err).__name__}: {err})") from err
 
     async def call(self, *args: Any) -> Any:
         """The handler's result for ``args``.

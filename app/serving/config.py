@@ -199,9 +199,10 @@ class AppConfig(BaseModel):
     )
     drafter_channel: bool = Field(
         True, description="Separate placement: a target replica sends its drafter calls over a Unix socket its "
-        "Drafter replica listens on (app/serving/channel.py) when both run on one machine, instead of through "
-        "Serve's handle, whose router and data plane add milliseconds to every round; across machines, or with "
-        "false, calls go through the handle.",
+        "Drafter replica listens on (app/serving/channel.py) when both run on one Ray node, instead of through "
+        "Serve's handle, whose router and data plane add milliseconds to every round; across nodes, or with false, "
+        "calls go through the handle. Serve does not count channel calls as the Drafter's ongoing requests: with "
+        "Ray's default autoscaling policy instead of the SLO policy, set false.",
     )
     drafter_timeout_s: float = Field(
         5.0, gt=0, description="A call to a Drafter replica slower than this fails over to plain decoding for its "

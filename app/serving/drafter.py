@@ -33,7 +33,7 @@ from ray import serve
 
 from app.engine.contract import Proposer
 from app.loop import DraftCall, DraftRound, ProposerHost
-from app.serving.channel import ChannelServer
+from app.serving.channel import ChannelAddress, ChannelServer, node_id
 from app.serving.config import AppConfig
 from app.serving.metrics import DrafterMetrics
 from app.serving.protocol import check_reply
@@ -140,6 +140,7 @@ class DrafterReplica:
 
     def __init__(self, config: AppConfig) -> None:
         self._channel = ChannelServer(self.draft)  # first: ``__del__`` closes it; listens once asked (``channel``)
+        self._node_id = node_id()
         bound_onednn_caches(DRAFTER_ONEDNN_PRIMITIVES)  # before any torch work of this process
         self._torch = TorchThread("drafter", config.torch_threads)
         replica = serve.get_replica_context().replica_id.unique_id
@@ -195,10 +196,14 @@ class DrafterReplica:
         if (stuck := stuck_thread(self._torch, "drafter", self.core.config.step_timeout_s)) is not None:
             raise RuntimeError(stuck)
 
-    async def channel(self, replica_key: str | None = None) -> str:
-        """The path of the Unix socket on which this replica answers ``draft`` calls (``channel.py``), listening from
-        the first ask on. ``replica_key`` steers routing (the caller's own Drafter replica answers), as in ``draft``."""
-        return await self._channel.start()
+    async def channel(self, replica_key: str | None = None) -> ChannelAddress:
+        """Where this replica answers ``draft`` calls over a Unix socket (``channel.py``), listening from the first ask
+        on. ``replica_key`` steers routing (the caller's own Drafter replica answers), as in ``draft``.
+
+        Raises:
+            OSError: no socket could be made (``ChannelServer.start``).
+        """
+        return ChannelAddress(node_id=self._node_id, path=await self._channel.start())
 
     def __del__(self) -> None:
         """Serve's shutdown hook: stop listening on the channel and remove its socket."""

@@ -2,13 +2,14 @@
 
 Owns: the call to the Drafter replica (pinned to this target replica by its replica key, ``router.py``) or to the
 colocated ``DrafterCore`` on the replica's torch thread; the call's transport: the Drafter replica's Unix socket
-(``channel.py``) when ``drafter_channel`` is on and it is on this machine, else Serve's handle, choosing Ray's object
+(``channel.py``) when ``drafter_channel`` is on and it runs on this node, else Serve's handle, choosing Ray's object
 store over Serve's gRPC data plane for a call whose message or answer could pass the transport's limit; the call's
 timeout; turning every way a call can fail into one of ``DRAFTER_FAILURES`` with a cause label (``fallback_cause``);
 and backing off a Drafter replica that stopped answering (a call timed out, found it gone, or was refused by back
 pressure): ``reachable`` turns False and a background probe calls the replica, at growing intervals, until it
-answers, so that rounds do not each wait out a timeout while the replica is restarted. Does not own: what a call carries (``app.loop.DraftCall``, assembled by the
-loop) or what a failure or a backoff does to requests (the replica's fail-over).
+answers, so that rounds do not each wait out a timeout while the replica is restarted. Does not own: what a call
+carries (``app.loop.DraftCall``, assembled by the loop) or what a failure or a backoff does to requests (the
+replica's fail-over).
 """
 
 from __future__ import annotations
@@ -105,12 +106,13 @@ class DrafterClient:
         timeout_s: a Drafter replica call's limit, and a probe's (seconds).
         stats: counts calls that went by reference (``by_reference_calls``).
         on_reachable: called (on the event loop) when a probe finds the replica answering again after a backoff.
-        channel: send calls over the Drafter replica's Unix socket when it is on this machine (``drafter_channel``).
+        channel: send calls over the Drafter replica's Unix socket when it is on this node (``drafter_channel``).
+        node_id: this process's Ray node id (``channel.node_id()``), compared with the Drafter replica's.
     """
 
     def __init__(self, *, handle, colocated: DrafterCore | None, run: Callable[..., Awaitable], replica_id: str,
                  gamma: int, timeout_s: float, stats, on_reachable: Callable[[], None] | None = None,
-                 channel: bool = False) -> None:
+                 channel: bool = False, node_id: str | None = None) -> None:
         if (handle is None) == (colocated is None):
             raise ValueError("a drafter client needs exactly one of a Drafter handle and a colocated drafter")
         self.colocated = colocated
@@ -122,7 +124,8 @@ class DrafterClient:
         self._on_reachable = on_reachable
         self._probe: asyncio.Task | None = None  # runs while backing off
         self.backoff_cause: str | None = None  # the cause of the failure that started the backoff under way
-        self._wants_channel = channel and handle is not None  # False once the replica's socket proved unreachable
+        self._wants_channel = channel and handle is not None  # False once the channel proved out of reach
+        self._node_id = node_id
         self._channel: ChannelClient | None = None  # open from the first call; closed after a failed one
 
     @property
@@ -181,25 +184,32 @@ class DrafterClient:
             raise RemoteDrafterError(f"{type(err).__name__}: {err}") from err
 
     async def _open_channel(self) -> ChannelClient | None:
-        """Ask the pinned Drafter replica (through the handle) where its channel listens and connect; None, and the
-        handle from then on, where that socket cannot be reached from here (the replica runs on another machine).
+        """Ask the pinned Drafter replica (through the handle) where its channel listens and connect. None, and the
+        handle from then on, where the replica runs on another node or could not open a channel (logged once).
 
         Raises:
-            One of ``DRAFTER_FAILURES`` (the ask failed as a call would: the replica is dead, hung or overloaded).
+            One of ``BACKOFF_CAUSES``' errors: the ask failed as a call would (the replica is dead, hung or
+                overloaded), or nothing listens at the path it gave (``ChannelClosedError``: it stopped since).
         """
         response = self._handle.channel.remote(replica_key=self._key)
         try:
-            path = await asyncio.wait_for(response, timeout=self._timeout_s)
-        except DRAFTER_FAILURES:
+            address = await asyncio.wait_for(response, timeout=self._timeout_s)
+        except Exception as err:
             response.cancel()
-            raise
-        try:
-            self._channel = await ChannelClient.connect(path)
-        except OSError as err:
-            self._wants_channel = False
-            log.warning("The Drafter replica's channel %s cannot be reached from here (%s: %s; the replica runs on "
-                        "another machine?): drafter calls go through Serve's handle", path, type(err).__name__, err)
+            if isinstance(err, DRAFTER_FAILURES) and fallback_cause(err) in BACKOFF_CAUSES:
+                raise
+            return self._keep_handle(logging.WARNING, "the Drafter replica could not open its channel (%s: %s)",
+                                     type(err).__name__, err)
+        if address.node_id != self._node_id:
+            return self._keep_handle(logging.INFO, "the Drafter replica runs on node %s, this target on %s",
+                                     address.node_id, self._node_id)
+        self._channel = await ChannelClient.connect(address.path)
         return self._channel
+
+    def _keep_handle(self, level: int, why: str, *args) -> None:
+        """Send this client's calls through Serve's handle from now on, saying why once."""
+        self._wants_channel = False
+        log.log(level, why + ": drafter calls go through Serve's handle", *args)
 
     def _close_channel(self) -> None:
         """Drop the channel after a failed call: the next call asks the pinned replica again (after any backoff)."""

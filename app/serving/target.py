@@ -46,6 +46,7 @@ from app.scheduling.guard import SpeculationGuard
 from app.scheduling.policies import make_policy
 from app.scheduling.profile import ThroughputProfile, load_profile
 from app.scheduling.scheduler import VerifyScheduler
+from app.serving.channel import ChannelClosedError, node_id
 from app.serving.config import AppConfig
 from app.serving.profiles import serving_profile
 from app.serving.drafter import DrafterCore
@@ -271,7 +272,7 @@ class TargetReplica:
         self.drafter = DrafterClient(
             handle=drafter if speculates and colocated is None else None, colocated=colocated,
             run=self._run, replica_id=self.replica_id, gamma=config.gamma, timeout_s=config.drafter_timeout_s,
-            stats=self.stats, on_reachable=self._wake, channel=config.drafter_channel,
+            stats=self.stats, on_reachable=self._wake, channel=config.drafter_channel, node_id=node_id(),
         ) if speculates else None
         self.lookup = self._torch.call(make_prompt_lookup, config) if speculates else None
         self.router = router
@@ -701,7 +702,8 @@ class TargetReplica:
             moved = self._fail_over(call.propose + [s.request_id for s in call.starts], err)
             if isinstance(err, ColocatedDrafterError):  # the call may have raised half-way: drop their state now
                 await self._forget_colocated(call.finished + moved, err)
-            elif isinstance(err, asyncio.TimeoutError):  # the replica may still hold their state: forget it next call
+            elif isinstance(err, (asyncio.TimeoutError, ChannelClosedError)):
+                # the replica may still hold their state (alive, or replaced by then): forget it next call
                 self.loop.forget_later(call.finished + moved)
             elif isinstance(err, (RayTaskError, RemoteDrafterError)) and (call.starts or call.updates or call.propose):
                 # it raised half-way, maybe before applying the finishes: the next call drops the state (a call

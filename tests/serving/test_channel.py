@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import tempfile
 import threading
 
 import pytest
@@ -25,15 +26,19 @@ async def _handler(kind: str, value):
         raise ValueError(f"bad value {value!r}")
     if kind == "unpicklable":
         raise _Unpicklable()
-    await asyncio.sleep(0.02 if value.numel() == 1 else 0)  # a slow first answer still comes back first
+    await asyncio.sleep(0.02 if value.numel() == 1 else 0)  # the first call's answer comes last
     return value * 2
 
 
-def test_calls_are_answered_in_order_and_errors_arrive_as_themselves():
+def test_calls_are_answered_in_order_and_errors_arrive_as_themselves(monkeypatch, tmp_path):
+    """Concurrent calls on one connection each get their own answer; the handler's errors arrive as themselves."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
     async def main() -> None:
         server = ChannelServer(_handler)
-        path = await server.start()
-        assert await server.start() == path  # listens once
+        path, again = await asyncio.gather(server.start(), server.start())
+        assert again == path and await server.start() == path  # listens once, even when asked twice at once
+        assert len(list(tmp_path.iterdir())) == 1
         client = await ChannelClient.connect(path)
         values = [torch.arange(n, dtype=torch.float32) for n in (1, 5, 100_000)]
         answers = await asyncio.gather(*[client.call("double", v) for v in values])
@@ -61,7 +66,7 @@ def test_the_socket_is_private_and_a_close_reaches_the_callers():
         assert not os.path.exists(folder)
         with pytest.raises(ChannelClosedError, match="closed mid-call"):
             await client.call("double", torch.ones(1))
-        with pytest.raises(OSError):
+        with pytest.raises(ChannelClosedError, match="no drafter channel at"):
             await ChannelClient.connect(path)
         again = await server.start()
         assert again != path
@@ -69,5 +74,20 @@ def test_the_socket_is_private_and_a_close_reaches_the_callers():
         assert torch.equal(await client.call("double", torch.ones(1)), torch.full((1,), 2.0))
         client.close()
         server.close()
+
+    asyncio.run(main())
+
+
+def test_a_socket_that_cannot_be_made_leaves_nothing_behind(monkeypatch, tmp_path):
+    """A path too long for a Unix socket (a long TMPDIR) fails ``start`` with the OS's error, and its folder goes."""
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+
+    async def main() -> None:
+        server = ChannelServer(_handler)
+        with pytest.raises(OSError):
+            await server.start()
+        assert list(deep.iterdir()) == [] and server.path is None
 
     asyncio.run(main())

@@ -30,6 +30,7 @@ from app.engine.types import DraftBlock, NewRequest, SamplingParams
 from app.scheduling.guard import SpeculationGuard
 from app.serving import drafter_client
 from app.serving import target as target_module
+from app.serving.channel import ChannelAddress
 from app.serving.config import AppConfig
 from app.serving.drafter import DrafterReplica
 from app.loop import DraftCall, DraftRound, DraftStart
@@ -728,20 +729,54 @@ def test_drafter_calls_go_over_the_replicas_channel_and_one_that_closes_is_reope
     assert results[1][-1].spec.accepted_tokens > 0 and len(calls) > 3
     assert drafter.calls == [] and replica.drafter.transport == "channel" and replica.drafter.reachable
     assert server.path is not None  # listening again, on a new path
+    assert "r0" not in drafter.replica.core.host._live  # applied before the channel closed, dropped by a later call
 
 
-def test_a_drafter_channel_not_reachable_from_here_leaves_the_calls_to_the_handle(monkeypatch, caplog):
-    """A Drafter replica on another machine answers with a socket path that does not exist here: the target says so
-    once and sends its calls through Serve's handle, with no request failing over."""
+def _failed(err: Exception) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_exception(err)
+    return future
+
+
+@pytest.mark.parametrize("answer", ["other_node", "cannot_open"])
+def test_a_drafter_channel_out_of_reach_leaves_the_calls_to_the_handle(monkeypatch, caplog, answer):
+    """A Drafter replica on another node (its socket is not reachable from here), or one that could not open a
+    channel (an OSError making the socket, or a replica without ``channel`` mid-upgrade): the target says why once and
+    sends its calls through Serve's handle, with no request failing over."""
     drafter = _separate_drafter(monkeypatch)
-    drafter.channel = SimpleNamespace(remote=lambda replica_key=None: _resolved("/nonexistent/dspark/channel.sock"))
+    drafter.channel = SimpleNamespace(remote=lambda replica_key=None: (
+        _resolved(ChannelAddress(node_id="another-node", path="/nonexistent/channel.sock")) if answer == "other_node"
+        else _failed(OSError(98, "AF_UNIX path too long"))))
     replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
     plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
-    with caplog.at_level(logging.WARNING, logger="ray.serve"):
+    with caplog.at_level(logging.INFO, logger="ray.serve"):
         results, expected = run_requests(replica, [24, 24]), run_requests(plain, [24, 24])
     assert _token_ids(results) == _token_ids(expected) and replica.stats.fallbacks == {}
     assert replica.drafter.transport == "handle" and drafter.calls and replica.stats.drafted_rounds > 0
-    assert sum("cannot be reached from here" in r.getMessage() for r in caplog.records) == 1
+    said = [r.getMessage() for r in caplog.records if "drafter calls go through Serve's handle" in r.getMessage()]
+    assert len(said) == 1 and ("another-node" if answer == "other_node" else "path too long") in said[0], said
+
+
+def test_a_stale_channel_path_on_this_node_backs_off_and_asks_again(monkeypatch):
+    """Nothing listens at the path a replica of this node gave (it stopped since): that call fails over as
+    ``drafter_unavailable`` and the target backs off; after the probe, the next ask gets a live channel."""
+    monkeypatch.setattr(drafter_client, "PROBE_FIRST_S", 0.05)
+    drafter = _separate_drafter(monkeypatch)
+    asks = []
+
+    def channel(replica_key=None):
+        asks.append(replica_key)
+        if len(asks) == 1:
+            return _resolved(ChannelAddress(node_id=None, path="/nonexistent/channel.sock"))
+        return drafter._answer("channel", replica_key)
+
+    drafter.channel = SimpleNamespace(remote=channel)
+    replica = make_replica(monkeypatch, drafter, drafter_placement="separate")
+    plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
+    results, expected = run_requests(replica, [16, 16], [0.0, 0.5]), run_requests(plain, [16, 16])
+    assert _token_ids(results) == _token_ids(expected)
+    assert [items[-1].spec.fallback_cause for items in results] == ["drafter_unavailable", None]
+    assert len(asks) == 2 and drafter.calls == [] and results[1][-1].spec.accepted_tokens > 0
 
 
 def _resolved(value) -> asyncio.Future:

@@ -18,14 +18,18 @@ import asyncio
 import os
 import pickle
 import shutil
+import socket
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import ray
 
 _LENGTH = struct.Struct("!Q")  # a frame: its pickle's length in bytes, then the pickle
+_PREFIX, _SOCKET = "dspark-drafter-", "channel.sock"  # a channel's directory (in the temporary folder) and socket
+STALE_AFTER_S = 60.0  # a channel directory younger than this is never swept (its replica may be starting)
 
 
 class ChannelClosedError(ConnectionError):
@@ -72,6 +76,31 @@ async def write_frame(writer: asyncio.StreamWriter, obj: Any) -> None:
     await writer.drain()
 
 
+def sweep_stale_channels(folder: str) -> list[str]:
+    """Remove the channel directories in ``folder`` that replicas killed outright (no shutdown hook ran) left: this
+    user's ``dspark-drafter-*`` directories, last changed over ``STALE_AFTER_S`` ago (so never one a replica is
+    starting to listen in), whose socket refuses connections (nobody listens) or that hold none. Returns the
+    directories removed."""
+    removed = []
+    for entry in os.scandir(folder):
+        if not entry.name.startswith(_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        info = entry.stat(follow_symlinks=False)
+        if info.st_uid != os.getuid() or time.time() - info.st_mtime < STALE_AFTER_S:
+            continue
+        path = os.path.join(entry.path, _SOCKET)
+        if os.path.exists(path):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.connect(path)
+                    continue  # a live replica's
+                except (ConnectionRefusedError, FileNotFoundError):
+                    pass
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
 def _sendable(err: Exception) -> Exception:
     """``err`` if it pickles, else a ``RuntimeError`` carrying its type and message."""
     try:
@@ -97,7 +126,8 @@ class ChannelServer:
         self.path: str | None = None
 
     async def start(self) -> str:
-        """Listen (once; later calls return the same path) and return the socket's path.
+        """Listen (once; later calls return the same path) and return the socket's path; first sweep away the
+        channels of replicas killed outright (``sweep_stale_channels``).
 
         Raises:
             OSError: no socket could be made (the temporary directory is full or read-only, or its path is too long
@@ -105,8 +135,9 @@ class ChannelServer:
         """
         async with self._starting:
             if self._server is None:
-                folder = tempfile.mkdtemp(prefix="dspark-drafter-")  # mode 0700: this user only
-                path = os.path.join(folder, "channel.sock")
+                sweep_stale_channels(tempfile.gettempdir())
+                folder = tempfile.mkdtemp(prefix=_PREFIX)  # mode 0700: this user only
+                path = os.path.join(folder, _SOCKET)
                 try:
                     self._server = await asyncio.start_unix_server(self._serve, path=path)
                 except BaseException:

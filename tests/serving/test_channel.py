@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import stat
 import tempfile
 import threading
+import time
 
 import pytest
 import torch
@@ -89,5 +91,35 @@ def test_a_socket_that_cannot_be_made_leaves_nothing_behind(monkeypatch, tmp_pat
         with pytest.raises(OSError):
             await server.start()
         assert list(deep.iterdir()) == [] and server.path is None
+
+    asyncio.run(main())
+
+
+def test_channels_left_by_killed_replicas_are_swept_at_the_next_start(monkeypatch, tmp_path):
+    """A replica killed outright leaves its directory and socket: the next replica to listen removes it once it is a
+    minute old, and only it (a live replica's channel, a directory just made, another program's files stay)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale = tmp_path / "dspark-drafter-dead"
+    stale.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:  # bound, then closed without unlinking
+        dead.bind(str(stale / "channel.sock"))
+    empty_old, empty_new, other = (tmp_path / "dspark-drafter-old"), (tmp_path / "dspark-drafter-new"), tmp_path / "x"
+    for folder in (empty_old, empty_new, other):
+        folder.mkdir()
+    for folder in (stale, empty_old, other):
+        os.utime(folder, (time.time() - 120, time.time() - 120))
+
+    async def main() -> None:
+        live = ChannelServer(_handler)
+        live_path = await live.start()
+        assert not stale.exists() and not empty_old.exists() and empty_new.exists() and other.exists()
+        os.utime(os.path.dirname(live_path), (time.time() - 120, time.time() - 120))
+        second = ChannelServer(_handler)
+        await second.start()  # sweeps again: the live channel stays, however old
+        client = await ChannelClient.connect(live_path)
+        assert torch.equal(await client.call("double", torch.ones(1)), torch.full((1,), 2.0))
+        client.close()
+        live.close()
+        second.close()
 
     asyncio.run(main())

@@ -91,11 +91,14 @@ def sweep_stale_channels(folder: str) -> list[str]:
         path = os.path.join(entry.path, _SOCKET)
         if os.path.exists(path):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(0.5)  # a live listener with a full backlog makes a connect wait
                 try:
                     probe.connect(path)
                     continue  # a live replica's
                 except (ConnectionRefusedError, FileNotFoundError):
                     pass
+                except OSError:  # timed out, or another refusal: it may be alive
+                    continue
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
     return removed

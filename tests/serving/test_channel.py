@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
+import shutil
 import socket
 import stat
 import tempfile
@@ -23,6 +25,16 @@ class _Unpicklable(Exception):
         self.lock = threading.Lock()
 
 
+@pytest.fixture
+def short_tmp(monkeypatch) -> pathlib.Path:
+    """A fresh temporary folder for the channels, with a short path: a Unix socket's path has at most 107 bytes, and
+    pytest's own ``tmp_path`` under xdist passes that."""
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="ch-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 async def _handler(kind: str, value):
     if kind == "fail":
         raise ValueError(f"bad value {value!r}")
@@ -32,15 +44,13 @@ async def _handler(kind: str, value):
     return value * 2
 
 
-def test_calls_are_answered_in_order_and_errors_arrive_as_themselves(monkeypatch, tmp_path):
+def test_calls_are_answered_in_order_and_errors_arrive_as_themselves(short_tmp):
     """Concurrent calls on one connection each get their own answer; the handler's errors arrive as themselves."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-
     async def main() -> None:
         server = ChannelServer(_handler)
         path, again = await asyncio.gather(server.start(), server.start())
         assert again == path and await server.start() == path  # listens once, even when asked twice at once
-        assert len(list(tmp_path.iterdir())) == 1
+        assert len(list(short_tmp.iterdir())) == 1
         client = await ChannelClient.connect(path)
         values = [torch.arange(n, dtype=torch.float32) for n in (1, 5, 100_000)]
         answers = await asyncio.gather(*[client.call("double", v) for v in values])
@@ -56,7 +66,7 @@ def test_calls_are_answered_in_order_and_errors_arrive_as_themselves(monkeypatch
     asyncio.run(main())
 
 
-def test_the_socket_is_private_and_a_close_reaches_the_callers():
+def test_the_socket_is_private_and_a_close_reaches_the_callers(short_tmp):
     async def main() -> None:
         server = ChannelServer(_handler)
         path = await server.start()
@@ -95,15 +105,14 @@ def test_a_socket_that_cannot_be_made_leaves_nothing_behind(monkeypatch, tmp_pat
     asyncio.run(main())
 
 
-def test_channels_left_by_killed_replicas_are_swept_at_the_next_start(monkeypatch, tmp_path):
+def test_channels_left_by_killed_replicas_are_swept_at_the_next_start(short_tmp):
     """A replica killed outright leaves its directory and socket: the next replica to listen removes it once it is a
     minute old, and only it (a live replica's channel, a directory just made, another program's files stay)."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    stale = tmp_path / "dspark-drafter-dead"
+    stale = short_tmp / "dspark-drafter-dead"
     stale.mkdir()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:  # bound, then closed without unlinking
         dead.bind(str(stale / "channel.sock"))
-    empty_old, empty_new, other = (tmp_path / "dspark-drafter-old"), (tmp_path / "dspark-drafter-new"), tmp_path / "x"
+    empty_old, empty_new, other = (short_tmp / "dspark-drafter-old"), (short_tmp / "dspark-drafter-new"), short_tmp / "x"
     for folder in (empty_old, empty_new, other):
         folder.mkdir()
     for folder in (stale, empty_old, other):

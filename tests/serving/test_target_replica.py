@@ -448,9 +448,11 @@ def test_drafting_runs_with_drafter_threads_and_verify_with_torch_threads(monkey
 
 
 def test_the_speculation_guard_runs_plain_where_drafting_is_slower_and_output_is_unchanged(monkeypatch):
-    """A drafter call of 20 ms against a 1 ms verify step: speculative rounds commit fewer tokens per ms than plain
+    """A drafter call of 150 ms against a 1 ms verify step: speculative rounds commit fewer tokens per ms than plain
     ones, whatever they accept, so the guard pauses speculation (probing it now and then); the text is plain
-    decoding's either way."""
+    decoding's either way. (Slower than it need be on an idle machine: with both cores busy elsewhere a 1 ms mock
+    step takes ~20 ms, and a call of 20 to 60 ms made speculative rounds as fast per token, so the guard rightly kept
+    speculating.)"""
     replica = make_replica(monkeypatch, draft_gate=False)
     assert isinstance(replica.guard, SpeculationGuard)  # round time in the profile's plain steps of each batch
     assert replica.guard.step_ms(3) == float(replica.scheduler.profile.verify_time_ms(3, batch=3)) > 0
@@ -460,14 +462,16 @@ def test_the_speculation_guard_runs_plain_where_drafting_is_slower_and_output_is
 
     def slow_draft(call):
         calls.append(len(call.propose))
-        time.sleep(0.02)
+        time.sleep(0.15)
         return draft(call)
 
     monkeypatch.setattr(replica.colocated, "draft", slow_draft)
-    results, expected = run_requests(replica, [240, 240]), run_requests(plain, [240, 240])
+    # one request: the guard decides per batch size, and two requests admitted in different rounds on a loaded
+    # machine end at different rounds, leaving a tail of batch-1 rounds that the guard has not judged yet
+    results, expected = run_requests(replica, [240]), run_requests(plain, [240])
     for items, reference in zip(results, expected):
         assert [t for item in items for t in item.token_ids] == [t for item in reference for t in item.token_ids]
-    state = replica.guard.state()[2]
+    state = replica.guard.state()[1]
     assert state["paused"] and state["plain_rate"] > state["spec_rate"], state
     assert replica.guard.plain_rounds > replica.stats.rounds / 2, (replica.guard.plain_rounds, replica.stats.rounds)
     assert replica.telemetry.counters.guard_plain_rounds == replica.guard.plain_rounds  # GET /metrics counts them

@@ -141,6 +141,7 @@ BAD = [
     ("deeply nested", b'{"model": "mock-model", "metadata": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", 400),
     ("nested past the depth limit", chat(max_tokens=3, metadata=json.loads("[" * 70 + "]" * 70)), 400),
     ("seed over 64 bits", chat(seed=10**23), 400),
+    ("integer of 5001 digits", b'{"model": "mock-model", "seed": ' + b"9" * 5001 + b"}", 400),
     ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("not an object", b"[1, 2]", 400),
     ("null body", b"null", 400),

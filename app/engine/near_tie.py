@@ -124,8 +124,9 @@ def first_divergence(
     Greedy (``params`` None or temperature 0): gaps to the best processed logit. Seeded sampled (``params.seed`` set):
     gaps on the coupled scores logits / T + g(seed, position), scaled back to logits (times T), so the same
     NEAR_TIE_EPS applies: each token's to the best score among the tokens a ``top_p`` nucleus narrowed by NUCLEUS_EPS
-    keeps and the two tokens themselves, which must lie in the nucleus widened by NUCLEUS_EPS (else the gap is
-    infinite). An edge token that both runs left out is no rival.
+    keeps and the token itself, which must lie in the nucleus widened by NUCLEUS_EPS (else the gap is infinite). An
+    edge token (in the widened nucleus, not in the narrowed one) is no rival of the other run's token: that run may
+    have left it out.
 
     Raises:
         ValueError: ``params`` is sampled without a seed (unseeded outputs are compared by distribution only).
@@ -145,13 +146,11 @@ def first_divergence(
         t = params.temperature
         scores = logits / t + gumbel_noise(params.seed, [len(prompt) + j], logits.shape[-1])[0]
         # a token at a cut's edge may be in or out with the step's rounding: the two tokens may come from a nucleus
-        # widened a little, and the best they are measured against from one narrowed a little (or is one of them),
-        # so an edge token neither run kept does not count as the best
+        # widened a little, and each is measured against the best of one narrowed a little (or against itself), so
+        # an edge token that one run kept does not count against the other run's token
         wide = replace(params, top_p=min(1.0, params.top_p + NUCLEUS_EPS))
         narrow = replace(params, top_p=max(0.0, params.top_p - NUCLEUS_EPS))
         scores = scores.masked_fill(sampling_probs(logits[None], wide)[0] == 0, float("-inf"))
-        rivals = sampling_probs(logits[None], narrow)[0] > 0
-        rivals[[expected[j], got[j]]] = True
-        best = float(scores.masked_fill(~rivals, float("-inf")).max())
-    gaps = {tok: t * (best - float(scores[tok])) for tok in (expected[j], got[j])}
+        best = float(scores.masked_fill(sampling_probs(logits[None], narrow)[0] == 0, float("-inf")).max())
+    gaps = {tok: t * (max(best, float(scores[tok])) - float(scores[tok])) for tok in (expected[j], got[j])}
     return Divergence(index=j, gaps=gaps, near_tie=max(gaps.values()) < NEAR_TIE_EPS)

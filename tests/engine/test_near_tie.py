@@ -34,8 +34,9 @@ def test_divergences_are_judged_by_the_targets_logits(engine):
 
 def test_seeded_divergences_are_judged_by_coupled_scores_within_the_nucleus(engine, monkeypatch):
     """Seeded sampling: gaps on logits / T + noise. An edge token of the top_p nucleus (in it by less than NUCLEUS_EPS
-    of mass) that neither run kept is no rival, however high its score; a token in the nucleus well below the best,
-    or one outside it, is a bug. Four-token vocabulary, top_p 0.9: probabilities 0.6, 0.295, 0.1, 0.005."""
+    of mass) is no rival of the other run's token, however high its score (that run may have left it out), and one run
+    may pick it; a token in the nucleus well below the best, or one outside it, is a bug. Four-token vocabulary,
+    top_p 0.9: probabilities 0.6, 0.295, 0.1 (the edge token), 0.005."""
     logits = torch.tensor([0.6, 0.295, 0.1, 0.005]).log()
     noise = torch.tensor([0.0, math.log(0.6 / 0.295) - 0.1, 3.0, 0.0])  # scores: a, a - 0.1, a + 3.5, low
     monkeypatch.setattr(near_tie, "processed_logits", lambda *args: logits)
@@ -43,6 +44,8 @@ def test_seeded_divergences_are_judged_by_coupled_scores_within_the_nucleus(engi
     params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=1)
     tie = first_divergence(engine, [1, 2], [0], [1], params)
     assert tie.near_tie and tie.gaps[1] == pytest.approx(0.1, abs=1e-5)
+    edge = first_divergence(engine, [1, 2], [2], [0], params)  # one run kept the edge token and picked it
+    assert edge.near_tie and edge.gaps == {2: 0.0, 0: 0.0}
     noise[1] -= 1.0  # the second token now 1.1 below the first
     assert not first_divergence(engine, [1, 2], [0], [1], params).near_tie
     outside = first_divergence(engine, [1, 2], [0], [3], params)  # token 3 is outside any nucleus near 0.9

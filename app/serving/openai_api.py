@@ -782,17 +782,28 @@ class DetokenizeRequest(BaseModel):
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+def _union_member(part) -> bool:
+    """Whether a pydantic error location part names a member type of a union ("str", "list[str]"), not a field."""
+    return isinstance(part, str) and (not part.isidentifier() or part in _UNION_TAGS)
+
+
 def validation_error(err: ValidationError) -> ErrorItem:
     """The first pydantic error as a 400 naming the field (for a whole-request validator's error, which pydantic
-    locates nowhere, the ``param`` of the ``InvalidRequestError`` it raised)."""
-    first = err.errors()[0]
+    locates nowhere, the ``param`` of the ``InvalidRequestError`` it raised). A value that is none of a union's types
+    gets one message naming each ("a valid string or a valid list"), not the first type's alone."""
+    errors = err.errors()
+    first = errors[0]
     # pydantic adds the member type of a union to the location ("content.str"): a client's field path has none
-    param = ".".join(str(p) for p in first["loc"]
-                     if isinstance(p, int) or p.isidentifier() and p not in _UNION_TAGS) or None
+    param = ".".join(str(p) for p in first["loc"] if not _union_member(p)) or None
     param = param or getattr(first.get("ctx", {}).get("error"), "param", None)
     msg = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for errors raised by validators
     if first["type"] == "extra_forbidden":
         msg = "unknown field (not an OpenAI request field this server knows)"
+    elif first["loc"] and _union_member(first["loc"][-1]):
+        members = [e["msg"] for e in errors if len(e["loc"]) == len(first["loc"])
+                   and e["loc"][:-1] == first["loc"][:-1] and _union_member(e["loc"][-1])]
+        if len(members) > 1 and all(m.startswith("Input should be ") for m in members):
+            msg = "Input should be " + " or ".join(dict.fromkeys(m.removeprefix("Input should be ") for m in members))
     return ErrorItem(status=400, message=f"{param}: {msg}" if param else msg, param=param)
 
 

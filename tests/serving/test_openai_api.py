@@ -21,6 +21,7 @@ from app.serving.openai_api import (
     ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs, json_too_deep, validation_error,
 )
 from app.serving.protocol import FALLBACK_CAUSES, SpecCounters, TokenLogprobText
+from app.serving.responses import ResponsesRequest
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -214,6 +215,20 @@ def test_neutral_values_of_options_this_server_lacks_are_accepted_and_bad_prompt
             CompletionRequest.model_validate({"model": "m", "prompt": prompt})
         item = validation_error(err.value)
         assert item.param == "prompt" and message in item.message, item
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"stop": 5}, "stop: Input should be a valid string or a valid list"),
+    ({"messages": [{"role": "user", "content": 5}]},
+     "messages.0.content: Input should be a valid string or a valid list"),
+    ({"seed": "a"}, "seed: Input should be a valid integer"),
+    ({"input": 123}, "input: Input should be a valid list or a valid string"),
+])
+def test_a_value_of_none_of_a_fields_types_is_told_every_type(body, message):
+    schema, base = (ResponsesRequest, {}) if "input" in body else (ChatCompletionRequest, {"messages": MESSAGES})
+    with pytest.raises(ValidationError) as err:
+        schema.model_validate({"model": "m", **base, **body})
+    assert validation_error(err.value).message == message
 
 
 @pytest.mark.parametrize("prompt,prompts", [("ab", ["ab"]), (["ab", "c"], ["ab", "c"]), ([5, 0, 7], [[5, 0, 7]]),

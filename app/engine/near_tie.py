@@ -123,10 +123,11 @@ def first_divergence(
 
     Greedy (``params`` None or temperature 0): gaps to the best processed logit. Seeded sampled (``params.seed`` set):
     gaps on the coupled scores logits / T + g(seed, position), scaled back to logits (times T), so the same
-    NEAR_TIE_EPS applies: each token's to the best score among the tokens a ``top_p`` nucleus narrowed by NUCLEUS_EPS
-    keeps and the token itself, which must lie in the nucleus widened by NUCLEUS_EPS (else the gap is infinite). An
-    edge token (in the widened nucleus, not in the narrowed one) is no rival of the other run's token: that run may
-    have left it out.
+    NEAR_TIE_EPS applies: each token's to the best score among the tokens a ``top_p`` < 1 nucleus narrowed by
+    NUCLEUS_EPS keeps, the token itself, and the other token where its logit is higher by over NEAR_TIE_EPS (a nucleus
+    that kept this token kept that one); the token must lie in the nucleus widened by NUCLEUS_EPS (else the gap is
+    infinite). So an edge token (in the widened nucleus, not in the narrowed one) that one run kept is no rival of the
+    other run's token: that run may have left it out. Without a ``top_p`` cut every token is a rival.
 
     Raises:
         ValueError: ``params`` is sampled without a seed (unseeded outputs are compared by distribution only).
@@ -141,16 +142,25 @@ def first_divergence(
     logits = processed_logits(engine, prompt, params, expected[:j])
     if params is None or params.greedy:
         scores, t = logits, 1.0
-        best = float(scores.max())
+        kept = torch.ones_like(logits, dtype=torch.bool)
     else:
         t = params.temperature
         scores = logits / t + gumbel_noise(params.seed, [len(prompt) + j], logits.shape[-1])[0]
-        # a token at a cut's edge may be in or out with the step's rounding: the two tokens may come from a nucleus
-        # widened a little, and each is measured against the best of one narrowed a little (or against itself), so
-        # an edge token that one run kept does not count against the other run's token
-        wide = replace(params, top_p=min(1.0, params.top_p + NUCLEUS_EPS))
-        narrow = replace(params, top_p=max(0.0, params.top_p - NUCLEUS_EPS))
+        if params.top_p < 1.0:
+            # a token at the nucleus' edge may be in or out with the step's rounding: the two tokens may come from a
+            # nucleus widened a little, and each is measured against what one narrowed a little keeps
+            wide = replace(params, top_p=min(1.0, params.top_p + NUCLEUS_EPS))
+            narrow = replace(params, top_p=max(params.top_p / 2, params.top_p - NUCLEUS_EPS))
+        else:
+            wide = narrow = params
         scores = scores.masked_fill(sampling_probs(logits[None], wide)[0] == 0, float("-inf"))
-        best = float(scores.masked_fill(sampling_probs(logits[None], narrow)[0] == 0, float("-inf")).max())
-    gaps = {tok: t * (max(best, float(scores[tok])) - float(scores[tok])) for tok in (expected[j], got[j])}
+        kept = sampling_probs(logits[None], narrow)[0] > 0
+    gaps = {}
+    for tok, other in ((expected[j], got[j]), (got[j], expected[j])):
+        rivals = kept.clone()
+        rivals[tok] = True
+        # a nucleus keeps tokens in order of probability: a run that kept ``tok`` kept ``other`` too where its logit is
+        # higher by more than a step's rounding moves one
+        rivals[other] |= bool(logits[other] > logits[tok] + NEAR_TIE_EPS)
+        gaps[tok] = t * (float(scores.masked_fill(~rivals, float("-inf")).max()) - float(scores[tok]))
     return Divergence(index=j, gaps=gaps, near_tie=max(gaps.values()) < NEAR_TIE_EPS)

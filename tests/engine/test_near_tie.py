@@ -35,10 +35,10 @@ def test_divergences_are_judged_by_the_targets_logits(engine):
 def test_seeded_divergences_are_judged_by_coupled_scores_within_the_nucleus(engine, monkeypatch):
     """Seeded sampling: gaps on logits / T + noise. An edge token of the top_p nucleus (in it by less than NUCLEUS_EPS
     of mass) is no rival of the other run's token, however high its score (that run may have left it out), and one run
-    may pick it; a token in the nucleus well below the best, or one outside it, is a bug. Four-token vocabulary,
-    top_p 0.9: probabilities 0.6, 0.295, 0.1 (the edge token), 0.005."""
+    may pick it if it beats what every run keeps; a token in the nucleus well below the best, or one outside it, is a
+    bug. Four-token vocabulary, top_p 0.9: probabilities 0.6, 0.295, 0.1 (the edge token), 0.005."""
     logits = torch.tensor([0.6, 0.295, 0.1, 0.005]).log()
-    noise = torch.tensor([0.0, math.log(0.6 / 0.295) - 0.1, 3.0, 0.0])  # scores: a, a - 0.1, a + 3.5, low
+    noise = torch.tensor([0.0, math.log(0.6 / 0.295) - 0.1, 3.0, 0.0])  # scores: a, a - 0.1, a + 1.21, low
     monkeypatch.setattr(near_tie, "processed_logits", lambda *args: logits)
     monkeypatch.setattr(near_tie, "gumbel_noise", lambda seed, positions, vocab: noise[None])
     params = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=1)
@@ -46,7 +46,26 @@ def test_seeded_divergences_are_judged_by_coupled_scores_within_the_nucleus(engi
     assert tie.near_tie and tie.gaps[1] == pytest.approx(0.1, abs=1e-5)
     edge = first_divergence(engine, [1, 2], [2], [0], params)  # one run kept the edge token and picked it
     assert edge.near_tie and edge.gaps == {2: 0.0, 0: 0.0}
+    noise[2] = -1.0  # the edge token now 1.79 + 1 below the first: no run picks it
+    assert not first_divergence(engine, [1, 2], [2], [0], params).near_tie
     noise[1] -= 1.0  # the second token now 1.1 below the first
     assert not first_divergence(engine, [1, 2], [0], [1], params).near_tie
     outside = first_divergence(engine, [1, 2], [0], [3], params)  # token 3 is outside any nucleus near 0.9
     assert not outside.near_tie and outside.gaps[3] == math.inf
+
+
+def test_without_a_top_p_cut_every_token_is_a_rival_and_a_nucleus_keeps_tokens_in_order(engine, monkeypatch):
+    """top_p 1 keeps every token: one in the last percent of mass that has the best score is what both runs must pick.
+    Two edge tokens of a top_p 0.995 nucleus: a run that kept the less probable one kept the more probable one too."""
+    logits = torch.tensor([0.6, 0.29, 0.103, 0.005, 0.002]).log()
+    noise = torch.tensor([0.0, 0.0, 0.0, 7.0, 8.0])  # scores: token 4 best (a + 2.30), token 3 next (a + 2.21)
+    monkeypatch.setattr(near_tie, "processed_logits", lambda *args: logits)
+    monkeypatch.setattr(near_tie, "gumbel_noise", lambda seed, positions, vocab: noise[None])
+    whole = SamplingParams(max_tokens=4, temperature=1.0, seed=1)
+    assert not first_divergence(engine, [1, 2], [4], [0], whole).near_tie
+    cut = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.995, seed=1)  # tokens 3 and 4 at its edge
+    assert first_divergence(engine, [1, 2], [4], [3], cut).near_tie  # the run that picked 3 may have left 4 out
+    noise[3] = 10.0  # token 3 now best: a run that kept 4 kept 3 and must have picked it
+    assert not first_divergence(engine, [1, 2], [3], [4], cut).near_tie
+    tiny = SamplingParams(max_tokens=4, temperature=1.0, top_p=0.005, seed=1)  # narrowed by less than NUCLEUS_EPS
+    assert not first_divergence(engine, [1, 2], [0], [1], tiny).near_tie

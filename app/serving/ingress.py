@@ -433,7 +433,7 @@ class Ingress:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             return ErrorItem(400, f"request body is not valid JSON: {err}")
         except ValueError as err:  # valid JSON Python will not read: an integer of more than 4300 digits
-            return ErrorItem(400, f"request body cannot be read: {err}")
+            return ErrorItem(400, f"request body cannot be read: {str(err).split(';')[0]}")  # not its server-side hint
         except RecursionError:
             return too_deep
         if json_too_deep(body):

@@ -406,6 +406,8 @@ class _Common(BaseModel):
     @classmethod
     def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
+            if len(key) > 18:  # no vocabulary is that large; Python refuses int() of over 4300 digits
+                raise ValueError(f"keys must be token ids (decimal strings of 0-9), got one of {len(key)} characters")
             if not (key.isascii() and key.isdigit()):  # str.isdigit alone takes any script's digits
                 raise ValueError(f"keys must be token ids (decimal strings of 0-9), got {key!r}")
             if not -100.0 <= bias <= 100.0:

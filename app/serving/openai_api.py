@@ -791,10 +791,15 @@ def _union_member(part) -> bool:
 
 def validation_error(err: ValidationError) -> ErrorItem:
     """The first pydantic error as a 400 naming the field (for a whole-request validator's error, which pydantic
-    locates nowhere, the ``param`` of the ``InvalidRequestError`` it raised). A value that is none of a union's types
-    gets one message naming each ("a valid string or a valid list"), not the first type's alone."""
+    locates nowhere, the ``param`` of the ``InvalidRequestError`` it raised). Of a union's members the error the value
+    went furthest into is told (``[5]`` for a string or a list of strings: its item 0); a value that is none of the
+    union's types gets one message naming each ("a valid string or a valid list")."""
     errors = err.errors()
     first = errors[0]
+    tag = next((i for i, part in enumerate(first["loc"]) if _union_member(part)), None)
+    if tag is not None:  # of a union's members the one the value went furthest into ("stop": [5] -> stop.0)
+        first = max((e for e in errors if len(e["loc"]) > tag and e["loc"][:tag] == first["loc"][:tag]
+                     and _union_member(e["loc"][tag])), key=lambda e: len(e["loc"]))
     # pydantic adds the member type of a union to the location ("content.str"): a client's field path has none
     param = ".".join(str(p) for p in first["loc"] if not _union_member(p)) or None
     param = param or getattr(first.get("ctx", {}).get("error"), "param", None)

@@ -220,6 +220,7 @@ def test_neutral_values_of_options_this_server_lacks_are_accepted_and_bad_prompt
 
 @pytest.mark.parametrize("body,message", [
     ({"stop": 5}, "stop: Input should be a valid string or a valid list"),
+    ({"stop": ["a", 5]}, "stop.1: Input should be a valid string"),
     ({"messages": [{"role": "user", "content": 5}]},
      "messages.0.content: Input should be a valid string or a valid list"),
     ({"seed": "a"}, "seed: Input should be a valid integer"),

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import time
 
-import ray
 import torch
 from ray import serve
 
@@ -219,5 +218,5 @@ class DrafterReplica:
     def debug_state(self) -> dict:
         """Requests this replica holds drafter state for (leak checks), where it runs (placement checks) and the
         path its channel listens on (None until a target asks)."""
-        return {"states": self.core.num_states, "node_id": ray.get_runtime_context().get_node_id(),
+        return {"states": self.core.num_states, "node_id": self._node_id,
                 "channel": self._channel.path}

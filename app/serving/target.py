@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
-import ray
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -443,7 +442,7 @@ class TargetReplica:
                 "engine_active": self.engine.num_active,
                 "colocated_drafter_states": None if self.colocated is None else self.colocated.num_states,
                 "lookup_states": None if self.lookup is None else self.lookup.num_states,
-                "cancelled_pending": len(self._cancelled), "node_id": ray.get_runtime_context().get_node_id(),
+                "cancelled_pending": len(self._cancelled), "node_id": node_id(),
                 "guard": None if self.guard is None else self.guard.state(),
                 "drafter_backoff": None if self.drafter is None else self.drafter.backoff_cause,
                 "drafter_transport": None if self.drafter is None else self.drafter.transport,

@@ -579,6 +579,16 @@ class _InProcessDrafter:
         return asyncio.ensure_future(self.replica.draft(call))
 
 
+def _separate_drafter(monkeypatch, **overrides) -> _InProcessDrafter:
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
+    return _InProcessDrafter(AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate", **overrides}))
+
+
+def _token_ids(results: list[list]) -> list[list[int]]:
+    return [[t for item in items for t in item.token_ids] for items in results]
+
+
 class _RestartingDrafter(_InProcessDrafter):
     """An in-process Drafter handle whose replica answers nothing, calls nor probes, until ``up_at``
     (``time.monotonic()``), like a replica being replaced; ``hung`` counts the calls and the probes that got none."""
@@ -617,8 +627,7 @@ def test_a_drafter_that_stops_answering_is_backed_off_and_probed_until_it_answer
     plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
     lengths, delays = [40, 8, 8, 8, 12], [0.0, 0.4, 0.5, 0.6, 2.0]
     results, expected = run_requests(replica, lengths, delays), run_requests(plain, lengths)
-    assert [[t for item in items for t in item.token_ids] for items in results] == \
-        [[t for item in items for t in item.token_ids] for items in expected]
+    assert _token_ids(results) == _token_ids(expected)
     causes = [items[-1].spec.fallback_cause for items in results]
     assert causes == ["timeout", "drafter_backoff", "drafter_backoff", "drafter_backoff", None], causes
     assert replica.stats.fallbacks == {"timeout": 1, "drafter_backoff": 3}
@@ -659,17 +668,14 @@ def test_a_drafter_replica_drops_the_state_of_a_target_it_no_longer_hears_from(m
 def test_drafter_calls_whose_message_or_answer_may_be_large_go_by_reference(monkeypatch):
     """Over Serve's gRPC data plane a message past 4 MiB fails, in either direction: a long prompt's features alone
     are 6 MB on SmolLM2, and an answer's size grows with the requests it drafts."""
-    monkeypatch.setattr(serve, "get_replica_context",
-                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
-    drafter = _InProcessDrafter(AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate"}))
+    drafter = _separate_drafter(monkeypatch)
     # the answer for two drafted requests passes the bound, for one it does not (the mock's calls are tiny)
     limit = reply_bytes_bound(1, 4) * 3 // 2
     monkeypatch.setattr(drafter_client, "BY_REFERENCE_BYTES", limit)
     replica = make_replica(monkeypatch, drafter, drafter_placement="separate", drafter_channel=False)
     plain = make_replica(monkeypatch, drafter_placement="separate", policy="none")
     results, expected = run_requests(replica, [16, 6]), run_requests(plain, [16, 6])
-    assert [[t for item in items for t in item.token_ids] for items in results] == \
-        [[t for item in items for t in item.token_ids] for items in expected]
+    assert _token_ids(results) == _token_ids(expected)
     assert replica.stats.drafter_failures == 0 and replica.stats.drafted_rounds > 0
     assert all(by_ref == (size > limit or answer > limit) for by_ref, size, answer in drafter.calls), drafter.calls
     assert {by_ref for by_ref, _, _ in drafter.calls} == {True, False}, drafter.calls
@@ -681,9 +687,7 @@ def test_an_answer_over_its_bound_is_refused_and_counted_by_cause(monkeypatch, c
     """A proposer sending dense [K, V] draft probabilities breaks the answer's bound: the Drafter replica refuses to
     send it, and the target moves the requests to plain decoding under the cause ``reply_too_large``, whether the
     refusal comes through the handle or the channel."""
-    monkeypatch.setattr(serve, "get_replica_context",
-                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
-    drafter = _InProcessDrafter(AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate"}))
+    drafter = _separate_drafter(monkeypatch)
     propose = drafter.replica.core.proposer.propose
 
     def dense(request_ids):
@@ -697,16 +701,6 @@ def test_an_answer_over_its_bound_is_refused_and_counted_by_cause(monkeypatch, c
     with pytest.raises(DraftReplyTooLargeError, match="exceeds its bound"):
         check_reply(DraftRound(blocks=[DraftBlock("x", torch.zeros(4, dtype=torch.long), torch.ones(4, 49152))],
                                confidences=torch.ones(1, 4)), gamma=4)
-
-
-def _separate_drafter(monkeypatch, **overrides) -> _InProcessDrafter:
-    monkeypatch.setattr(serve, "get_replica_context",
-                        lambda: SimpleNamespace(replica_id=SimpleNamespace(unique_id="drafter-0")))
-    return _InProcessDrafter(AppConfig(**{**MOCK_FIELDS, "drafter_placement": "separate", **overrides}))
-
-
-def _token_ids(results: list[list]) -> list[list[int]]:
-    return [[t for item in items for t in item.token_ids] for items in results]
 
 
 def test_drafter_calls_go_over_the_replicas_channel_and_one_that_closes_is_reopened(monkeypatch):

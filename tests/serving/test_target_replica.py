@@ -447,22 +447,49 @@ def test_drafting_runs_with_drafter_threads_and_verify_with_torch_threads(monkey
     assert seen == {"propose": {1}, "verify": {2}}, seen
 
 
+class _VirtualClock:
+    """Stands in for ``time`` in the target module: a round lasts what the mocks say its verify step and drafter call
+    cost, not what a shared machine's wall clock says (a one-second stall among the few plain rounds a guard test
+    measures decided it)."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def perf_counter(self) -> float:
+        self.now_s += 1e-6  # a round that neither verifies nor drafts still takes time
+        return self.now_s
+
+    def spend(self, ms: float) -> None:
+        self.now_s += ms / 1000
+
+
+def _virtual_time(monkeypatch, replica, *, step_ms: float) -> _VirtualClock:
+    """Times ``replica``'s rounds on a virtual clock on which each verify step costs ``step_ms``."""
+    clock, verify = _VirtualClock(), replica.engine.verify
+
+    def timed(blocks):
+        clock.spend(step_ms)
+        return verify(blocks)
+
+    monkeypatch.setattr(target_module, "time", clock)
+    monkeypatch.setattr(replica.engine, "verify", timed)
+    return clock
+
+
 def test_the_speculation_guard_runs_plain_where_drafting_is_slower_and_output_is_unchanged(monkeypatch):
     """A drafter call of 150 ms against a 1 ms verify step: speculative rounds commit fewer tokens per ms than plain
     ones, whatever they accept, so the guard pauses speculation (probing it now and then); the text is plain
-    decoding's either way. (Slower than it need be on an idle machine: with both cores busy elsewhere a 1 ms mock
-    step takes ~20 ms, and a call of 20 to 60 ms made speculative rounds as fast per token, so the guard rightly kept
-    speculating.)"""
+    decoding's either way."""
     replica = make_replica(monkeypatch, draft_gate=False)
     assert isinstance(replica.guard, SpeculationGuard)  # round time in the profile's plain steps of each batch
     assert replica.guard.step_ms(3) == float(replica.scheduler.profile.verify_time_ms(3, batch=3)) > 0
     replica.guard = SpeculationGuard(probe_every=8, min_samples=4)  # decides within these short requests
     plain = make_replica(monkeypatch, policy="none")
-    draft, calls = replica.colocated.draft, []
+    draft, calls, clock = replica.colocated.draft, [], _virtual_time(monkeypatch, replica, step_ms=1)
 
     def slow_draft(call):
         calls.append(len(call.propose))
-        time.sleep(0.15)
+        clock.spend(150)
         return draft(call)
 
     monkeypatch.setattr(replica.colocated, "draft", slow_draft)
@@ -486,11 +513,11 @@ def test_the_speculation_guard_counts_the_catch_up_calls_after_a_closed_gate(mon
     replica = make_replica(monkeypatch)
     replica.guard = SpeculationGuard(probe_every=8, min_samples=4)  # decides within these short requests
     draft, should_draft = replica.colocated.draft, replica.scheduler.should_draft
-    rounds, behind = iter(range(10**6)), []
+    rounds, behind, clock = iter(range(10**6)), [], _virtual_time(monkeypatch, replica, step_ms=1)
 
     def catching_up(call):
         behind.append(max((sum(u.request_id == rid for u in call.updates) for rid in call.propose), default=0))
-        time.sleep(0.02)
+        clock.spend(20)
         return draft(call)
 
     def alternating_gate(requests, **kwargs):
@@ -510,6 +537,7 @@ def test_the_speculation_guard_keeps_drafting_that_pays(monkeypatch):
     """A verify step of 20 ms and a free drafter whose blocks are all accepted: speculation commits up to 5 tokens
     a round, and the guard leaves it on but for its rare plain probes."""
     replica = make_replica(monkeypatch, draft_gate=False, mock_step_ms=20)
+    _virtual_time(monkeypatch, replica, step_ms=20)
     results = run_requests(replica, [120])
     assert num_tokens(results[0]) == 120 and results[0][-1].spec.accepted_tokens > 60
     state = replica.guard.state()[1]

@@ -16,9 +16,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Any, Literal, Sequence
+from typing import Annotated, Any, Literal, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator,
+)
 
 from app.engine.errors import InvalidRequestError
 from app.engine.types import MAX_LOGPROBS, ChatTemplateOptions, GuidedDecoding, SamplingParams
@@ -96,6 +98,19 @@ class TextPart(BaseModel):
     text: str
 
 
+def _text_part(part: dict[str, Any]) -> dict[str, Any]:
+    """A message's ``content`` part, which must be a ``TextPart`` (its errors located at the part's index).
+
+    Raises:
+        ValueError: another part type, or text that is not valid Unicode.
+        ValidationError: not a ``TextPart`` (a field missing, unknown or of the wrong type).
+    """
+    if part.get("type") != "text":
+        raise unsupported(f"content part type {part.get('type')!r}", "text parts only")
+    unicode_text(TextPart.model_validate(part).text, "text")
+    return part
+
+
 class FunctionCallParam(BaseModel):
     model_config = STRICT
 
@@ -133,7 +148,8 @@ class ChatMessage(BaseModel):
     model_config = STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None  # optional in an assistant turn, as OpenAI's
+    # optional in an assistant turn, as OpenAI's
+    content: str | list[Annotated[dict[str, Any], AfterValidator(_text_part)]] | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallParam] | None = None
@@ -163,18 +179,8 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
-        if value is None:
-            return value
-        if isinstance(value, list):
-            for i, part in enumerate(value):
-                kind = part.get("type")
-                if kind != "text":
-                    raise unsupported(f"content part type {kind!r}", "text parts only")
-                unicode_text(TextPart.model_validate(part).text, f"content part {i}")
-        else:
-            unicode_text(value, "content")
-        return value
+    def _unicode(cls, value: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        return unicode_text(value, "content") if isinstance(value, str) else value
 
     @field_validator("refusal", "annotations", "audio", "function_call")
     @classmethod

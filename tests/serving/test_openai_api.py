@@ -145,7 +145,11 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages.0.name"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
     ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.0.content.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]},
+     "messages.0.content.1.text"),  # a content part's error names the part
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 5}]}]},
+     "messages.0.content.1.text"),
     ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
     ({"prompt": "a", "suffix": "b"}, "suffix"),
     ({"prompt": "a", "best_of": 2}, "best_of"),  # combinations of fields: the one to change
@@ -175,7 +179,7 @@ REFUSED = [  # request -> the field the 400 must name
     ({"prompt": "a", "logprobs": True}, "logprobs"),
     # text that is not Unicode (a lone surrogate, as a JSON "\ud800" escape decodes) never reaches the tokenizer
     ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages.0.content.0"),
     ({"prompt": ["ok", "\ud800"]}, "prompt"),
     # streaming-only and non-streaming-only options
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),

@@ -528,8 +528,8 @@ class ChatCompletionRequest(_Common, _TemplateFields, RequestLabels):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _named_form(cls, value: Any) -> Any:
-        if isinstance(value, dict) and not (value.get("type") == "function" and isinstance(value.get("function"), dict)
-                                            and isinstance(value["function"].get("name"), str)):
+        named = isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict)
+        if not (value is None or isinstance(value, str) or named and isinstance(value["function"].get("name"), str)):
             raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}; the others are '
                              f'"none", "auto" and "required" (got {json.dumps(value)[:200]})')
         return value

@@ -227,6 +227,8 @@ def test_neutral_values_of_options_this_server_lacks_are_accepted_and_bad_prompt
     ({"stop": ["a", 5]}, "stop.1: Input should be a valid string"),
     ({"messages": [{"role": "user", "content": 5}]},
      "messages.0.content: Input should be a valid string or a valid list"),
+    ({"tool_choice": 5}, 'tool_choice: a named tool_choice is {"type": "function", "function": {"name": '
+     '...}}; the others are "none", "auto" and "required" (got 5)'),
     ({"seed": "a"}, "seed: Input should be a valid integer"),
     ({"input": 123}, "input: Input should be a valid list or a valid string"),
 ])

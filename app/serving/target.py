@@ -329,6 +329,9 @@ class TargetReplica:
         except InvalidRequestError as err:
             yield invalid_request(request, err)
             return
+        except asyncio.CancelledError:  # the client went away while the engine thread was busy (a long prefill)
+            self.telemetry.cancelled()
+            raise
         if len(self._waiting) + self._running >= self.config.max_num_seqs + self.config.max_queued_requests:
             yield ErrorItem(503, f"server overloaded: {self._running} requests running and {len(self._waiting)} "
                             f"queued on this replica (limit {self.config.max_num_seqs} + "

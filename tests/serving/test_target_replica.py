@@ -909,6 +909,36 @@ async def _collect(replica, request) -> list:
     return [item async for item in replica.generate(request)]
 
 
+def test_a_request_that_goes_away_while_its_prompt_waits_to_be_tokenized_is_counted_as_cancelled(monkeypatch):
+    """Tokenizing waits for the engine thread, busy for hundreds of ms with a long prefill under load: a client that
+    leaves then never reaches the queue, and it is still a request cancelled (dspark_requests_cancelled_total,
+    vllm:request_success_total{finished_reason="abort"})."""
+    replica = make_replica(monkeypatch)
+    encode, encoding = replica._encode, threading.Event()
+
+    def slow_encode(request):
+        encoding.set()
+        time.sleep(0.3)  # on the torch thread
+        return encode(request)
+
+    monkeypatch.setattr(replica, "_encode", slow_encode)
+
+    async def main():
+        try:
+            gone = asyncio.create_task(_collect(replica, _chat("gone", "hi", 5)))
+            await asyncio.to_thread(encoding.wait, 10)
+            gone.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            return await asyncio.wait_for(_collect(replica, _chat("next", "hi", 5)), timeout=30)
+        finally:
+            for task in replica._tasks:
+                task.cancel()
+
+    assert num_tokens(asyncio.run(main())) == 5
+    assert replica.telemetry.counters.requests_cancelled == 1 and not replica._waiting
+
+
 def test_a_request_waiting_while_the_last_piece_of_a_prompt_ends_its_request_is_admitted(monkeypatch):
     """A prompt prefilled in pieces whose request ends with its first token (max_tokens 1: a log-likelihood request)
     leaves nothing running, with a request queued while its last piece ran: that one is admitted next (it failed

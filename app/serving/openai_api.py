@@ -97,17 +97,22 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _unicode(cls, value: str) -> str:
+        return unicode_text(value, "text")
+
 
 def _text_part(part: dict[str, Any]) -> dict[str, Any]:
     """A message's ``content`` part, which must be a ``TextPart`` (its errors located at the part's index).
 
     Raises:
-        ValueError: another part type, or text that is not valid Unicode.
-        ValidationError: not a ``TextPart`` (a field missing, unknown or of the wrong type).
+        ValueError: another part type.
+        ValidationError: not a ``TextPart`` (a field missing, unknown or of the wrong type; text not valid Unicode).
     """
     if part.get("type") != "text":
         raise unsupported(f"content part type {part.get('type')!r}", "text parts only")
-    unicode_text(TextPart.model_validate(part).text, "text")
+    TextPart.model_validate(part)
     return part
 
 

@@ -179,7 +179,7 @@ REFUSED = [  # request -> the field the 400 must name
     ({"prompt": "a", "logprobs": True}, "logprobs"),
     # text that is not Unicode (a lone surrogate, as a JSON "\ud800" escape decodes) never reaches the tokenizer
     ({"messages": [{"role": "user", "content": "a\ud800"}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages.0.content.0"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages.0.content.0.text"),
     ({"prompt": ["ok", "\ud800"]}, "prompt"),
     # streaming-only and non-streaming-only options
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),

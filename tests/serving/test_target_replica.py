@@ -456,7 +456,7 @@ class _VirtualClock:
         self.now_s = 0.0
 
     def perf_counter(self) -> float:
-        self.now_s += 1e-6  # a round that neither verifies nor drafts still takes time
+        self.now_s += 1e-6  # strictly increasing: a round's time is > 0 (the guard refuses 0)
         return self.now_s
 
     def spend(self, ms: float) -> None:
@@ -914,11 +914,11 @@ def test_a_request_that_goes_away_while_its_prompt_waits_to_be_tokenized_is_coun
     leaves then never reaches the queue, and it is still a request cancelled (dspark_requests_cancelled_total,
     vllm:request_success_total{finished_reason="abort"})."""
     replica = make_replica(monkeypatch)
-    encode, encoding = replica._encode, threading.Event()
+    encode, encoding, release = replica._encode, threading.Event(), threading.Event()
 
     def slow_encode(request):
         encoding.set()
-        time.sleep(0.3)  # on the torch thread
+        release.wait(10)  # on the torch thread, until the client has gone
         return encode(request)
 
     monkeypatch.setattr(replica, "_encode", slow_encode)
@@ -930,6 +930,8 @@ def test_a_request_that_goes_away_while_its_prompt_waits_to_be_tokenized_is_coun
             gone.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await gone
+            assert replica.telemetry.counters.requests_cancelled == 1  # counted before it could reach the queue
+            release.set()
             return await asyncio.wait_for(_collect(replica, _chat("next", "hi", 5)), timeout=30)
         finally:
             for task in replica._tasks:

@@ -110,8 +110,8 @@ def _text_part(part: dict[str, Any]) -> dict[str, Any]:
         ValueError: another part type.
         ValidationError: not a ``TextPart`` (a field missing, unknown or of the wrong type; text not valid Unicode).
     """
-    if part.get("type") != "text":
-        raise unsupported(f"content part type {part.get('type')!r}", "text parts only")
+    if part.get("type", "text") != "text":  # a part without a type is TextPart's "type: Field required"
+        raise unsupported(f"content part type {json.dumps(part['type'])[:100]}", "text parts only")
     TextPart.model_validate(part)
     return part
 

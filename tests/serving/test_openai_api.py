@@ -148,6 +148,9 @@ REFUSED = [  # request -> the field the 400 must name
     ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text"}]}]},
      "messages.0.content.1.text"),  # a content part's error names the part
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"text": "b"}]}]},
+     "messages.0.content.1.type"),
+    ({"messages": [{"role": "user", "content": [{"type": ["image"] * 100}]}]}, "messages.0.content.0"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": 5}]}]},
      "messages.0.content.1.text"),
     ({"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),

@@ -89,6 +89,11 @@ def unsupported(name: str, why: str) -> ValueError:
     return ValueError(f"{name} is not supported by this server ({why})")
 
 
+def unsupported_part(kind: Any) -> ValueError:
+    """The error for a content part of type ``kind``, any JSON value (quoted as JSON, cut at 100 characters)."""
+    return unsupported(f"content part type {json.dumps(kind)[:100]}", "text parts only")
+
+
 class TextPart(BaseModel):
     """One ``{"type": "text", "text": ...}`` part of a message's ``content`` list."""
 
@@ -111,7 +116,7 @@ def _text_part(part: dict[str, Any]) -> dict[str, Any]:
         ValidationError: not a ``TextPart`` (a field missing, unknown or of the wrong type; text not valid Unicode).
     """
     if part.get("type", "text") != "text":  # a part without a type is TextPart's "type: Field required"
-        raise unsupported(f"content part type {json.dumps(part['type'])[:100]}", "text parts only")
+        raise unsupported_part(part["type"])
     TextPart.model_validate(part)
     return part
 

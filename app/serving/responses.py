@@ -13,6 +13,7 @@ shapes (``openai_api.py``).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -20,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from app.serving.openai_api import (STRICT, ChatCompletionRequest, JsonSchemaFormat, RequestLabels, unicode_text,
-                                   unsupported)
+                                   unsupported, unsupported_part)
 from app.serving.tools import FunctionDefinition, function_tool
 
 # Request fields by what they do (the field walk test reads these)
@@ -69,8 +70,8 @@ class InputItem(BaseModel):
     @classmethod
     def _known_types(cls, value: Any) -> Any:
         if isinstance(value, dict) and value.get("type", "message") not in ITEM_TYPES:
-            raise unsupported(f"input item type {value.get('type')!r}", "message, reasoning and function call items "
-                              "only")
+            raise unsupported(f"input item type {json.dumps(value['type'])[:100]}", "message, reasoning and function "
+                              "call items only")
         if isinstance(value, dict) and value.get("type") == "function_call":  # what the SDK adds to a call item
             value = {k: v for k, v in value.items() if not (k in SDK_CALL_FIELDS and SDK_CALL_FIELDS[k](v))}
         return value
@@ -110,7 +111,7 @@ class InputItem(BaseModel):
         kinds = ("reasoning_text",) if info.data.get("type") == "reasoning" else TEXT_PARTS
         for i, part in enumerate(value):
             if part.get("type") not in kinds:
-                raise unsupported(f"content part type {part.get('type')!r}", "text parts only")
+                raise unsupported_part(part.get("type"))
             if not isinstance(part.get("text"), str) or set(part) - {"type", "text", "annotations", "logprobs"}:
                 raise ValueError(f"content part {i} must be {{type, text}} (an output's annotations and logprobs are "
                                  "accepted)")

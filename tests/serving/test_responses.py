@@ -57,7 +57,9 @@ def test_a_request_becomes_the_chat_completion_it_is_served_as():
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
+    ({"input": [{"role": "user", "content": [{"type": ["input_image"] * 100}]}]}, "input.0.content"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0"),
+    ({"input": [{"type": ["web_search_call"] * 100}]}, "input.0"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input.0"),
     ({"input": [{"role": "user", "content": "x", "call_id": "c"}]}, "input.0"),
     ({"input": [{"type": "reasoning", "role": "user", "content": []}]}, "input.0"),
@@ -71,6 +73,7 @@ def test_what_a_text_model_cannot_do_is_a_400_naming_the_field(fields, param):
         _request(**fields)
     item = validation_error(err.value)
     assert item.status == 400 and item.param == param, item
+    assert len(item.message) < 300, item
 
 
 def test_chat_errors_name_the_responses_fields():

@@ -683,8 +683,14 @@ class Ingress:
             except (RayActorError, RayTaskError) as err:
                 queue.put_nowait((choice, _target_lost(err, "target replica failed mid-stream")))
 
-        def event(body: dict) -> str:
-            if req.include_usage and "choices" in body:  # OpenAI: every chunk but the last has "usage": null
+        generated = {c.index: 0 for c in flight.choices}  # completion tokens sent per choice
+
+        def event(body: dict, choice: _Choice | None = None) -> str:
+            if choice is not None and req.continuous_usage:  # vLLM's: the choice's usage so far
+                first = choice.first if isinstance(choice.first, TextChunk) else None
+                body["usage"] = usage(first.prompt_tokens if first else 0, generated[choice.index],
+                                      first.cached_tokens if first else 0)
+            elif req.include_usage and "choices" in body:  # OpenAI: every chunk but the last has "usage": null
                 body.setdefault("usage", None)
             return f"data: {json.dumps(body)}\n\n"
 
@@ -708,7 +714,7 @@ class Ingress:
             if chat:
                 for c in flight.choices:
                     yield event(chunk_body(chat=True, request_id=request_id, created=created, model=model, text="",
-                                           index=c.index, role=True))
+                                           index=c.index, role=True), c)
             while remaining:
                 choice, chunk = await queue.get()
                 if isinstance(chunk, ErrorItem):  # failed mid-stream: an error event ends the stream (as vLLM)
@@ -717,6 +723,7 @@ class Ingress:
                     yield "data: [DONE]\n\n"
                     return
                 completion_tokens += chunk.num_tokens
+                generated[choice.index] += chunk.num_tokens
                 text = chunk.text
                 if chunk is choice.first and choice.echo:
                     text = choice.echo + text
@@ -737,7 +744,8 @@ class Ingress:
                     yield event(chunk_body(chat=chat, request_id=request_id, created=created, model=model,
                                            text=None if (reasoning or deltas) and not text else text,
                                            reasoning=reasoning or None, tool_calls=deltas or None,
-                                           index=choice.index, logprobs=logprobs(chunk, offsets[choice.index])))
+                                           index=choice.index, logprobs=logprobs(chunk, offsets[choice.index])),
+                                choice)
                     offsets[choice.index] += len(chunk.text)
                 if chunk.finish_reason is not None:
                     choice.done, remaining = True, remaining - 1
@@ -748,7 +756,7 @@ class Ingress:
                                        stop_reason=chunk.stop_reason)
                     if req.spec_stats and chunk.spec is not None:
                         final["spec_stats"] = chunk.spec.to_json()
-                    yield event(final)
+                    yield event(final, choice)
             if req.include_usage:
                 body = chunk_body(chat=chat, request_id=request_id, created=created, model=model, text=None)
                 body["choices"] = []

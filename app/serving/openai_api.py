@@ -227,7 +227,16 @@ class StreamOptions(BaseModel):
     model_config = STRICT
 
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description=(
+        "Extension (vLLM's): with include_usage, every chunk of a choice also carries that choice's usage so far "
+        "(its prompt's tokens, its completion tokens)."))
     include_obfuscation: bool = Field(True, description="Harmless: this server never adds an obfuscation field.")
+
+    @model_validator(mode="after")
+    def _continuous_needs_usage(self) -> "StreamOptions":
+        if self.continuous_usage_stats and not self.include_usage:
+            raise ValueError("continuous_usage_stats needs include_usage: true")
+        return self
 
 
 class JsonSchemaFormat(BaseModel):
@@ -464,6 +473,11 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats``: every chunk of a choice carries its usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def max_tokens_param(self) -> str:

@@ -102,6 +102,24 @@ def test_streaming_equals_non_streamed_and_usage(url):
     assert len({e["created"] for e in events}) == 1  # the stream's, in every chunk
 
 
+def test_continuous_usage_stats_give_each_chunk_its_choice_s_usage_so_far(url):
+    """vLLM's ``stream_options.continuous_usage_stats``: every chunk of a choice (its role chunk too) carries that
+    choice's prompt tokens and completion tokens so far; the last chunk the whole request's."""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", headers=AUTH, timeout=30,
+                      json=chat(max_tokens=9, n=2, stream=True,
+                                stream_options={"include_usage": True, "continuous_usage_stats": True})) as r:
+        events = sse_events(r)
+    prompt = events[-1]["usage"]["prompt_tokens"]
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 18
+    for index in (0, 1):
+        own = [e for e in events if e["choices"] and e["choices"][0]["index"] == index]
+        counts = [e["usage"]["completion_tokens"] for e in own]
+        assert own[0]["choices"][0]["delta"]["role"] == "assistant" and counts[0] == 0
+        assert counts == sorted(counts) and counts[-1] == 9 and len(set(counts)) > 2
+        assert all(e["usage"]["prompt_tokens"] == prompt
+                   and e["usage"]["total_tokens"] == prompt + e["usage"]["completion_tokens"] for e in own)
+
+
 def test_completions_and_stop_string(url):
     r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
                    json={"model": MODEL, "prompt": "ab", "max_tokens": 8, "temperature": 0})

@@ -186,6 +186,7 @@ REFUSED = [  # request -> the field the 400 must name
     ({"prompt": ["ok", "\ud800"]}, "prompt"),
     # streaming-only and non-streaming-only options
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": MESSAGES, "stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
     ({"messages": MESSAGES, "stream": True, "return_token_ids": True}, "return_token_ids"),
 ]
 

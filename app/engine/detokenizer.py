@@ -74,8 +74,9 @@ class IncrementalDetokenizer:
         self._ends.append(len(self.text))
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         if self._stop and check_stop:
-            start = max(0, before - self._holdback)
-            hits = [(at, order) for order, s in enumerate(self._stop) if (at := self.text.find(s, start)) >= 0]
+            # each string where this token's text may complete it: one completed before (unchecked) stays text
+            hits = [(at, order) for order, s in enumerate(self._stop)
+                    if (at := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
             if hits:  # the earliest; at one position, the first listed (vLLM's order)
                 at, order = min(hits)
                 self.stop_string = self._stop[order]

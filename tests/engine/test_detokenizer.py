@@ -56,6 +56,18 @@ def test_the_stop_string_itself_is_kept_on_request_the_earliest_one_ending_the_t
         assert detok.stopped and detok.stop_string == hit  # vLLM's stop_reason
 
 
+def test_a_shorter_stop_string_completed_before_the_checks_began_stays_text():
+    """A stop string completed while stops were not checked (before ``min_tokens``) is kept as text, also when a
+    longer stop string makes later checks look further back than it (vLLM looks per string)."""
+    detok = IncrementalDetokenizer(_ByteTokenizer([b"ab", b"c", b"d", b"xyzw"]), ("ab", "xyzw"))
+    detok.add(0, check_stop=False)
+    detok.add(1, check_stop=False)
+    detok.add(2)
+    assert not detok.stopped and detok.text == "abcd"
+    detok.add(3)
+    assert detok.stopped and detok.stop_string == "xyzw" and detok.text == "abcd"
+
+
 def test_a_character_split_between_tokens_is_released_with_its_last_token():
     star = "\N{GLOWING STAR}".encode()  # 4 bytes
     pieces = [b"A", star[:1], star[1:3], star[3:], b"B", star[:2]]  # ends inside a character

@@ -686,10 +686,11 @@ class Ingress:
         generated = {c.index: 0 for c in flight.choices}  # completion tokens sent per choice
 
         def event(body: dict, choice: _Choice | None = None) -> str:
-            if choice is not None and req.continuous_usage:  # vLLM's: the choice's usage so far
-                first = choice.first if isinstance(choice.first, TextChunk) else None
-                body["usage"] = usage(first.prompt_tokens if first else 0, generated[choice.index],
-                                      first.cached_tokens if first else 0)
+            """An SSE event of ``body``, with ``usage`` where asked (``choice``: the choice the chunk is of)."""
+            if choice is not None and req.continuous_usage:  # vLLM's: the choice's usage so far, no cache details
+                prompt = choice.first.prompt_tokens  # a TextChunk: _serve answers an error before streaming
+                body["usage"] = {"prompt_tokens": prompt, "completion_tokens": generated[choice.index],
+                                 "total_tokens": prompt + generated[choice.index]}
             elif req.include_usage and "choices" in body:  # OpenAI: every chunk but the last has "usage": null
                 body.setdefault("usage", None)
             return f"data: {json.dumps(body)}\n\n"
@@ -709,7 +710,7 @@ class Ingress:
         parser, tools = self._reasoning(req, chat=chat), self._tools(req, chat=chat)
         splits = {c.index: parser.stream() for c in flight.choices} if parser is not None else {}
         calls = {c.index: tools.stream() for c in flight.choices} if tools is not None else {}
-        completion_tokens, remaining = 0, len(flight.choices)
+        remaining = len(flight.choices)
         try:
             if chat:
                 for c in flight.choices:
@@ -722,7 +723,6 @@ class Ingress:
                     yield event(error_body(chunk))
                     yield "data: [DONE]\n\n"
                     return
-                completion_tokens += chunk.num_tokens
                 generated[choice.index] += chunk.num_tokens
                 text = chunk.text
                 if chunk is choice.first and choice.echo:
@@ -760,7 +760,7 @@ class Ingress:
             if req.include_usage:
                 body = chunk_body(chat=chat, request_id=request_id, created=created, model=model, text=None)
                 body["choices"] = []
-                body["usage"] = usage(self._prompt_tokens(flight, req), completion_tokens,
+                body["usage"] = usage(self._prompt_tokens(flight, req), sum(generated.values()),
                                       self._cached_tokens(flight, req))
                 yield event(body)
             yield "data: [DONE]\n\n"

@@ -539,7 +539,7 @@ class ResponseEvents:
                 events += self._call_delta(call)
             if choice["finish_reason"] is not None:
                 self._finished = choice["finish_reason"]
-        if chunk.get("usage") is not None:
+        if not chunk["choices"] and chunk.get("usage") is not None:  # the usage chunk that ends the chat stream
             events += self._close()
             if not any(item["type"] in ("message", "function_call") for item in self._output):  # nothing but reasoning
                 events += self._open_item("message") + self._close()

@@ -118,6 +118,21 @@ def test_continuous_usage_stats_give_each_chunk_its_choice_s_usage_so_far(url):
         assert counts == sorted(counts) and counts[-1] == 9 and len(set(counts)) > 2
         assert all(e["usage"]["prompt_tokens"] == prompt
                    and e["usage"]["total_tokens"] == prompt + e["usage"]["completion_tokens"] for e in own)
+    # completions, two prompts with two choices each, echoed: each choice its own prompt's tokens; the echo is no
+    # completion token
+    prompts = ["ab", "a b c d e f"]
+    alone = [httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30, json={
+        "model": MODEL, "prompt": p, "max_tokens": 1}).json()["usage"]["prompt_tokens"] for p in prompts]
+    assert alone[0] != alone[1]
+    with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=30, json={
+            "model": MODEL, "prompt": prompts, "n": 2, "echo": True, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        events = sse_events(r)
+    assert events[-1]["usage"]["prompt_tokens"] == sum(alone) and events[-1]["usage"]["completion_tokens"] == 20
+    for index in range(4):
+        own = [e["usage"] for e in events if e["choices"] and e["choices"][0]["index"] == index]
+        assert {u["prompt_tokens"] for u in own} == {alone[index // 2]} and own[-1]["completion_tokens"] == 5
+        assert "prompt_tokens_details" not in own[-1]  # vLLM's: cached tokens only in the last chunk's usage
 
 
 def test_completions_and_stop_string(url):

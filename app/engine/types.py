@@ -154,8 +154,8 @@ class SamplingParams:
             ``batch_invariant``; otherwise up to near-ties of the logits). None: unseeded, verified by rejection
             sampling with a generator seeded from the OS.
         stop: stop strings (one string: that one); the output ends before the first occurrence (excluded, as
-            OpenAI does, unless ``include_stop_str_in_output``): of the strings the first completing token completes,
-            the one that starts first in the text (at one position, the first listed).
+            OpenAI does, unless ``include_stop_str_in_output``); with several, the first token that completes one
+            ends the output at the one of those that starts first in the text (at one position, the first listed).
         include_stop_str_in_output: the text ends after the stop string, EOS or stop token that ended it (vLLM's
             option).
         skip_special_tokens: special tokens (``<|im_end|>``) read as no text (vLLM's default); False: as their
